@@ -1,0 +1,37 @@
+# Two promises on a fresh machine: `make run` sets up and runs the main job; `make test` sets up and
+# passes the tests. Both create .venv and install torch==2.13.0 (CPU wheel) before the project, so
+# pip never pulls a CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: setup
+	$(VENV)/bin/chameleonctl up
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+test: setup lint
+	bash scripts/test-peers.sh
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/chameleonctl bench planner
+	$(VENV)/bin/chameleonctl bench ingest
+	$(VENV)/bin/chameleonctl bench recovery
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

