@@ -1,0 +1,26 @@
+"""Benchmarks that print figures: `chameleonctl bench planner|ingest|recovery [--json]`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "planner": "chameleond.cli.bench_planner",
+    "ingest": "chameleond.cli.bench_ingest",
+    "recovery": "chameleond.cli.bench_recovery",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, module in BENCHES.items():
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=(mod.__doc__ or "").splitlines()[0], description=mod.__doc__)
+        p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+
+
+def run(args: argparse.Namespace) -> int:  # pragma: no cover - replaced by the chosen bench
+    raise SystemExit("choose a benchmark")
