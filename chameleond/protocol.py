@@ -52,6 +52,11 @@ class Keys:
         return self.prefix + "state"
 
     @property
+    def spec(self) -> str:
+        """The job description the daemon plans with (JSON, spec format); workers read `arch`."""
+        return self.prefix + "spec"
+
+    @property
     def decisions(self) -> str:
         """Stream: one entry per decision, with both candidates and their scores."""
         return self.prefix + "decisions"

@@ -85,6 +85,9 @@ class JobSpec:
     search: SearchLimits = field(default_factory=SearchLimits)
     # Expected seconds to build communicators for a new plan (paid by every policy).
     rebuild_seconds: float = 0.05
+    # The model's architecture for the workers (d_model, heads, blocks, seq_len, vocab, seed, lr);
+    # opaque to the planner, which only sees `layers`.
+    arch: Mapping[str, Any] = field(default_factory=dict)
 
     def worker(self, worker_id: str) -> WorkerSpec:
         for w in self.workers:
@@ -206,6 +209,7 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
             min_stages=int(lim.get("min_stages", 1)), max_stages=int(lim.get("max_stages", 64))
         ),
         rebuild_seconds=float(job.get("rebuild_seconds", 0.05)),
+        arch=dict(model.get("arch", {})),
     )
 
 
