@@ -40,7 +40,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class RedisServer:
-    """A redis-server child process bound to loopback. Use as a context manager or start()/stop()."""
+    """A redis-server child process on loopback; a context manager, or start() and stop()."""
 
     def __init__(
         self,
@@ -67,14 +67,22 @@ class RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
             redis_binary(),
-            "--bind", self.host,
-            "--port", str(self.port),
-            "--dir", str(self.data_dir),
-            "--appendonly", "yes" if self.appendonly else "no",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--protected-mode", "yes",
-            "--logfile", str(self.data_dir / "redis.log"),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.data_dir),
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "everysec",
+            "--save",
+            "",
+            "--protected-mode",
+            "yes",
+            "--logfile",
+            str(self.data_dir / "redis.log"),
         ]
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE

@@ -1,9 +1,9 @@
-"""The plan: versioned, JSON-serialisable data that the workers execute (documented in docs/plan.md).
+"""The plan: versioned, JSON-serialisable data that the workers execute (docs/plan.md).
 
-A plan names, for one generation, the pipelines (stages -> owning worker and layer range), which global
-micro-batches each pipeline trains, the routing table (who executes each stage's micro-batch: the owner,
-or under rerouting a same-stage peer), the migration manifest and the gradient sync groups, each in
-colouring rounds, and the model's estimates. Generations are strictly increasing per job.
+A plan names, for one generation, the pipelines (stages -> owning worker and layer range), which
+global micro-batches each pipeline trains, the routing table (who executes each stage's micro-batch:
+the owner, or under rerouting a same-stage peer), the migration manifest and the gradient sync
+groups, each in colouring rounds, and the model's estimates. Generations strictly increase per job.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class Plan:
 
     @property
     def samples_per_second(self) -> float:
-        return self.global_batch / self.estimates.step_seconds if self.estimates.step_seconds else 0.0
+        step = self.estimates.step_seconds
+        return self.global_batch / step if step else 0.0
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
@@ -146,8 +147,11 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
             ),
             migration=tuple(
                 Transfer(
-                    str(t["src"]), str(t["dst"]), tuple(int(x) for x in t["layers"]),
-                    int(t["nbytes"]), int(t["round"]),
+                    str(t["src"]),
+                    str(t["dst"]),
+                    tuple(int(x) for x in t["layers"]),
+                    int(t["nbytes"]),
+                    int(t["round"]),
                 )
                 for t in d["migration"]
             ),

@@ -1,9 +1,8 @@
-"""The job description: workers, links, the model's per-layer profile, training shape, current layout.
+"""The job description: workers, links, the model's per-layer profile, training, current layout.
 
-Plain data in, plain data out. `load_spec` reads TOML or JSON; `parse_spec` takes the decoded mapping,
-so the daemon can build a spec from Redis state without touching the filesystem. Every validation
-problem raises `SpecError` with a message a person can act on. The format is documented in
-`docs/spec.md`.
+Plain data in, plain data out. `load_spec` reads TOML or JSON; `parse_spec` takes the decoded
+mapping, so the daemon can build a spec from Redis state without touching the filesystem. Every
+validation problem raises `SpecError` with a message a person can act on (format: docs/spec.md).
 """
 
 from __future__ import annotations
@@ -149,7 +148,7 @@ def _layers(model: Mapping[str, Any]) -> tuple[LayerProfile, ...]:
     """Either an explicit `layers` list, or `repeat` blocks: [{count=N, ...layer fields}]."""
     out: list[LayerProfile] = []
     if "layers" in model:
-        for i, d in enumerate(model["layers"]):
+        for d in model["layers"]:
             count = int(d.get("count", 1))
             for _ in range(count):
                 out.append(_layer(d, len(out)))
@@ -214,7 +213,7 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
 
 
 def _layout(plan: Mapping[str, Any], ids: list[str], n_layers: int) -> tuple[tuple[str, ...], ...]:
-    """`plan.pipelines` lists worker ids per pipeline, or `plan.stages` = N_pp splits workers in order."""
+    """`plan.pipelines` lists worker ids per pipeline; else `plan.stages` = N_pp splits in order."""
     if "pipelines" in plan:
         pipes = tuple(tuple(str(w) for w in p) for p in plan["pipelines"])
     else:
