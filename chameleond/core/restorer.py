@@ -1,0 +1,385 @@
+"""The restorer: who takes which slot of a new plan, what state moves, in which rounds, how long.
+
+PAPER.md section 7, documented with the reasons for each choice in docs/restorer.md.
+
+1. Assignment. Rows are the survivors, columns the slots (pipeline, stage) of the new shape; the
+   cost of survivor -> slot is the bytes of parameters + optimizer state of the slot's layers that
+   the survivor does not already hold. A minimum-cost perfect matching minimises what must move.
+2. Migration manifest. Each missing layer is sent once, from a surviving replica, choosing sources
+   so that no one source becomes the bottleneck; transfers are coalesced per (source, destination).
+   Sources keep their old state until every receiver acknowledges (a worker-runtime rule: a
+   transition that is cut short by another fault can then still be planned from the old holdings).
+3. Rounds. Transfers that share a worker conflict; a DSATUR colouring gives the rounds, and the
+   migration time is the sum over rounds of the slowest transfer in the round.
+
+Gradient sync groups (`sync_groups`) are the same colouring applied to all-reduce owner groups.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+from scipy.optimize import linear_sum_assignment
+
+from chameleond.core.colouring import rounds
+from chameleond.core.plan import Pipeline, Plan, Stage, SyncGroup, Transfer
+from chameleond.core.spec import JobSpec, LinkSpec
+
+Interval = tuple[int, int]  # [first_layer, end_layer)
+
+
+class RestoreError(ValueError):
+    """The inputs do not describe a restorable plan (bad shape, micro-batches or survivors)."""
+
+
+class LostLayers(Exception):
+    """Some layers have no surviving replica: backup-free recovery is impossible."""
+
+    def __init__(self, layers: Iterable[int]) -> None:
+        self.layers = tuple(sorted(set(layers)))
+        super().__init__(f"layers {layer_ranges(self.layers)} lost every replica")
+
+
+def layer_ranges(layers: Iterable[int]) -> str:
+    """'0-3, 7, 9-10': layer ids written as inclusive runs, for people."""
+    out: list[str] = []
+    ids = sorted(set(layers))
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+@dataclass(frozen=True)
+class Restoration:
+    pipelines: tuple[Pipeline, ...]  # the new shape with a worker in every slot
+    migration: tuple[Transfer, ...]  # ordered by round, then destination, then source
+    migration_seconds: float  # sum over rounds of the slowest transfer of the round
+    moved_bytes: int  # the matching's optimum: total bytes sent
+
+
+def min_cost_assignment(
+    cost: npt.ArrayLike,
+) -> tuple[tuple[tuple[int, int], ...], float]:
+    """Minimum-cost perfect matching of a square cost matrix: ((row, column) pairs, total cost).
+
+    scipy's linear_sum_assignment (shortest augmenting path, Jonker-Volgenant style, in C). It is
+    deterministic for a given matrix, so a fixed row and column order gives a fixed answer.
+    """
+    m = np.asarray(cost)
+    if m.ndim != 2 or m.shape[0] != m.shape[1]:
+        raise RestoreError(f"cost matrix must be square, got shape {m.shape}")
+    if m.size and not np.isfinite(m).all():
+        raise RestoreError("cost matrix has a non-finite entry")
+    rows, cols = linear_sum_assignment(m)
+    pairs = tuple((int(r), int(c)) for r, c in zip(rows, cols, strict=True))
+    return pairs, float(m[rows, cols].sum())
+
+
+def holdings(current: Plan, alive: Collection[str]) -> dict[str, list[Interval]]:
+    """Layer intervals whose state each live worker holds under `current` (merged, sorted).
+
+    A worker holds the layers of the stages it owns; workers in `current.excluded` (failed or
+    fenced earlier) and workers not in `alive` hold nothing usable.
+    """
+    excluded = set(current.excluded)
+    raw: dict[str, list[Interval]] = {}
+    for pipe in current.pipelines:
+        for st in pipe.stages:
+            if st.worker in alive and st.worker not in excluded and st.end_layer > st.first_layer:
+                raw.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
+    merged: dict[str, list[Interval]] = {}
+    for w, ivs in raw.items():
+        out: list[Interval] = []
+        for a, b in sorted(ivs):
+            if out and a <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], b))
+            else:
+                out.append((a, b))
+        merged[w] = out
+    return merged
+
+
+def _check_shape(
+    shape: Sequence[Sequence[tuple[int, int]]], micro_batches: Sequence[int], spec: JobSpec
+) -> None:
+    n_layers = len(spec.layers)
+    if not shape:
+        raise RestoreError("shape: at least one pipeline is required")
+    if len(micro_batches) != len(shape):
+        raise RestoreError(
+            f"micro_batches: {len(micro_batches)} entries for {len(shape)} pipelines"
+        )
+    for p, stages in enumerate(shape):
+        edge = 0
+        for s, (a, b) in enumerate(stages):
+            if a != edge or b <= a:
+                raise RestoreError(
+                    f"shape[{p}][{s}] = ({a}, {b}): stages must be non-empty and contiguous"
+                )
+            edge = b
+        if edge != n_layers:
+            raise RestoreError(f"shape[{p}]: stages cover layers 0-{edge - 1} of 0-{n_layers - 1}")
+    if any(m <= 0 for m in micro_batches):
+        raise RestoreError("micro_batches: every pipeline needs at least one micro-batch")
+    if sum(micro_batches) != spec.training.micro_batches:
+        raise RestoreError(
+            f"micro_batches: sum {sum(micro_batches)} != {spec.training.micro_batches} per step"
+        )
+
+
+def assign(
+    spec: JobSpec,
+    current: Plan,
+    shape: Sequence[Sequence[tuple[int, int]]],
+    micro_batches: Sequence[int],
+    survivors: Sequence[str],
+) -> Restoration:
+    """Put the survivors into the slots of `shape` moving the fewest bytes; plan the migration.
+
+    Raises `RestoreError` on inconsistent input and `LostLayers` when some layer has no surviving
+    replica (the caller turns that into the unrecoverable result).
+    """
+    _check_shape(shape, micro_batches, spec)
+    order = {w.id: i for i, w in enumerate(spec.workers)}
+    host = {w.id: w.host for w in spec.workers}
+    unknown = [w for w in survivors if w not in order]
+    if unknown:
+        raise RestoreError(f"survivors: {', '.join(map(str, unknown[:5]))} not workers of the job")
+    if len(set(survivors)) != len(survivors):
+        raise RestoreError("survivors: a worker is listed twice")
+    slots = [(p, s, a, b) for p, stages in enumerate(shape) for s, (a, b) in enumerate(stages)]
+    if len(survivors) != len(slots):
+        raise RestoreError(f"{len(survivors)} survivors for {len(slots)} slots")
+
+    # Rows in the job's worker order, columns in (pipeline, stage) order: the matrix, and so the
+    # matching, does not depend on the order the caller listed the survivors in.
+    rows = sorted(survivors, key=order.__getitem__)
+    held = holdings(current, set(rows))
+    layer_bytes = np.array([lp.param_bytes + lp.optimizer_bytes for lp in spec.layers], np.int64)
+    replicas = _Replicas(held, len(spec.layers))
+    if replicas.lost:
+        raise LostLayers(replicas.lost)
+
+    cost = _cost_matrix(rows, held, slots, layer_bytes)
+    pairs, _ = min_cost_assignment(cost)
+    owner = {col: rows[row] for row, col in pairs}
+
+    pipelines: list[Pipeline] = []
+    first_mb, j = 0, 0
+    for p, stages in enumerate(shape):
+        out = []
+        for a, b in stages:
+            out.append(Stage(owner[j], a, b))
+            j += 1
+        pipelines.append(Pipeline(tuple(out), first_mb, micro_batches[p]))
+        first_mb += micro_batches[p]
+
+    prefix = np.concatenate(([0], np.cumsum(layer_bytes))).tolist()
+    links = _Links(spec, host)
+    migration, seconds = _migration(pipelines, held, replicas, prefix, order, links)
+    return Restoration(tuple(pipelines), migration, seconds, sum(t.nbytes for t in migration))
+
+
+def _cost_matrix(
+    rows: Sequence[str],
+    held: dict[str, list[Interval]],
+    slots: Sequence[tuple[int, int, int, int]],
+    layer_bytes: npt.NDArray[np.int64],
+) -> npt.NDArray[np.int64]:
+    """cost[r, j] = bytes of slot j's layers that survivor r lacks, from per-row prefix sums.
+
+    held_prefix[r, k] = bytes of layers < k that r holds, so r's holding inside [a, b) is
+    held_prefix[r, b] - held_prefix[r, a]: the whole matrix is two gathers and a subtraction.
+    """
+    n, n_layers = len(rows), len(layer_bytes)
+    mask = np.zeros((n, n_layers), np.int64)
+    for r, w in enumerate(rows):
+        for a, b in held.get(w, ()):
+            mask[r, a:b] = 1
+    held_prefix = np.zeros((n, n_layers + 1), np.int64)
+    np.cumsum(mask * layer_bytes, axis=1, out=held_prefix[:, 1:])
+    prefix = np.concatenate(([0], np.cumsum(layer_bytes)))
+    starts = np.array([a for _, _, a, _ in slots], np.intp)
+    ends = np.array([b for _, _, _, b in slots], np.intp)
+    slot_bytes = prefix[ends] - prefix[starts]
+    result: npt.NDArray[np.int64] = slot_bytes[None, :] - (
+        held_prefix[:, ends] - held_prefix[:, starts]
+    )
+    return result
+
+
+class _Replicas:
+    """The layer axis cut into segments over which the set of surviving holders is constant."""
+
+    def __init__(self, held: dict[str, list[Interval]], n_layers: int) -> None:
+        cuts = {0, n_layers}
+        for ivs in held.values():
+            for a, b in ivs:
+                cuts.update((a, b))
+        self.bounds = sorted(cuts)
+        index = {b: i for i, b in enumerate(self.bounds)}
+        self.holders: list[list[str]] = [[] for _ in self.bounds[:-1]]
+        self.segments_of: dict[str, list[int]] = {}
+        for w, ivs in held.items():
+            for a, b in ivs:
+                for k in range(index[a], index[b]):
+                    self.holders[k].append(w)
+                    self.segments_of.setdefault(w, []).append(k)
+        self.lost = [
+            layer
+            for k, hs in enumerate(self.holders)
+            if not hs
+            for layer in range(self.bounds[k], self.bounds[k + 1])
+        ]
+
+    def pieces(self, a: int, b: int, own: Collection[int]) -> list[tuple[int, int, int]]:
+        """(segment, first, end) pieces of [a, b) in segments not in `own`."""
+        out = []
+        k = bisect.bisect_right(self.bounds, a) - 1
+        while k < len(self.holders) and self.bounds[k] < b:
+            if k not in own:
+                out.append((k, max(a, self.bounds[k]), min(b, self.bounds[k + 1])))
+            k += 1
+        return out
+
+
+class _Links:
+    """spec.link without its linear worker lookup (called once per transfer candidate)."""
+
+    def __init__(self, spec: JobSpec, host: dict[str, str]) -> None:
+        self.intra, self.inter, self.host = spec.intra_host, spec.inter_host, host
+
+    def __call__(self, a: str, b: str) -> LinkSpec:
+        return self.intra if self.host[a] == self.host[b] else self.inter
+
+
+class _Sources:
+    """Per segment, its holders in heaps keyed by the seconds of sending already given to them.
+
+    One heap over all holders and one per host; entries go stale when a holder's load grows and
+    are dropped lazily, so each choice costs O(log holders).
+    """
+
+    def __init__(self, replicas: _Replicas, order: dict[str, int], host: dict[str, str]) -> None:
+        self.replicas, self.order, self.host = replicas, order, host
+        self.load: dict[str, float] = {w: 0.0 for w in replicas.segments_of}
+        self.any: list[list[tuple[float, int, str]]] = [[] for _ in replicas.holders]
+        self.local: dict[tuple[int, str], list[tuple[float, int, str]]] = {}
+        for w in replicas.segments_of:
+            self._push(w)
+
+    def _push(self, w: str) -> None:
+        entry = (self.load[w], self.order[w], w)
+        for k in self.replicas.segments_of[w]:
+            heapq.heappush(self.any[k], entry)
+            heapq.heappush(self.local.setdefault((k, self.host[w]), []), entry)
+
+    def _top(self, heap: list[tuple[float, int, str]] | None) -> str | None:
+        while heap:
+            load, _, w = heap[0]
+            if load == self.load[w]:
+                return w
+            heapq.heappop(heap)
+        return None
+
+    def choose(self, segment: int, dst: str, nbytes: int, links: _Links) -> str:
+        """The holder that would finish sending `nbytes` to `dst` earliest; same host on ties."""
+        best: tuple[float, int, int, str] | None = None
+        for w in (
+            self._top(self.local.get((segment, self.host[dst]))),
+            self._top(self.any[segment]),
+        ):
+            if w is None:
+                continue
+            finish = self.load[w] + links(w, dst).transfer_seconds(nbytes)
+            key = (finish, int(self.host[w] != self.host[dst]), self.order[w], w)
+            if best is None or key < best:
+                best = key
+        assert best is not None, "segment without a holder reached source choice"
+        w = best[3]
+        self.load[w] = best[0]
+        self._push(w)
+        return w
+
+
+def _migration(
+    pipelines: Sequence[Pipeline],
+    held: dict[str, list[Interval]],
+    replicas: _Replicas,
+    prefix: list[int],
+    order: dict[str, int],
+    links: _Links,
+) -> tuple[tuple[Transfer, ...], float]:
+    # Every missing piece (destination, segment, layer range) with bytes to send.
+    pieces: list[tuple[int, str, int, int, int]] = []
+    for pipe in pipelines:
+        for st in pipe.stages:
+            own = set(replicas.segments_of.get(st.worker, ()))
+            for k, a, b in replicas.pieces(st.first_layer, st.end_layer, own):
+                nbytes = prefix[b] - prefix[a]
+                if nbytes > 0:  # layers without parameters or optimizer state move nothing
+                    pieces.append((nbytes, st.worker, k, a, b))
+    # Largest first (LPT): big pieces spread over idle sources, small ones fill in the gaps.
+    pieces.sort(key=lambda x: (-x[0], order[x[1]], x[3]))
+    sources = _Sources(replicas, order, links.host)
+    coalesced: dict[tuple[str, str], tuple[list[int], int]] = {}
+    for nbytes, dst, k, a, b in pieces:
+        src = sources.choose(k, dst, nbytes, links)
+        layers, total = coalesced.get((src, dst), ([], 0))
+        layers.extend(range(a, b))
+        coalesced[(src, dst)] = (layers, total + nbytes)
+
+    keys = sorted(coalesced, key=lambda sd: (order[sd[1]], order[sd[0]]))
+    colour = rounds(keys)
+    transfers = [
+        Transfer(src, dst, tuple(sorted(coalesced[(src, dst)][0])), coalesced[(src, dst)][1], c)
+        for (src, dst), c in zip(keys, colour, strict=True)
+    ]
+    slowest: dict[int, float] = {}
+    for t in transfers:
+        s = links(t.src, t.dst).transfer_seconds(t.nbytes)
+        slowest[t.round] = max(slowest.get(t.round, 0.0), s)
+    transfers.sort(key=lambda t: (t.round, order[t.dst], order[t.src]))
+    return tuple(transfers), sum(slowest.values())
+
+
+def sync_groups(pipelines: Sequence[Pipeline], excluded: Collection[str]) -> tuple[SyncGroup, ...]:
+    """Gradient all-reduce groups: layers with the same owners across pipelines, in rounds.
+
+    A layer's group is the set of (non-excluded) workers owning a stage that holds it, one per
+    pipeline. Layers with identical groups are merged; groups sharing a worker conflict and go to
+    different rounds. A group of one is listed too (nothing to reduce, but explicit for workers).
+    """
+    cuts: set[int] = set()
+    for pipe in pipelines:
+        for st in pipe.stages:
+            cuts.update((st.first_layer, st.end_layer))
+    bounds = sorted(cuts)
+    index = {b: i for i, b in enumerate(bounds)}
+    owners: list[set[str]] = [set() for _ in bounds[:-1]]
+    for pipe in pipelines:
+        for st in pipe.stages:
+            if st.worker in excluded:
+                continue
+            for k in range(index[st.first_layer], index[st.end_layer]):
+                owners[k].add(st.worker)
+    merged: dict[tuple[str, ...], list[int]] = {}
+    for k, ws in enumerate(owners):
+        if ws:
+            merged.setdefault(tuple(sorted(ws)), []).extend(range(bounds[k], bounds[k + 1]))
+    groups = sorted(merged.items(), key=lambda g: (min(g[1]), g[0]))
+    colour = rounds([ws for ws, _ in groups])
+    return tuple(
+        SyncGroup(ws, tuple(sorted(layers)), c)
+        for (ws, layers), c in zip(groups, colour, strict=True)
+    )
