@@ -1,0 +1,246 @@
+"""The recovery report of a local run: one row per fault, report.json, a PNG chart, a printed table.
+
+Every number comes from what the run recorded (see `timeline`): when the fault was injected (the
+injector's clock, taken right at the kill or the XADD), when it was detected (the first fault event
+naming the worker on the events stream, else the daemon's own received time in its decision record),
+when the plan was published (the decision record's entry id), and when the first step committed on
+the new plan (step events). Missing measurements stay null; nothing is filled in by estimate.
+
+Definitions (seconds): detection = detected - injected; decision = decided - detected (fault in ->
+plan out, as `chameleon_decision_seconds`); recovery = first step committed on the new plan -
+injected (a worker's death to training again). Throughput (samples/s) is the global batch divided by
+the median time between consecutive commits: over the last few steps before the fault, and over the
+new plan's steps after its first.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from chameleond.local.timeline import (
+    CommittedStep,
+    DecisionRecord,
+    Entry,
+    committed_steps,
+    entry_seconds,
+    median_interval,
+    parse_decision,
+)
+
+WINDOW = 5  # steps before a fault that define "throughput before"
+
+
+@dataclass(frozen=True)
+class Injection:
+    at: float  # unix seconds, taken at the kill / XADD
+    worker: str
+    action: str  # "kill" | "event" | "start" (a trace add: the worker rejoins)
+    cause: str
+    trigger: str  # "step=4", "t=20s", "trace 601200 ms", ...
+
+
+def _candidate_view(c: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("policy", "feasible", "reason", "step_seconds", "transition_seconds", "score")
+    return {k: c.get(k) for k in keys}
+
+
+def _why(d: DecisionRecord) -> str:
+    parts = []
+    for c in d.candidates:
+        if c.get("feasible") is False:
+            parts.append(f"{c.get('policy')} infeasible ({c.get('reason', '')})")
+        elif c.get("score") is not None:
+            parts.append(f"{c.get('policy')} score {float(c['score']):.2f}")
+    d_text = f"D={d.mtbf_seconds:.0f}s" if d.mtbf_seconds is not None else "D unknown"
+    return ", ".join([*parts, d_text])
+
+
+def _throughput(steps: Sequence[CommittedStep], global_batch: int) -> float | None:
+    period = median_interval(steps)
+    return global_batch / period if period else None
+
+
+def _round(v: float | None, nd: int = 3) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def build_report(
+    *,
+    job: str,
+    global_batch: int,
+    injections: Sequence[Injection],
+    events: Sequence[Entry],
+    decisions: Sequence[Entry],
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    steps = committed_steps(events)
+    records = [parse_decision(i, f) for i, f in decisions]
+    t0 = steps[0].at if steps else (injections[0].at if injections else 0.0)
+    fault_events = [(entry_seconds(i), f) for i, f in events if f.get("type") == "fault"]
+    rows: list[dict[str, Any]] = []
+    rejoins: list[dict[str, Any]] = []
+    for inj in injections:
+        is_fault = inj.action != "start"
+        decision = next(
+            (
+                d
+                for d in records
+                if d.at >= inj.at
+                and (
+                    inj.worker in (d.failed if is_fault else d.joined) or not (d.failed or d.joined)
+                )
+            ),
+            None,
+        )
+        detected = None
+        if is_fault:
+            detected = next(
+                (
+                    t
+                    for t, f in fault_events
+                    if t >= inj.at and inj.worker in (f.get("worker"), f.get("node"))
+                ),
+                None,
+            )
+        if detected is None and decision is not None and decision.received_at is not None:
+            detected = decision.received_at
+        gen = decision.generation if decision else None
+        on_new = [s for s in steps if gen is not None and s.generation == gen]
+        recovered = on_new[0].at if on_new else None
+        before = [s for s in steps if s.at <= inj.at][-WINDOW:]
+        after = on_new[1:] if len(on_new) > 2 else on_new
+        measured_step = (
+            statistics.median(s.seconds for s in on_new[1:]) if len(on_new) > 1 else None
+        )
+        row: dict[str, Any] = {
+            "at_seconds": _round(inj.at - t0),
+            "worker": inj.worker,
+            "action": inj.action,
+            "trigger": inj.trigger,
+            "cause": inj.cause,
+            "step_at_fault": before[-1].step if before else None,
+            "detection_seconds": _round(detected - inj.at) if detected is not None else None,
+            "decision_seconds": _round(decision.at - detected)
+            if decision is not None and detected is not None
+            else None,
+            "recovery_seconds": _round(recovered - inj.at) if recovered is not None else None,
+            "generation": gen,
+            "policy": decision.selected if decision else None,
+            "why": _why(decision) if decision else "no decision recorded",
+            "mtbf_seconds": _round(decision.mtbf_seconds) if decision else None,
+            "candidates": [_candidate_view(c) for c in decision.candidates] if decision else [],
+            "unrecoverable": decision.unrecoverable if decision else None,
+            "throughput_before": _round(_throughput(before, global_batch), 2),
+            "throughput_after": _round(_throughput(after, global_batch), 2),
+            "estimated_step_seconds": _round(decision.step_seconds_estimate, 4)
+            if decision
+            else None,
+            "measured_step_seconds": _round(measured_step, 4),
+        }
+        (rows if is_fault else rejoins).append(row)
+    return {
+        "job": job,
+        "global_batch": global_batch,
+        "steps_committed": len(steps),
+        "final_loss": steps[-1].loss if steps else None,
+        "first_loss": steps[0].loss if steps else None,
+        "duration_seconds": _round(steps[-1].at - t0) if steps else None,
+        "decisions": len(records),
+        "faults": rows,
+        "rejoins": rejoins,
+        "timeline": [{**asdict(s), "t": _round(s.at - t0)} for s in steps],
+        **(dict(extra) if extra else {}),
+    }
+
+
+def write_report(report: Mapping[str, Any], directory: Path) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "report.json"
+    json_path.write_text(json.dumps(report, indent=2, sort_keys=False) + "\n")
+    png_path = directory / "report.png"
+    draw_chart(report, png_path)
+    return json_path, png_path
+
+
+def draw_chart(report: Mapping[str, Any], path: Path) -> None:
+    """Throughput and loss over time; faults as dashed lines; each recovery labelled with policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = report["timeline"]
+    batch = report["global_batch"]
+    ts = [r["t"] for r in tl]
+    tput = [
+        batch / (b["at"] - a["at"]) if b["at"] > a["at"] else None
+        for a, b in itertools.pairwise(tl)
+    ]
+    fig, (ax_t, ax_l) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    ax_t.plot(ts[1:], [v if v is not None else float("nan") for v in tput], lw=1.2)
+    ax_t.set_ylabel("throughput (samples/s)")
+    ax_l.plot(ts, [r["loss"] if r["loss"] is not None else float("nan") for r in tl], lw=1.2)
+    ax_l.set_ylabel("loss")
+    ax_l.set_xlabel("seconds since the first committed step")
+    for row in [*report["faults"], *report.get("rejoins", [])]:
+        at = row["at_seconds"]
+        if at is None:
+            continue
+        colour = "tab:red" if row["action"] != "start" else "tab:green"
+        for ax in (ax_t, ax_l):
+            ax.axvline(at, color=colour, ls="--", lw=1)
+        label = f"{'+' if row['action'] == 'start' else 'x'}{row['worker']}"
+        ax_t.annotate(label, (at, 1.0), xycoords=("data", "axes fraction"), va="bottom", fontsize=8)
+        if row["recovery_seconds"] is not None:
+            done = at + row["recovery_seconds"]
+            ax_t.axvspan(at, done, color=colour, alpha=0.12)
+            ax_t.annotate(
+                row["policy"] or "?", (done, 0.9), xycoords=("data", "axes fraction"), fontsize=8
+            )
+    ax_t.set_title(f"job {report['job']}: {len(report['faults'])} faults")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _fmt(v: Any, spec: str = ".2f") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, spec)
+    return str(v)
+
+
+def print_table(report: Mapping[str, Any], out: TextIO) -> None:
+    head = (
+        f"{'#':>2} {'t(s)':>6} {'worker':<7} {'cause':<22} {'detect':>7} {'decide':>7} "
+        f"{'recover':>8} {'policy':<8} {'tput before':>11} {'after':>7} {'est/meas step s':>16}"
+    )
+    out.write(
+        f"Recovery report: job {report['job']}, {report['steps_committed']} steps committed, "
+        f"loss {_fmt(report['first_loss'], '.3f')} -> {_fmt(report['final_loss'], '.3f')}\n"
+    )
+    out.write(head + "\n" + "-" * len(head) + "\n")
+    for n, r in enumerate(report["faults"], start=1):
+        est = (
+            f"{_fmt(r['estimated_step_seconds'], '.3f')}/{_fmt(r['measured_step_seconds'], '.3f')}"
+        )
+        out.write(
+            f"{n:>2} {_fmt(r['at_seconds'], '.1f'):>6} {r['worker']:<7} {r['cause'][:22]:<22} "
+            f"{_fmt(r['detection_seconds'], '.3f'):>7} {_fmt(r['decision_seconds'], '.3f'):>7} "
+            f"{_fmt(r['recovery_seconds'], '.3f'):>8} {_fmt(r['policy']):<8} "
+            f"{_fmt(r['throughput_before'], '.1f'):>11} {_fmt(r['throughput_after'], '.1f'):>7} "
+            f"{est:>16}\n"
+        )
+        out.write(f"   why: {r['why']}\n")
+    for r in report.get("rejoins", []):
+        out.write(
+            f"   rejoin {r['worker']} at {_fmt(r['at_seconds'], '.1f')} s: policy "
+            f"{_fmt(r['policy'])}, back to training after {_fmt(r['recovery_seconds'], '.3f')} s\n"
+        )
