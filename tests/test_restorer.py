@@ -188,7 +188,11 @@ def layer_cost(spec: JobSpec, layer: int) -> int:
 def test_assignment_is_optimal_and_manifest_is_exact(inst: Instance) -> None:
     held = held_layers(inst)
     n_layers = len(inst.spec.layers)
-    lost = [layer for layer in range(n_layers) if not any(layer in h for h in held.values())]
+    lost = [
+        layer
+        for layer in range(n_layers)
+        if layer_cost(inst.spec, layer) > 0 and not any(layer in h for h in held.values())
+    ]
     if lost:
         with pytest.raises(LostLayers) as e:
             assign(inst.spec, inst.current, inst.shape, inst.micro_batches, inst.survivors)
@@ -279,6 +283,16 @@ def test_lost_layers_name_the_layers() -> None:
         assign(spec, current, [[(0, 4), (4, 8)]], [4], ["w0", "w2"])
     assert e.value.layers == (4, 5, 6, 7)
     assert layer_ranges([0, 1, 2, 3, 7, 9, 10]) == "0-3, 7, 9-10"
+
+
+def test_a_stateless_layer_without_holders_is_not_lost() -> None:
+    # Layer 3 has no parameters or optimizer state: losing its only owner loses nothing.
+    spec = make_spec(["h0"] * 3, [1, 1, 1, 0], micro_batches=4)
+    current = make_plan(spec, [[("w0", 0, 3), ("w1", 3, 4)]], excluded=["w2"])
+    r = assign(spec, current, [[(0, 2), (2, 4)]], [4], ["w0", "w2"])
+    assert r.moved_bytes == 3 and [(t.src, t.dst, t.layers) for t in r.migration] == [
+        ("w0", "w2", (2,))
+    ]
 
 
 @pytest.mark.parametrize(

@@ -167,8 +167,10 @@ def assign(
     held = holdings(current, set(rows))
     layer_bytes = np.array([lp.param_bytes + lp.optimizer_bytes for lp in spec.layers], np.int64)
     replicas = _Replicas(held, len(spec.layers))
-    if replicas.lost:
-        raise LostLayers(replicas.lost)
+    # A layer without parameters or optimizer state (an activation, a reshape) has nothing to lose.
+    lost = [layer for layer in replicas.unheld if layer_bytes[layer] > 0]
+    if lost:
+        raise LostLayers(lost)
 
     cost = _cost_matrix(rows, held, slots, layer_bytes)
     pairs, _ = min_cost_assignment(cost)
@@ -235,7 +237,7 @@ class _Replicas:
                 for k in range(index[a], index[b]):
                     self.holders[k].append(w)
                     self.segments_of.setdefault(w, []).append(k)
-        self.lost = [
+        self.unheld = [
             layer
             for k, hs in enumerate(self.holders)
             if not hs
