@@ -1,0 +1,403 @@
+"""`decide()`: a fault set in, a `Decision` out (both candidates, the selected plan).
+
+Candidates (PAPER.md sections 3-7):
+
+* reroute: the current layout, failed slots executed by their same-range peers (core.reroute);
+  transition = communicator rebuild only (nothing moves).
+* dynamic: Algorithm 1 over the survivors (core.search), survivors put into the new slots with the
+  fewest bytes moved (core.restorer); transition = search time + migration + rebuild.
+
+Both are timed by the same model (core.estimator) and scored by core.selector; the higher score
+wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
+
+1. Reroute first, switch later: when reroute wins but the dynamic plan steps faster, that plan is
+   returned as `follow_up`. It is prepared in the background (its search is then hidden), and
+   switching to it costs its migration + rebuild, t_sw. Over a remaining window R the switch pays
+   when B/t_dyn * (R - t_sw) > B/t_rr * R, i.e. R > t_sw * t_rr / (t_rr - t_dyn):
+   `follow_up_after_seconds`. It is offered only if D exceeds that plus the search time.
+2. Rejoin: `joined` workers are survivors of the dynamic candidate (a scale-up plan); reroute is
+   then "keep the current layout" (the joined workers stay idle), scored the same way.
+3. A fault during a transition: decide works from `current` (the last published plan) and the
+   cumulative failed set; state that has not been acknowledged at its new owner still counts at
+   its old owner (sources keep it until every receiver acknowledges).
+4. Unrecoverable: some layer has no surviving owner; the Decision has selected=None and
+   `unrecoverable` names the layers and the failed workers that held them. Never an exception.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from chameleond.core import restorer, selector
+from chameleond.core.estimator import Estimator
+from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
+from chameleond.core.reroute import reroute
+from chameleond.core.search import ShapeModel, micro_batch_floor, search
+from chameleond.core.spec import JobSpec
+
+POLICIES = ("reroute", "dynamic")
+
+
+class DecisionError(ValueError):
+    """The request itself is wrong (unknown worker, generation not increasing, bad D)."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    policy: str  # "reroute" | "dynamic"
+    feasible: bool
+    reason: str  # why infeasible; "" when feasible
+    step_seconds: float  # inf when infeasible
+    transition_seconds: float
+    score: float  # samples/s over the expected window; 0 when infeasible
+    peak_memory_bytes: int  # the largest per-worker peak of the plan
+    plan: Plan | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    selected: str | None  # "reroute" | "dynamic" | None (unrecoverable)
+    plan: Plan | None
+    candidates: tuple[Candidate, Candidate]  # (reroute, dynamic)
+    unrecoverable: str | None
+    mtbf_seconds: float
+    search_seconds: float
+    plans_considered: int
+    generation: int
+    cause: str = ""
+    follow_up: Plan | None = None  # dynamic plan to switch to once prepared (rule 1 above)
+    follow_up_after_seconds: float | None = None  # remaining window above which switching pays
+    note: str = ""  # e.g. why a forced policy was not taken
+
+
+def _infeasible(policy: str, reason: str, transition: float = 0.0) -> Candidate:
+    return Candidate(policy, False, reason, math.inf, transition, 0.0, 0, None)
+
+
+def _order(spec: JobSpec) -> dict[str, int]:
+    return {w.id: i for i, w in enumerate(spec.workers)}
+
+
+def _lost_layers(spec: JobSpec, current: Plan, out: set[str]) -> str | None:
+    """'layers 4-7 lost every replica (workers w3, w7 failed)', or None."""
+    alive = set()
+    holders_of: dict[int, set[str]] = {}
+    for pipe in current.pipelines:
+        for st in pipe.stages:
+            for layer in st.layers:
+                holders_of.setdefault(layer, set()).add(st.worker)
+                if st.worker not in out:
+                    alive.add(layer)
+    lost = [layer for layer in range(len(spec.layers)) if layer not in alive]
+    if not lost:
+        return None
+    order = _order(spec)
+    who = sorted({w for layer in lost for w in holders_of.get(layer, ())}, key=order.__getitem__)
+    word = "layer" if len(lost) == 1 else "layers"
+    return (
+        f"{word} {restorer.layer_ranges(lost)} lost every replica (workers {', '.join(who)} failed)"
+    )
+
+
+def _plan(
+    spec: JobSpec,
+    est: Estimator,
+    policy: str,
+    generation: int,
+    pipelines: Sequence[Pipeline],
+    routing: tuple[tuple[tuple[str, ...], ...], ...],
+    excluded: Sequence[str],
+    migration: tuple[Any, ...],
+    transition: float,
+    mtbf: float,
+    cause: str,
+) -> tuple[Plan, str | None]:
+    """A plan with its estimates, and the out-of-memory reason if a worker does not fit."""
+    groups = restorer.sync_groups(pipelines, excluded)
+    step = est.step_seconds(pipelines, routing, groups)
+    memory = est.peak_memory(pipelines, routing, excluded)
+    plan = Plan(
+        job=spec.name,
+        generation=generation,
+        policy=policy,
+        global_batch=spec.training.global_batch,
+        micro_batch=spec.training.micro_batch,
+        pipelines=tuple(pipelines),
+        routing=routing,
+        migration=migration,
+        sync_groups=groups,
+        estimates=Estimates(
+            step_seconds=step,
+            transition_seconds=transition,
+            score=selector.score(spec.training.global_batch, step, transition, mtbf),
+            mtbf_seconds=mtbf,
+            peak_memory_bytes=memory,
+        ),
+        excluded=tuple(excluded),
+        cause=cause,
+    )
+    return plan, est.over_memory(memory)
+
+
+def _candidate(policy: str, plan: Plan, oom: str | None) -> Candidate:
+    e = plan.estimates
+    peak = max(e.peak_memory_bytes.values(), default=0)
+    if oom:
+        return Candidate(policy, False, oom, e.step_seconds, e.transition_seconds, 0.0, peak, None)
+    return Candidate(policy, True, "", e.step_seconds, e.transition_seconds, e.score, peak, plan)
+
+
+def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None = None) -> Plan:
+    """The plan of `spec.layout`: each pipeline's layers split evenly (the leftover layers on the
+    stages where the model says the pipeline is fastest, later stages on ties), micro-batches split
+    proportionally to pipeline length as Algorithm 1 step 2 does."""
+    mtbf = spec.mtbf_prior_seconds if mtbf_seconds is None else mtbf_seconds
+    workers = [w for pipe in spec.layout for w in pipe]
+    model = ShapeModel(spec, workers)
+    lengths = [len(pipe) for pipe in spec.layout]
+    micro = micro_batch_split(model, lengths, spec.training.micro_batches)
+    pipelines, first = [], 0
+    for p, (pipe, m) in enumerate(zip(spec.layout, micro, strict=True)):
+        _, sizes = model.best(len(pipe), m)
+        if sizes is None:
+            raise DecisionError(
+                f"plan: pipeline {p} ({len(pipe)} stages) does not fit in memory with any split"
+            )
+        stages = tuple(Stage(w, a, b) for w, (a, b) in zip(pipe, model.bounds(sizes), strict=True))
+        pipelines.append(Pipeline(stages, first, m))
+        first += m
+    routing = tuple(
+        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
+    )
+    plan, oom = _plan(
+        spec, Estimator(spec), "initial", generation, pipelines, routing, (), (), 0.0, mtbf, ""
+    )
+    if oom:
+        raise DecisionError(f"plan: {oom}")
+    return plan
+
+
+def micro_batch_split(model: ShapeModel, lengths: Sequence[int], total: int) -> list[int]:
+    """Algorithm 1 step 2 for given pipelines: proportional floors (at least 1), the remainder to
+    the pipelines where one more micro-batch costs least; overshoot taken from the largest."""
+    n_surv = sum(lengths)
+    micro = [micro_batch_floor(total, n_surv, n) for n in lengths]
+    r = total - sum(micro)
+    if r >= 0:
+        ranked = sorted(
+            range(len(lengths)), key=lambda j: (model.best(lengths[j], micro[j] + 1)[0], j)
+        )
+        for j in ranked[:r]:
+            micro[j] += 1
+    else:
+        for _ in range(-r):
+            j = max(range(len(micro)), key=lambda i: (micro[i], lengths[i]))
+            micro[j] -= 1
+    return micro
+
+
+def decide(
+    spec: JobSpec,
+    current: Plan,
+    failed: Iterable[str],
+    *,
+    mtbf_seconds: float,
+    generation: int,
+    joined: Iterable[str] = (),
+    force: str | None = None,
+    cause: str = "",
+) -> Decision:
+    """Both candidates for the cumulative failed set (and any joined workers), and the choice."""
+    order = _order(spec)
+    out, back = set(failed), set(joined)
+    unknown = sorted((out | back) - set(order))
+    if unknown:
+        raise DecisionError(f"unknown worker(s): {', '.join(unknown)}")
+    if not (mtbf_seconds > 0):
+        raise DecisionError(f"mtbf_seconds: must be > 0, got {mtbf_seconds!r}")
+    if generation <= current.generation:
+        raise DecisionError(
+            f"generation {generation} does not follow the current plan's {current.generation}"
+        )
+    if force is not None and force not in POLICIES:
+        raise DecisionError(f"force: {force!r} is not one of {POLICIES}")
+    back -= out
+    # Workers fenced by the current plan hold nothing usable, even when they come back.
+    fenced = out | set(current.excluded)
+    mtbf = float(mtbf_seconds)
+
+    lost = _lost_layers(spec, current, fenced)
+    if lost is not None:
+        cands = (_infeasible("reroute", lost), _infeasible("dynamic", lost))
+        return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause)
+
+    est = Estimator(spec)
+    rr = _reroute_candidate(spec, est, current, fenced, generation, mtbf, cause)
+    owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
+    survivors = sorted((owners - fenced) | back, key=order.__getitem__)
+    dyn, switch, search_seconds, considered = _dynamic_candidate(
+        spec, est, current, survivors, generation, mtbf, cause
+    )
+
+    note = ""
+    by_policy = {"reroute": rr, "dynamic": dyn}
+    if force is not None and by_policy[force].feasible:
+        selected: str | None = force
+    else:
+        if force is not None:
+            note = f"forced {force} is infeasible ({by_policy[force].reason}); selector decided"
+        feasible = [c for c in (rr, dyn) if c.feasible]
+        selected = max(feasible, key=lambda c: c.score).policy if feasible else None
+    if selected is None:
+        reason = f"no feasible plan: reroute: {rr.reason}; dynamic: {dyn.reason}"
+        return Decision(
+            None, None, (rr, dyn), reason, mtbf, search_seconds, considered, generation, cause,
+            note=note,
+        )  # fmt: skip
+
+    follow_up, after = None, None
+    if selected == "reroute" and dyn.feasible and switch is not None:
+        after = _switch_pays_after(rr.step_seconds, dyn.step_seconds, switch.estimates)
+        if after is not None and mtbf > after + search_seconds:
+            follow_up = replace(switch, generation=generation + 1)
+        else:
+            after = None
+    return Decision(
+        selected,
+        by_policy[selected].plan,
+        (rr, dyn),
+        None,
+        mtbf,
+        search_seconds,
+        considered,
+        generation,
+        cause,
+        follow_up,
+        after,
+        note,
+    )
+
+
+def _switch_pays_after(step_rr: float, step_dyn: float, switch: Estimates) -> float | None:
+    """Remaining window R above which switching from reroute to the prepared plan pays."""
+    if step_dyn >= step_rr:
+        return None
+    return switch.transition_seconds * step_rr / (step_rr - step_dyn)
+
+
+def _reroute_candidate(
+    spec: JobSpec,
+    est: Estimator,
+    current: Plan,
+    fenced: set[str],
+    generation: int,
+    mtbf: float,
+    cause: str,
+) -> Candidate:
+    result = reroute(spec, current, fenced)
+    if result.routing is None:
+        return _infeasible("reroute", result.reason, spec.rebuild_seconds)
+    excluded = sorted(fenced, key=_order(spec).__getitem__)
+    unchanged = result.routing == current.routing and set(current.excluded) == fenced
+    transition = 0.0 if unchanged else spec.rebuild_seconds
+    plan, oom = _plan(
+        spec, est, "reroute", generation, current.pipelines, result.routing, excluded, (),
+        transition, mtbf, cause,
+    )  # fmt: skip
+    return _candidate("reroute", plan, oom)
+
+
+def _dynamic_candidate(
+    spec: JobSpec,
+    est: Estimator,
+    current: Plan,
+    survivors: Sequence[str],
+    generation: int,
+    mtbf: float,
+    cause: str,
+) -> tuple[Candidate, Plan | None, float, int]:
+    """The dynamic candidate, the same plan as a background switch (search hidden), search time,
+    layouts considered."""
+    t0 = time.perf_counter()
+    found = search(spec, survivors)
+    search_seconds = time.perf_counter() - t0
+    if found.layout is None:
+        reason = found.reason or "no layout"
+        return _infeasible("dynamic", reason), None, search_seconds, found.plans_considered
+    try:
+        restored = restorer.assign(
+            spec, current, found.layout.shape, found.layout.micro_batches, survivors
+        )
+    except (restorer.RestoreError, restorer.LostLayers) as e:
+        return _infeasible("dynamic", str(e)), None, search_seconds, found.plans_considered
+    order = _order(spec)
+    known = {st.worker for pipe in current.pipelines for st in pipe.stages} | set(current.excluded)
+    excluded = sorted(known - set(survivors), key=order.__getitem__)
+    pipelines = restored.pipelines
+    routing = tuple(
+        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
+    )
+    switch_seconds = restored.migration_seconds + spec.rebuild_seconds
+    plan, oom = _plan(
+        spec, est, "dynamic", generation, pipelines, routing, excluded, restored.migration,
+        search_seconds + switch_seconds, mtbf, cause,
+    )  # fmt: skip
+    switch = replace(
+        plan,
+        estimates=replace(
+            plan.estimates,
+            transition_seconds=switch_seconds,
+            score=selector.score(
+                spec.training.global_batch, plan.estimates.step_seconds, switch_seconds, mtbf
+            ),
+        ),
+    )
+    cand = _candidate("dynamic", plan, oom)
+    return cand, (switch if cand.feasible else None), search_seconds, found.plans_considered
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def candidate_to_dict(c: Candidate) -> dict[str, Any]:
+    return {
+        "policy": c.policy,
+        "feasible": c.feasible,
+        "reason": c.reason,
+        "step_seconds": _finite(c.step_seconds),
+        "transition_seconds": _finite(c.transition_seconds),
+        "score": c.score,
+        "peak_memory_bytes": c.peak_memory_bytes,
+        "generation": c.plan.generation if c.plan is not None else None,
+    }
+
+
+def decision_to_dict(d: Decision) -> dict[str, Any]:
+    """JSON-able summary: both candidates without their plans (plan generations only)."""
+    follow = None
+    if d.follow_up is not None:
+        e = d.follow_up.estimates
+        follow = {
+            "generation": d.follow_up.generation,
+            "step_seconds": e.step_seconds,
+            "transition_seconds": e.transition_seconds,
+            "after_seconds": d.follow_up_after_seconds,
+        }
+    return {
+        "selected": d.selected,
+        "generation": d.generation,
+        "plan_generation": d.plan.generation if d.plan is not None else None,
+        "cause": d.cause,
+        "unrecoverable": d.unrecoverable,
+        "mtbf_seconds": _finite(d.mtbf_seconds),
+        "search_seconds": d.search_seconds,
+        "plans_considered": d.plans_considered,
+        "candidates": [candidate_to_dict(c) for c in d.candidates],
+        "follow_up": follow,
+        "note": d.note,
+    }

@@ -1,0 +1,320 @@
+"""The performance model: step time, gradient sync time and peak memory of a plan (PAPER.md 4-5).
+
+Step time = the 1F1B makespan of the plan's routed schedule + the gradient sync of its groups.
+
+* Makespan: `schedule.build_schedule(...).makespan`, the exact longest path over the dependency
+  graph, with stage durations summed from the per-layer profile (embedding and head are layers) and
+  point-to-point transfers of the stage's last-layer output on the link between the two executors
+  (zero on the same worker). Pipelines that share no executor are independent, so the makespan is
+  taken per connected group of pipelines; an un-rerouted pipeline goes through `pipeline_seconds`,
+  the same longest path specialised to one pipeline and memoised by its shape.
+* Sync: a ring all-reduce per sync group, 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency, on the
+  slower link when the group spans hosts; groups of one colouring round run concurrently (the round
+  lasts as long as its slowest group), rounds run one after another.
+
+Rerouting is estimated by the same schedule (the rerouted micro-batches are merged into the peers'
+queues and partly fill their bubbles); `reroute_bound_seconds` is the paper's conservative formula,
+kept for comparison (docs/planner.md says why the schedule is the one used).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Sequence
+from functools import lru_cache
+from itertools import accumulate
+
+from chameleond.core.plan import Pipeline, SyncGroup
+from chameleond.core.schedule import BACKWARD, FORWARD, build_schedule, slot_queue
+from chameleond.core.spec import JobSpec, LinkSpec
+
+Routing = Sequence[Sequence[Sequence[str]]]
+# Durations are clamped like schedule.py does, so both give the same longest path.
+_MIN_SECONDS = 1e-12
+
+
+class LayerTable:
+    """Prefix sums of the per-layer profile: any stage's cost in O(1)."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        layers = spec.layers
+        self.n_layers = len(layers)
+        self._fwd = [0.0, *accumulate(lp.forward_seconds for lp in layers)]
+        self._bwd = [0.0, *accumulate(lp.backward_seconds for lp in layers)]
+        # Parameters + gradients (m_g = m_p) + optimizer state stay resident on the owner.
+        self._state = [0, *accumulate(2 * lp.param_bytes + lp.optimizer_bytes for lp in layers)]
+        self._grad = [0, *accumulate(lp.param_bytes for lp in layers)]
+        self._act = [0, *accumulate(lp.activation_bytes for lp in layers)]
+        self._out = [lp.output_bytes for lp in layers]
+
+    def forward_seconds(self, first: int, end: int) -> float:
+        return self._fwd[end] - self._fwd[first]
+
+    def backward_seconds(self, first: int, end: int) -> float:
+        return self._bwd[end] - self._bwd[first]
+
+    def state_bytes(self, first: int, end: int) -> int:
+        return self._state[end] - self._state[first]
+
+    def gradient_bytes(self, first: int, end: int) -> int:
+        return self._grad[end] - self._grad[first]
+
+    def activation_bytes(self, first: int, end: int) -> int:
+        return self._act[end] - self._act[first]
+
+    def output_bytes(self, end: int) -> int:
+        """Bytes sent downstream per micro-batch by a stage ending before layer `end`."""
+        return self._out[end - 1]
+
+    def stage_memory(self, first: int, end: int, stage: int, n_stages: int, n_micro: int) -> int:
+        """PAPER.md section 5 for one slot: resident state + stashed activations.
+
+        Stage i stashes at most min(N_pp - i, N_m) micro-batches under 1F1B (its warm-up forwards
+        plus the one in flight); a stage with fewer micro-batches than that never holds more.
+        """
+        in_flight = min(n_stages - stage, n_micro)
+        return self.state_bytes(first, end) + in_flight * self.activation_bytes(first, end)
+
+
+@lru_cache(maxsize=4096)
+def _queues(n_stages: int, n_micro: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
+    return tuple(
+        tuple((kind == FORWARD, m) for kind, m in slot_queue(n_stages, s, n_micro))
+        for s in range(n_stages)
+    )
+
+
+def pipeline_seconds(
+    forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
+) -> float:
+    """Longest path of one pipeline whose slots each have their own worker.
+
+    forward[s], backward[s]: seconds of stage s per micro-batch; comm[s]: seconds on the wire
+    between stage s and s+1 (activations forward, their gradients backward, same size).
+    """
+    n = len(forward)
+    queues = _queues(n, n_micro)
+    f_end = [[0.0] * n_micro for _ in range(n)]
+    b_end = [[0.0] * n_micro for _ in range(n)]
+    f_done = [[False] * n_micro for _ in range(n)]
+    b_done = [[False] * n_micro for _ in range(n)]
+    fwd = [max(x, _MIN_SECONDS) for x in forward]
+    bwd = [max(x, _MIN_SECONDS) for x in backward]
+    pos, free = [0] * n, [0.0] * n
+    remaining = 2 * n * n_micro
+    while remaining:
+        for s in range(n):
+            q = queues[s]
+            while pos[s] < len(q):
+                is_f, m = q[pos[s]]
+                ready = free[s]
+                if is_f:
+                    if s > 0:
+                        if not f_done[s - 1][m]:
+                            break
+                        ready = max(ready, f_end[s - 1][m] + comm[s - 1])
+                    end = ready + fwd[s]
+                    f_end[s][m], f_done[s][m] = end, True
+                else:
+                    if s + 1 < n:
+                        if not b_done[s + 1][m]:
+                            break
+                        ready = max(ready, b_end[s + 1][m] + comm[s])
+                    end = max(ready, f_end[s][m]) + bwd[s]
+                    b_end[s][m], b_done[s][m] = end, True
+                free[s] = end
+                pos[s] += 1
+                remaining -= 1
+    return max(b_end[0]) if n_micro else 0.0
+
+
+class Estimator:
+    """The model for one job spec; memoises pipeline times by shape across calls."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.table = LayerTable(spec)
+        self._host = {w.id: w.host for w in spec.workers}
+        self._memory = {w.id: w.memory_bytes for w in spec.workers}
+        self._memo: dict[tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int], float]
+        self._memo = {}
+
+    def link(self, a: str, b: str) -> LinkSpec:
+        return self.spec.intra_host if self._host[a] == self._host[b] else self.spec.inter_host
+
+    def transfer_seconds(self, pipe: Pipeline, boundary: int, src: str, dst: str) -> float:
+        if src == dst:
+            return 0.0
+        nbytes = self.table.output_bytes(pipe.stages[boundary].end_layer)
+        return self.link(src, dst).transfer_seconds(nbytes)
+
+    # -- step time -------------------------------------------------------------------------
+
+    def makespan(self, pipelines: Sequence[Pipeline], routing: Routing) -> float:
+        """The 1F1B longest path of one step over all pipelines (build_schedule's makespan)."""
+        worst = 0.0
+        for group in _coupled(pipelines, routing):
+            if len(group) == 1 and _unrouted(pipelines[group[0]], routing[group[0]]):
+                worst = max(worst, self._own_pipeline(pipelines[group[0]]))
+            else:
+                worst = max(worst, self._schedule([pipelines[p] for p in group], group, routing))
+        return worst
+
+    def _own_pipeline(self, pipe: Pipeline) -> float:
+        t = self.table
+        fwd = tuple(t.forward_seconds(s.first_layer, s.end_layer) for s in pipe.stages)
+        bwd = tuple(t.backward_seconds(s.first_layer, s.end_layer) for s in pipe.stages)
+        comm = tuple(
+            self.transfer_seconds(pipe, s, pipe.stages[s].worker, pipe.stages[s + 1].worker)
+            for s in range(len(pipe.stages) - 1)
+        )
+        key = (fwd, bwd, comm, pipe.micro_batches)
+        if key not in self._memo:
+            self._memo[key] = pipeline_seconds(fwd, bwd, comm, pipe.micro_batches)
+        return self._memo[key]
+
+    def _schedule(self, pipes: Sequence[Pipeline], index: Sequence[int], routing: Routing) -> float:
+        t = self.table
+
+        def op_seconds(p: int, s: int, kind: str, _w: str) -> float:
+            st = pipes[p].stages[s]
+            if kind == FORWARD:
+                return t.forward_seconds(st.first_layer, st.end_layer)
+            return t.backward_seconds(st.first_layer, st.end_layer)
+
+        def comm_seconds(p: int, s: int, _kind: str, src: str, dst: str) -> float:
+            return self.transfer_seconds(pipes[p], s, src, dst)
+
+        sub = [routing[p] for p in index]
+        return build_schedule(pipes, sub, op_seconds, comm_seconds).makespan
+
+    def sync_seconds(self, groups: Sequence[SyncGroup]) -> float:
+        """Gradient all-reduce: ring per group; a round lasts its slowest group; rounds add up."""
+        by_round: dict[int, float] = {}
+        for g in groups:
+            n = len(g.workers)
+            seconds = 0.0
+            if n > 1:
+                hosts = {self._host[w] for w in g.workers}
+                link = self.spec.intra_host if len(hosts) == 1 else self.spec.inter_host
+                nbytes = sum(self.spec.layers[layer].param_bytes for layer in g.layers)
+                seconds = ring_allreduce_seconds(n, nbytes, link)
+            by_round[g.round] = max(by_round.get(g.round, 0.0), seconds)
+        return sum(by_round.values())
+
+    def step_seconds(
+        self, pipelines: Sequence[Pipeline], routing: Routing, groups: Sequence[SyncGroup]
+    ) -> float:
+        return self.makespan(pipelines, routing) + self.sync_seconds(groups)
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def peak_memory(
+        self, pipelines: Sequence[Pipeline], routing: Routing, excluded: Collection[str] = ()
+    ) -> dict[str, int]:
+        """Peak bytes per worker: owned state + stashed activations of every stream it executes.
+
+        A rerouting peer executes k micro-batches of a failed slot besides its own; those stash at
+        most min(N_pp - s, k) activations of that stage. Summing the per-stream peaks bounds the
+        merged order's peak from above (each stream alone never exceeds its own peak).
+        """
+        t = self.table
+        out: dict[str, int] = {}
+        for p, pipe in enumerate(pipelines):
+            n = len(pipe.stages)
+            for s, st in enumerate(pipe.stages):
+                a, b = st.first_layer, st.end_layer
+                if st.worker not in excluded:
+                    out[st.worker] = out.get(st.worker, 0) + t.state_bytes(a, b)
+                counts: dict[str, int] = {}
+                for w in routing[p][s]:
+                    counts[w] = counts.get(w, 0) + 1
+                for w, k in counts.items():
+                    out[w] = out.get(w, 0) + min(n - s, k) * t.activation_bytes(a, b)
+        return out
+
+    def over_memory(self, memory: dict[str, int]) -> str | None:
+        """The first worker whose peak exceeds its device memory, as a reason, or None."""
+        for w in sorted(memory, key=lambda w: memory[w] - self._memory[w], reverse=True):
+            if memory[w] > self._memory[w]:
+                return f"worker {w} needs {memory[w]} bytes, has {self._memory[w]} (out of memory)"
+            break
+        return None
+
+
+def ring_allreduce_seconds(n: int, nbytes: float, link: LinkSpec) -> float:
+    """Ring all-reduce of `nbytes` over n workers: 2(n-1) steps of nbytes/n, each paying latency."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth_bytes_per_second + 2 * (n - 1) * (
+        link.latency_seconds
+    )
+
+
+def closed_form_seconds(n_stages: int, n_micro: int, t_f: float, t_b: float) -> float:
+    """Symmetric uniform 1F1B pipeline: (N_pp + N_m - 1)(t_f + t_b)."""
+    return (n_stages + n_micro - 1) * (t_f + t_b)
+
+
+def reroute_bound_seconds(
+    n_stages: int,
+    n_micro: int,
+    n_pipelines: int,
+    failed_per_stage: Sequence[int],
+    t_f: float,
+    t_b: float,
+) -> float:
+    """PAPER.md section 4's conservative rerouting estimate; inf when a stage lost every replica.
+
+    Each surviving peer of stage i takes N_m * F_i / (N_dp - F_i) extra micro-batch slots, added
+    to the pipeline as if none of them fitted in a bubble.
+    """
+    extra = 0.0
+    for f in failed_per_stage:
+        if f >= n_pipelines:
+            return math.inf
+        extra += n_micro * f / (n_pipelines - f)
+    return (n_stages + n_micro - 1 + extra) * (t_f + t_b)
+
+
+def _unrouted(pipe: Pipeline, routing: Sequence[Sequence[str]]) -> bool:
+    """Every slot runs its own micro-batches, each on a worker of its own."""
+    owners = [st.worker for st in pipe.stages]
+    if len(set(owners)) != len(owners):
+        return False
+    return all(all(w == owner for w in stage) for owner, stage in zip(owners, routing, strict=True))
+
+
+def _coupled(pipelines: Sequence[Pipeline], routing: Routing) -> list[list[int]]:
+    """Pipelines that share an executor, directly or through others (union-find)."""
+    parent = list(range(len(pipelines)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first_seen: dict[str, int] = {}
+    for p in range(len(pipelines)):
+        for stage in routing[p]:
+            for w in set(stage):
+                q = first_seen.setdefault(w, p)
+                if q != p:
+                    parent[find(p)] = find(q)
+    groups: dict[int, list[int]] = {}
+    for p in range(len(pipelines)):
+        groups.setdefault(find(p), []).append(p)
+    return list(groups.values())
+
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "Estimator",
+    "LayerTable",
+    "closed_form_seconds",
+    "pipeline_seconds",
+    "reroute_bound_seconds",
+    "ring_allreduce_seconds",
+]

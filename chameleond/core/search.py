@@ -1,0 +1,363 @@
+"""Algorithm 1 (PAPER.md section 6): the fastest layout shape for a set of survivors.
+
+The space is exactly the paper's. For every allowed pipeline count dp <= M (global micro-batches):
+the non-decreasing partitions of the N survivors into dp lengths in [min_stages, max_stages] (and
+at most one stage per layer); micro-batches split proportionally to length, m_j = floor(M n_j / N),
+a pipeline left with 0 repaired to 1; the remainder r = M - sum m_j goes +1 to r pipelines (every
+placement enumerated), or, when the repairs overshot (r < 0), one micro-batch is taken from the
+pipeline with the most (longest on ties) until the sum is M; each pipeline's layers split evenly,
+enumerating which stages take the leftover layers. Layouts with a slot over memory are dropped; the
+objective is the step's 1F1B makespan (the slowest pipeline's longest path).
+
+The search is exact over that space and fast because the objective is a max over pipelines:
+
+* A pipeline's micro-batches depend only on its own length (m_j above), and its best layer split
+  only on (length, micro-batches): `best(n, m)` is memoised, each split timed at most once per
+  distinct stage-duration tuple, splits skipped when a cheap lower bound cannot beat the best.
+* A partition is then a count per length class; the remainder goes to the classes whose +1 costs
+  least (a prefix of the classes sorted by best(n, m+1)), which is optimal for a max objective.
+* Count vectors are enumerated depth-first over classes sorted by best(n, m_n); any vector using a
+  class whose time already reaches the incumbent is pruned, as are remainders no class can form.
+
+Homogeneous-device assumption (docs/planner.md): every slot gets the smallest memory among the
+survivors, and every stage boundary the slower link when the survivors span hosts. The restorer then
+puts real workers into the slots; the plan's own estimate uses their real links and is never worse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import combinations, product
+
+from chameleond.core.estimator import LayerTable, pipeline_seconds
+from chameleond.core.spec import JobSpec
+
+Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (first_layer, end_layer)
+
+
+@dataclass(frozen=True)
+class Layout:
+    shape: Shape
+    micro_batches: tuple[int, ...]  # N_m per pipeline, same order as shape
+    seconds: float  # the objective: the slowest pipeline's 1F1B makespan
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    layout: Layout | None  # None: no layout fits (reason says why)
+    plans_considered: int  # partitions scored, each with its best micro-batch placement
+    shapes_timed: int  # pipeline shapes whose longest path was computed
+    reason: str = ""
+
+
+class ShapeModel:
+    """Pipeline times and memory of shapes under the homogeneous-device assumption."""
+
+    def __init__(self, spec: JobSpec, survivors: Sequence[str]) -> None:
+        self.spec = spec
+        self.table = LayerTable(spec)
+        self.n_layers = len(spec.layers)
+        workers = {w.id: w for w in spec.workers}
+        chosen = [workers[w] for w in survivors]
+        self.memory = min(w.memory_bytes for w in chosen)
+        spans_hosts = len({w.host for w in chosen}) > 1
+        self.link = spec.inter_host if spans_hosts else spec.intra_host
+        self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
+        self._timed: dict[tuple[tuple[float, ...], tuple[float, ...], int], float] = {}
+        self.shapes_timed = 0
+
+    def splits(self, n: int) -> list[tuple[int, ...]]:
+        """Stage sizes of every even split of the layers over n stages.
+
+        Enumerated with the leftover layers on later stages first, so that ties go there: stage i
+        stashes activations for N_pp - i micro-batches, so later stages have room to spare.
+        """
+        q, e = divmod(self.n_layers, n)
+        out = []
+        for extra in combinations(range(n - 1, -1, -1), e):
+            sizes = [q] * n
+            for s in extra:
+                sizes[s] += 1
+            out.append(tuple(sizes))
+        return out
+
+    def bounds(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
+        out, a = [], 0
+        for k in sizes:
+            out.append((a, a + k))
+            a += k
+        return out
+
+    def fits(self, sizes: Sequence[int], n_micro: int) -> bool:
+        n = len(sizes)
+        return all(
+            self.table.stage_memory(a, b, s, n, n_micro) <= self.memory
+            for s, (a, b) in enumerate(self.bounds(sizes))
+        )
+
+    def seconds(self, sizes: Sequence[int], n_micro: int) -> float:
+        t = self.table
+        spans = self.bounds(sizes)
+        fwd = tuple(t.forward_seconds(a, b) for a, b in spans)
+        bwd = tuple(t.backward_seconds(a, b) for a, b in spans)
+        key = (fwd, bwd, n_micro)
+        if key not in self._timed:
+            comm = [self.link.transfer_seconds(t.output_bytes(b)) for _, b in spans[:-1]]
+            self._timed[key] = pipeline_seconds(fwd, bwd, comm, n_micro)
+            self.shapes_timed += 1
+        return self._timed[key]
+
+    def lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
+        """A chain through the busiest stage k: micro-batch 0 forward to k, all of k's 2 N_m ops,
+        the last backward back to stage 0."""
+        t = self.table
+        best, before = 0.0, 0.0
+        for s, (a, b) in enumerate(self.bounds(sizes)):
+            work = t.forward_seconds(a, b) + t.backward_seconds(a, b)
+            best = max(best, before + n_micro * work)
+            before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
+            del s
+        return best
+
+    def best(self, n: int, n_micro: int) -> tuple[float, tuple[int, ...] | None]:
+        """Fastest memory-feasible split of a pipeline of n stages with n_micro micro-batches."""
+        key = (n, n_micro)
+        if key in self._best:
+            return self._best[key]
+        best: tuple[float, tuple[int, ...] | None] = (math.inf, None)
+        if n_micro >= 1:
+            cands = [(self.lower_bound(sz, n_micro), i, sz) for i, sz in enumerate(self.splits(n))]
+            cands.sort()
+            for lb, _, sizes in cands:
+                if lb >= best[0]:
+                    break
+                if not self.fits(sizes, n_micro):
+                    continue
+                t = self.seconds(sizes, n_micro)
+                if t < best[0]:
+                    best = (t, sizes)
+        self._best[key] = best
+        return best
+
+
+def micro_batch_floor(total: int, survivors: int, length: int) -> int:
+    """Algorithm 1 step 2 for one pipeline: proportional floor, at least one."""
+    return max(total * length // survivors, 1)
+
+
+def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
+    """The fastest layout shape over the survivors (workers are assigned later by the restorer)."""
+    n_surv, total = len(survivors), spec.training.micro_batches
+    if n_surv == 0:
+        return SearchResult(None, 0, 0, "no surviving workers")
+    model = ShapeModel(spec, survivors)
+    lo = max(spec.search.min_stages, 1)
+    hi = min(spec.search.max_stages, model.n_layers, n_surv)
+    # When a length's proportional share floors to 0, the repairs can overshoot and other
+    # pipelines then lose a micro-batch: a class's bound must allow for that.
+    overshoot = any(total * n < n_surv for n in range(lo, hi + 1))
+    classes = []  # (lower bound of the class's pipeline time, length, m_n)
+    for n in range(lo, hi + 1):
+        m = micro_batch_floor(total, n_surv, n)
+        t, _ = model.best(n, m - 1 if overshoot and m > 1 else m)
+        if t < math.inf:
+            classes.append((t, n, m))
+    classes.sort()
+    if not classes:
+        return SearchResult(None, 0, model.shapes_timed, _why_none(spec, model, lo, hi))
+
+    # fewest[i][x]: fewest pipelines of classes i.. that sum to x stages (inf: impossible).
+    k = len(classes)
+    fewest = [[math.inf] * (n_surv + 1) for _ in range(k + 1)]
+    fewest[k][0] = 0
+    for i in range(k - 1, -1, -1):
+        n, row, nxt = classes[i][1], fewest[i], fewest[i + 1]
+        for x in range(n_surv + 1):
+            row[x] = min(nxt[x], row[x - n] + 1) if x >= n else nxt[x]
+
+    best_t = math.inf
+    best_counts: list[int] | None = None
+    scored = 0
+    counts = [0] * k
+
+    def visit(i: int, left: int, used: int, bound: float) -> None:
+        nonlocal best_t, best_counts, scored
+        if left == 0:
+            scored += 1
+            t, _ = _score(model, classes, counts, total)
+            if t < best_t:
+                best_t, best_counts = t, list(counts)
+            return
+        if i == k or fewest[i][left] > total - used or bound >= best_t:
+            return
+        t_i, n = classes[i][0], classes[i][1]
+        if max(bound, t_i) < best_t:
+            for c in range(min(left // n, total - used), 0, -1):
+                counts[i] = c
+                visit(i + 1, left - c * n, used + c, max(bound, t_i))
+                if max(bound, t_i) >= best_t:
+                    break
+            counts[i] = 0
+        visit(i + 1, left, used, bound)
+
+    visit(0, n_surv, 0, 0.0)
+    if best_counts is None:
+        reason = f"no partition of {n_surv} survivors into memory-feasible pipelines"
+        return SearchResult(None, scored, model.shapes_timed, reason)
+    _, layout = _score(model, classes, best_counts, total)
+    assert layout is not None
+    return SearchResult(layout, scored, model.shapes_timed)
+
+
+def _score(
+    model: ShapeModel, classes: Sequence[tuple[float, int, int]], counts: Sequence[int], total: int
+) -> tuple[float, Layout | None]:
+    """Best micro-batch placement for one partition (counts per class) and its time."""
+    used = [(n, m, c) for (_, n, m), c in zip(classes, counts, strict=True) if c]
+    r = total - sum(m * c for _, m, c in used)
+    groups: dict[tuple[int, int], int] = {}  # (length, micro-batches) -> pipelines
+    if r >= 0:
+        # +1 to the classes where it costs least: optimal for a max over pipelines.
+        order = sorted(used, key=lambda u: (model.best(u[0], u[1] + 1)[0], u[0]))
+        for n, m, c in order:
+            extra = min(c, r)
+            r -= extra
+            if extra:
+                groups[(n, m + 1)] = groups.get((n, m + 1), 0) + extra
+            if c - extra:
+                groups[(n, m)] = groups.get((n, m), 0) + c - extra
+    else:
+        for n, m, c in used:
+            groups[(n, m)] = groups.get((n, m), 0) + c
+        groups = _take_from_largest(groups, -r)
+    worst = max(model.best(n, m)[0] for n, m in groups)
+    if worst == math.inf:
+        return math.inf, None
+    shape: list[tuple[tuple[int, int], ...]] = []
+    micro: list[int] = []
+    for n, m in sorted(groups):
+        sizes = model.best(n, m)[1]
+        assert sizes is not None
+        for _ in range(groups[(n, m)]):
+            shape.append(tuple(model.bounds(sizes)))
+            micro.append(m)
+    return worst, Layout(tuple(shape), tuple(micro), worst)
+
+
+def _take_from_largest(
+    groups: dict[tuple[int, int], int], excess: int
+) -> dict[tuple[int, int], int]:
+    """Repairs overshot the total: take one micro-batch at a time from the pipeline with the most
+    (the longest on ties), as Algorithm 1's repair step does."""
+    groups = dict(groups)
+    while excess:
+        n, m = max(groups, key=lambda nm: (nm[1], nm[0]))
+        moved = min(groups[(n, m)], excess)
+        groups[(n, m)] -= moved
+        if not groups[(n, m)]:
+            del groups[(n, m)]
+        groups[(n, m - 1)] = groups.get((n, m - 1), 0) + moved
+        excess -= moved
+    return groups
+
+
+def _why_none(spec: JobSpec, model: ShapeModel, lo: int, hi: int) -> str:
+    if lo > hi:
+        return f"no allowed pipeline length (min_stages {lo}, at most {hi} stages possible)"
+    return (
+        f"every pipeline length {lo}-{hi} is out of memory "
+        f"({model.memory} bytes per worker, smallest among the survivors)"
+    )
+
+
+@dataclass(frozen=True)
+class Exhaustive:
+    layout: Layout | None
+    layouts: int  # layouts timed
+    complete: bool  # False: the space was larger than the limit and the answer is not known
+
+
+def exhaustive(spec: JobSpec, survivors: Sequence[str], limit: int = 20_000) -> Exhaustive:
+    """Algorithm 1's space enumerated literally, without memo or pruning: the search's referee.
+
+    Every partition, every remainder placement, every combination of layer splits over the
+    pipelines; each layout timed by `schedule.build_schedule` over all its pipelines at once.
+    """
+    from chameleond.core.plan import Pipeline, Stage
+    from chameleond.core.schedule import FORWARD, build_schedule
+
+    n_surv, total = len(survivors), spec.training.micro_batches
+    model = ShapeModel(spec, survivors)
+    t = model.table
+    lo = max(spec.search.min_stages, 1)
+    hi = min(spec.search.max_stages, model.n_layers, n_surv)
+    best: Layout | None = None
+    timed = 0
+    for lengths in _partitions(n_surv, lo, hi):
+        if len(lengths) > total:
+            continue
+        for micro in _placements(lengths, n_surv, total):
+            for sizes in product(*[model.splits(n) for n in lengths]):
+                timed += 1
+                if timed > limit:
+                    return Exhaustive(None, timed - 1, False)
+                if not all(model.fits(sz, m) for sz, m in zip(sizes, micro, strict=True)):
+                    continue
+                pipes, first = [], 0
+                for p, (sz, m) in enumerate(zip(sizes, micro, strict=True)):
+                    stages = tuple(
+                        Stage(f"p{p}s{s}", a, b) for s, (a, b) in enumerate(model.bounds(sz))
+                    )
+                    pipes.append(Pipeline(stages, first, m))
+                    first += m
+                routing = [[[st.worker] * pp.micro_batches for st in pp.stages] for pp in pipes]
+
+                def op(p: int, s: int, kind: str, _w: str, pipes: list[Pipeline] = pipes) -> float:
+                    st = pipes[p].stages[s]
+                    if kind == FORWARD:
+                        return t.forward_seconds(st.first_layer, st.end_layer)
+                    return t.backward_seconds(st.first_layer, st.end_layer)
+
+                def comm(
+                    p: int, s: int, _k: str, a: str, b: str, pipes: list[Pipeline] = pipes
+                ) -> float:
+                    end = pipes[p].stages[s].end_layer
+                    return 0.0 if a == b else model.link.transfer_seconds(t.output_bytes(end))
+
+                seconds = build_schedule(pipes, routing, op, comm).makespan
+                if best is None or seconds < best.seconds:
+                    shape = tuple(
+                        tuple((st.first_layer, st.end_layer) for st in pp.stages) for pp in pipes
+                    )
+                    best = Layout(shape, tuple(micro), seconds)
+    return Exhaustive(best, timed, True)
+
+
+def _partitions(total: int, lo: int, hi: int, floor: int = 0) -> list[tuple[int, ...]]:
+    """Non-decreasing sequences of lengths in [lo, hi] summing to total."""
+    if total == 0:
+        return [()]
+    out: list[tuple[int, ...]] = []
+    for n in range(max(lo, floor), min(hi, total) + 1):
+        out.extend((n, *rest) for rest in _partitions(total - n, lo, hi, n))
+    return out
+
+
+def _placements(lengths: Sequence[int], n_surv: int, total: int) -> list[tuple[int, ...]]:
+    """Algorithm 1 step 2, literally: floors, repairs, every placement of the remainder."""
+    micro = [micro_batch_floor(total, n_surv, n) for n in lengths]
+    r = total - sum(micro)
+    if r < 0:
+        for _ in range(-r):
+            j = max(range(len(micro)), key=lambda i: (micro[i], lengths[i]))
+            micro[j] -= 1
+        return [tuple(micro)]
+    out = []
+    for extra in combinations(range(len(lengths)), r):
+        m = list(micro)
+        for j in extra:
+            m[j] += 1
+        out.append(tuple(m))
+    return out
