@@ -14,7 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleond.core.colouring import conflict_graph, dsatur
+from chameleond.core.colouring import (
+    conflict_graph,
+    dsatur,
+    first_fit_decreasing,
+    rounds,
+    schedule_seconds,
+    weighted_rounds,
+)
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
 from chameleond.core.restorer import (
     LostLayers,
@@ -418,3 +425,25 @@ def test_dsatur_matches_networkx(n: int, density: float, seed: int) -> None:
 def test_conflict_graph_links_items_sharing_a_member() -> None:
     adj = conflict_graph([("a", "b"), ("b", "c"), ("d", "e"), ("a",)])
     assert adj == [{1, 3}, {0}, set(), {0}]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 12), st.integers(0, 12), st.sampled_from([0.5, 1.0, 4.0, 9.0])),
+        max_size=40,
+    )
+)
+def test_weighted_rounds_are_valid_and_no_longer_than_either(
+    items: list[tuple[int, int, float]],
+) -> None:
+    members = [(a, b) for a, b, _ in items]
+    seconds = [s for _, _, s in items]
+    ffd = first_fit_decreasing(members, seconds)
+    colour, total = weighted_rounds(members, seconds)
+    for col in (ffd, colour):
+        for i, j in itertools.combinations(range(len(items)), 2):
+            if set(members[i]) & set(members[j]):
+                assert col[i] != col[j]
+    assert total == schedule_seconds(colour, seconds)
+    assert total <= min(schedule_seconds(ffd, seconds), schedule_seconds(rounds(members), seconds))

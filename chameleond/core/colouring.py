@@ -1,9 +1,14 @@
-"""Colouring rounds: DSATUR over a conflict graph (PAPER.md section 7).
+"""Colouring rounds over a conflict graph (PAPER.md section 7).
 
 Two things run as rounds: the migration transfers of a new plan, and the gradient all-reduces of its
 sync groups. In both, two items conflict when they need the same worker at the same time; a proper
 colouring of the conflict graph puts conflicting items in different colours, and each colour is a
 round in which everything runs concurrently.
+
+`dsatur` is the method's colouring. When items have durations and a round lasts as long as its
+slowest item, `first_fit_decreasing` is the weight-aware alternative (longest first, each into the
+first round where it fits): it keeps long items together instead of letting one long item stretch
+an otherwise short round. `weighted_rounds` runs both and keeps the shorter schedule.
 
 The algorithm and its tie-breaks are exactly those of networkx's
 `greedy_color(G, strategy="DSATUR")`: pick the uncoloured vertex with the most distinct colours
@@ -63,3 +68,41 @@ def conflict_graph(members: Sequence[Iterable[Hashable]]) -> list[set[int]]:
 def rounds(members: Sequence[Iterable[Hashable]]) -> list[int]:
     """Round of each item such that no member takes part in two items of one round."""
     return dsatur(conflict_graph(members))
+
+
+def first_fit_decreasing(
+    members: Sequence[Iterable[Hashable]], seconds: Sequence[float]
+) -> list[int]:
+    """Rounds for items with durations: longest first, each into the lowest round it fits."""
+    busy: dict[Hashable, set[int]] = {}
+    colour = [0] * len(members)
+    for i in sorted(range(len(members)), key=lambda i: (-seconds[i], i)):
+        ms = list(members[i])
+        taken = set().union(*(busy.get(m, ()) for m in ms))
+        c = 0
+        while c in taken:
+            c += 1
+        colour[i] = c
+        for m in ms:
+            busy.setdefault(m, set()).add(c)
+    return colour
+
+
+def schedule_seconds(colour: Sequence[int], seconds: Sequence[float]) -> float:
+    """Time of a round schedule: rounds run one after another, each as long as its slowest item."""
+    slowest: dict[int, float] = {}
+    for c, s in zip(colour, seconds, strict=True):
+        slowest[c] = max(slowest.get(c, 0.0), s)
+    return sum(slowest.values())
+
+
+def weighted_rounds(
+    members: Sequence[Iterable[Hashable]], seconds: Sequence[float]
+) -> tuple[list[int], float]:
+    """The shorter of the DSATUR and first-fit-decreasing schedules (DSATUR on a tie)."""
+    members = [tuple(m) for m in members]
+    by_dsatur = rounds(members)
+    by_length = first_fit_decreasing(members, seconds)
+    t_dsatur = schedule_seconds(by_dsatur, seconds)
+    t_length = schedule_seconds(by_length, seconds)
+    return (by_length, t_length) if t_length < t_dsatur else (by_dsatur, t_dsatur)

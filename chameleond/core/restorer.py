@@ -9,8 +9,9 @@ PAPER.md section 7, documented with the reasons for each choice in docs/restorer
    so that no one source becomes the bottleneck; transfers are coalesced per (source, destination).
    Sources keep their old state until every receiver acknowledges (a worker-runtime rule: a
    transition that is cut short by another fault can then still be planned from the old holdings).
-3. Rounds. Transfers that share a worker conflict; a DSATUR colouring gives the rounds, and the
-   migration time is the sum over rounds of the slowest transfer in the round.
+3. Rounds. Transfers that share a worker conflict; a colouring gives the rounds (DSATUR, or the
+   weight-aware first-fit-decreasing when that is shorter), and the migration time is the sum over
+   rounds of the slowest transfer in the round.
 
 Gradient sync groups (`sync_groups`) are the same colouring applied to all-reduce owner groups.
 """
@@ -26,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 from scipy.optimize import linear_sum_assignment
 
-from chameleond.core.colouring import rounds
+from chameleond.core.colouring import rounds, weighted_rounds
 from chameleond.core.plan import Pipeline, Plan, Stage, SyncGroup, Transfer
 from chameleond.core.spec import JobSpec, LinkSpec
 
@@ -337,22 +338,19 @@ def _migration(
     coalesced: dict[tuple[str, str], tuple[list[int], int]] = {}
     for nbytes, dst, k, a, b in pieces:
         src = sources.choose(k, dst, nbytes, links)
-        layers, total = coalesced.get((src, dst), ([], 0))
+        layers, sent = coalesced.get((src, dst), ([], 0))
         layers.extend(range(a, b))
-        coalesced[(src, dst)] = (layers, total + nbytes)
+        coalesced[(src, dst)] = (layers, sent + nbytes)
 
     keys = sorted(coalesced, key=lambda sd: (order[sd[1]], order[sd[0]]))
-    colour = rounds(keys)
+    seconds = [links(src, dst).transfer_seconds(coalesced[(src, dst)][1]) for src, dst in keys]
+    colour, migration_seconds = weighted_rounds(keys, seconds)
     transfers = [
         Transfer(src, dst, tuple(sorted(coalesced[(src, dst)][0])), coalesced[(src, dst)][1], c)
         for (src, dst), c in zip(keys, colour, strict=True)
     ]
-    slowest: dict[int, float] = {}
-    for t in transfers:
-        s = links(t.src, t.dst).transfer_seconds(t.nbytes)
-        slowest[t.round] = max(slowest.get(t.round, 0.0), s)
     transfers.sort(key=lambda t: (t.round, order[t.dst], order[t.src]))
-    return tuple(transfers), sum(slowest.values())
+    return tuple(transfers), migration_seconds
 
 
 def sync_groups(pipelines: Sequence[Pipeline], excluded: Collection[str]) -> tuple[SyncGroup, ...]:
