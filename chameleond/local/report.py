@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -29,6 +29,7 @@ from chameleond.local.timeline import (
     Entry,
     committed_steps,
     entry_seconds,
+    is_decision,
     median_interval,
     parse_decision,
 )
@@ -77,10 +78,11 @@ def build_report(
     injections: Sequence[Injection],
     events: Sequence[Entry],
     decisions: Sequence[Entry],
+    members: Mapping[int, Collection[str]] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    steps = committed_steps(events)
-    records = [parse_decision(i, f) for i, f in decisions]
+    steps = committed_steps(events, members)
+    records = [parse_decision(i, f) for i, f in decisions if is_decision(f)]
     t0 = steps[0].at if steps else (injections[0].at if injections else 0.0)
     fault_events = [(entry_seconds(i), f) for i, f in events if f.get("type") == "fault"]
     rows: list[dict[str, Any]] = []

@@ -13,7 +13,7 @@ import itertools
 import json
 import statistics
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,8 +52,12 @@ class DecisionRecord:
     raw: Mapping[str, Any] = field(default_factory=dict)
 
 
-def committed_steps(events: Sequence[Entry]) -> list[CommittedStep]:
-    """Group step events by (generation, step); a step commits once every reporter has sent it."""
+def committed_steps(
+    events: Sequence[Entry], members: Mapping[int, Collection[str]] | None = None
+) -> list[CommittedStep]:
+    """Group step events by (generation, step). A step commits once every worker of its plan has
+    reported it (`members`: generation -> workers); where a plan is unknown, every worker that
+    reported any step of that generation."""
     reports: dict[tuple[int, int], list[tuple[float, Mapping[str, str]]]] = defaultdict(list)
     reporters: dict[int, set[str]] = defaultdict(set)
     for entry_id, f in events:
@@ -67,7 +71,8 @@ def committed_steps(events: Sequence[Entry]) -> list[CommittedStep]:
         reporters[key[0]].add(f.get("worker", ""))
     out: list[CommittedStep] = []
     for (gen, step), rows in reports.items():
-        if {f.get("worker", "") for _, f in rows} != reporters[gen]:
+        need = set(members[gen]) if members and gen in members else reporters[gen]
+        if not need <= {f.get("worker", "") for _, f in rows}:
             continue  # not every worker of the generation reported it: not committed
         losses = [_float(f.get("loss")) for _, f in rows]
         known = [x for x in losses if x is not None]
@@ -110,6 +115,11 @@ def _ids(v: Any) -> tuple[str, ...]:
     if isinstance(v, list | tuple):
         return tuple(str(x) for x in v)
     return ()
+
+
+def is_decision(fields: Mapping[str, str]) -> bool:
+    """The decisions stream also records the policy machine's phase transitions; skip those."""
+    return fields.get("kind", "decision") == "decision"
 
 
 def parse_decision(entry_id: str, fields: Mapping[str, str]) -> DecisionRecord:

@@ -1,0 +1,57 @@
+"""Report a fault for a worker, as an operator would. It sends exactly the event of
+
+    redis-cli -u URL XADD chameleon:JOB:events '*' type fault worker W cause "TEXT"
+
+and prints the stream entry id; the daemon then decides how training continues. The worker
+process itself is not touched: if it is still alive, the daemon fences it (excluded from the plan).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Any, cast
+
+import redis
+
+from chameleond.local.faults import redis_cli_args
+from chameleond.protocol import MAX_ID_LEN, Keys
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--worker", required=True, help="the failed worker's id, e.g. w3")
+    parser.add_argument("--cause", default="operator", help="why (free text; default: operator)")
+    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="default: %(default)s")
+    parser.add_argument("--job", default="default", help="job name (default: %(default)s)")
+    parser.add_argument(
+        "--print-only", action="store_true", help="print the equivalent redis-cli line and exit"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    worker = str(args.worker)
+    if not worker or len(worker) > MAX_ID_LEN or any(c.isspace() for c in worker):
+        print(f"chameleonctl inject: bad worker id {worker!r}", file=sys.stderr)
+        return 2
+    line = shlex.join(
+        ["redis-cli", *redis_cli_args(args.redis_url, args.job, worker, args.cause)[1:]]
+    )
+    if args.print_only:
+        print(line)
+        return 0
+    client = redis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5)
+    try:
+        entry: str = cast(Any, client).xadd(
+            Keys(args.job).events, {"type": "fault", "worker": worker, "cause": args.cause}
+        )
+    except redis.RedisError as e:
+        print(f"chameleonctl inject: cannot reach Redis at {args.redis_url}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    print(f"fault for {worker} sent as {Keys(args.job).events} entry {entry!s}")
+    print(f"(the same as: {line})")
+    return 0

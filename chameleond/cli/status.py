@@ -1,0 +1,188 @@
+"""Show a job as the daemon persisted it in Redis: state, the current plan as pipelines x stages
+(worker and layers of each slot, rerouted slots marked), the workers, and the last decisions with
+both candidates' scores and the D used. Reads Redis only, so it works while the daemon is down."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any, cast
+
+import redis
+
+from chameleond.cli.inject import DEFAULT_REDIS_URL
+from chameleond.core.plan import Plan, PlanError, plan_from_dict
+from chameleond.local.timeline import entry_seconds, is_decision, parse_decision
+from chameleond.protocol import Keys
+
+LAST_DECISIONS = 5
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="default: %(default)s")
+    parser.add_argument("--job", default="default", help="job name (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def _maybe_json(v: str) -> Any:
+    try:
+        return json.loads(v)
+    except (json.JSONDecodeError, TypeError):
+        return v
+
+
+def collect(client: redis.Redis, job: str) -> dict[str, Any]:
+    """Everything `status` shows, as plain data (the --json output)."""
+    keys = Keys(job)
+    state: dict[str, Any] = {
+        str(k): _maybe_json(str(v)) for k, v in client.hgetall(keys.state).items()
+    }
+    plan_raw = client.get(keys.plan)
+    plan: dict[str, Any] | None = None
+    plan_error = None
+    if plan_raw:
+        try:
+            plan = json.loads(plan_raw)
+            plan_from_dict(plan or {})
+        except (json.JSONDecodeError, PlanError) as e:
+            plan_error = str(e)
+    decisions = []
+    # decode_responses=True: every id and field is a str (redis-py's stubs cannot say so).
+    entries: list[tuple[str, dict[str, str]]] = cast(
+        Any, client.xrevrange(keys.decisions, count=50 * LAST_DECISIONS)
+    )
+    for entry_id, fields in entries:
+        if not is_decision(fields):
+            continue
+        d = parse_decision(entry_id, fields)
+        decisions.append(
+            {
+                "id": entry_id,
+                "at": entry_seconds(entry_id),
+                "generation": d.generation,
+                "selected": d.selected,
+                "cause": d.cause,
+                "failed": list(d.failed),
+                "joined": list(d.joined),
+                "mtbf_seconds": d.mtbf_seconds,
+                "unrecoverable": d.unrecoverable,
+                "candidates": [
+                    {
+                        k: c.get(k)
+                        for k in (
+                            "policy",
+                            "feasible",
+                            "reason",
+                            "step_seconds",
+                            "transition_seconds",
+                            "score",
+                        )
+                    }
+                    for c in d.candidates
+                ],
+            }
+        )
+    decisions = decisions[:LAST_DECISIONS]
+    return {
+        "job": job,
+        "state": state,
+        "plan": plan,
+        "plan_error": plan_error,
+        "workers": _workers(state, plan),
+        "decisions": decisions,
+        "events_pending": client.xlen(keys.events) if client.exists(keys.events) else 0,
+        "dead_letters": client.xlen(keys.dead) if client.exists(keys.dead) else 0,
+    }
+
+
+def _workers(state: Mapping[str, Any], plan: Mapping[str, Any] | None) -> dict[str, str]:
+    """Worker -> state: the daemon's own view when it persisted one, else what the plan says."""
+    for key in ("workers", "worker_states"):
+        v = state.get(key)
+        if isinstance(v, dict):
+            return {
+                str(w): str(s.get("state", s) if isinstance(s, dict) else s) for w, s in v.items()
+            }
+    if not plan:
+        return {}
+    try:
+        p = plan_from_dict(plan)
+    except PlanError:
+        return {}
+    out = {w: "in plan" for w in p.workers}
+    out.update({w: "excluded" for w in p.excluded})
+    return out
+
+
+def render_plan(p: Plan) -> list[str]:
+    """A row per pipeline, a column per stage: `worker[first-last]`; `*` marks a rerouted slot."""
+    lines = []
+    for i, pipe in enumerate(p.pipelines):
+        cells = []
+        for s, st in enumerate(pipe.stages):
+            runners = (
+                set(p.routing[i][s]) if i < len(p.routing) and s < len(p.routing[i]) else set()
+            )
+            mark = "*" if runners - {st.worker} else ""
+            cells.append(f"{st.worker}[{st.first_layer}-{st.end_layer - 1}]{mark}")
+        lines.append(f"  pipeline {i} ({pipe.micro_batches} micro-batches): " + "  ".join(cells))
+    return lines
+
+
+def _score(v: Any) -> str:
+    return "-" if v is None else f"{float(v):.2f}"
+
+
+def _print(s: Mapping[str, Any]) -> None:
+    state = s["state"]
+    print(f"job {s['job']}: state {state.get('state', 'unknown')}", end="")
+    print(f", generation {state.get('generation', '-')}")
+    if s["plan_error"]:
+        print(f"plan: unreadable ({s['plan_error']})")
+    elif s["plan"]:
+        p = plan_from_dict(s["plan"])
+        est = p.estimates
+        print(
+            f"plan generation {p.generation} ({p.policy}): {len(p.pipelines)} pipelines, "
+            f"estimated step {est.step_seconds:.3f} s, D {est.mtbf_seconds:.0f} s"
+        )
+        for line in render_plan(p):
+            print(line)
+        if p.excluded:
+            print(f"  excluded: {', '.join(p.excluded)}")
+    else:
+        print("plan: none published yet")
+    if s["workers"]:
+        print("workers: " + ", ".join(f"{w} {st}" for w, st in sorted(s["workers"].items())))
+    print(f"events stream length {s['events_pending']}, dead letters {s['dead_letters']}")
+    if s["decisions"]:
+        print("last decisions (newest first):")
+    for d in s["decisions"]:
+        scores = ", ".join(
+            f"{c['policy']} {_score(c.get('score'))}"
+            + ("" if c.get("feasible", True) else f" (infeasible: {c.get('reason')})")
+            for c in d["candidates"]
+        )
+        print(
+            f"  generation {d['generation']}: {d['selected'] or 'none'} for {d['cause'] or '-'}"
+            f" [{scores}; D {d['mtbf_seconds'] if d['mtbf_seconds'] is not None else '-'} s]"
+            + (f" UNRECOVERABLE: {d['unrecoverable']}" if d["unrecoverable"] else "")
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    client = redis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5)
+    try:
+        s = collect(client, args.job)
+    except redis.RedisError as e:
+        print(f"chameleonctl status: cannot read Redis at {args.redis_url}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(s, indent=2))
+    else:
+        _print(s)
+    return 0

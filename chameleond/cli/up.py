@@ -1,0 +1,227 @@
+"""Run a whole fault-tolerant training job on this machine, inject faults, and report.
+
+Starts an embedded redis-server, one chameleond and N CPU chameleon-worker processes, trains the
+default job (or --spec), injects the faults of --faults (or replays --trace), shows live progress,
+and at the end prints a recovery report and writes report.json and report.png to --report.
+Everything is torn down on exit, Ctrl-C or SIGTERM. See docs/local.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from chameleond.core.spec import JobSpec, SpecError, load_spec, parse_spec
+from chameleond.local.cluster import ClusterError, Interrupted
+from chameleond.local.faults import FaultSpecError, check_workers, parse_faults
+from chameleond.local.progress import ProgressView
+from chameleond.local.report import build_report, print_table, write_report
+from chameleond.local.run import LocalRun, RunOptions
+from chameleond.local.trace import ReplayStep, TraceError, load_trace, plan_replay
+
+# The default schedule (docs/local.md, "Why the two default faults end differently").
+DEFAULT_FAULTS = "kill:w3@step=6,kill:w5@step=18"
+DEFAULT_STEPS = 32
+DEFAULT_MTBF_PRIOR_SECONDS = 20.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", type=int, help="number of CPU workers (default: the job's)")
+    parser.add_argument("--pp", type=int, help="stages per pipeline (default: the job's)")
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="steps to train (default: %(default)s)"
+    )
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument(
+        "--faults",
+        default=None,
+        help=f"faults to inject, e.g. kill:w3@step=5,event:w1@t=20s:ECC (default: {DEFAULT_FAULTS};"
+        " 'none' for a failure-free run)",
+    )
+    src.add_argument("--trace", type=Path, help="replay a time_ms,add|remove,nodeN trace file")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=60.0,
+        help="trace seconds per wall-clock second (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--report", type=Path, default=Path("chameleon-report"), help="output directory"
+    )
+    parser.add_argument(
+        "--policy",
+        choices=("adaptive", "reroute", "dynamic"),
+        default="adaptive",
+        help="adaptive (the selector decides) or force one policy (default: %(default)s)",
+    )
+    parser.add_argument("--spec", type=Path, help="job description (default: the packaged job)")
+    parser.add_argument("--job", default="local", help="job name (default: %(default)s)")
+    parser.add_argument(
+        "--mtbf-prior",
+        type=float,
+        default=None,
+        help=f"the D prior in seconds (default: {DEFAULT_MTBF_PRIOR_SECONDS:g} for the packaged "
+        "job, the spec's own with --spec)",
+    )
+    parser.add_argument(
+        "--bind-addresses",
+        default="",
+        help="comma-separated loopback addresses, assigned to workers in turn (each is a host)",
+    )
+    parser.add_argument("--redis-url", help="use this Redis instead of an embedded one")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="give up after this many seconds"
+    )
+
+
+def _default_spec() -> JobSpec:
+    from chameleond.jobs import load_default_spec
+
+    return load_default_spec()
+
+
+def build_spec_document(
+    base: JobSpec,
+    *,
+    job: str,
+    workers: int | None,
+    pp: int | None,
+    bind_addresses: list[str],
+    mtbf_prior_seconds: float | None,
+) -> dict[str, Any]:
+    """The spec the daemon runs: the base job, laid out for --workers/--pp, a host per address."""
+    from chameleond.daemon.jobspec import spec_document
+
+    doc = spec_document(base)
+    doc["job"]["name"] = job
+    if mtbf_prior_seconds is not None:
+        doc["job"]["mtbf_prior_seconds"] = mtbf_prior_seconds
+    n = workers if workers is not None else len(base.workers)
+    stages = pp if pp is not None else len(base.layout[0])
+    if n <= 0 or stages <= 0:
+        raise SpecError("--workers and --pp must be positive")
+    if n % stages:
+        raise SpecError(f"--pp {stages} does not divide --workers {n}")
+    if workers is not None or pp is not None or bind_addresses:
+        template = base.workers[0]
+        hosts = bind_addresses or [template.host]
+        doc["workers"] = [
+            {
+                "id": f"w{i}",
+                "host": hosts[i % len(hosts)],
+                "memory_bytes": template.memory_bytes,
+                "device": "cpu",
+            }
+            for i in range(n)
+        ]
+        doc["plan"] = {"stages": stages}
+    parse_spec(doc)  # every layout problem surfaces here, as a SpecError naming the field
+    return doc
+
+
+def run(args: argparse.Namespace) -> int:
+    err = sys.stderr
+    try:
+        base = load_spec(args.spec) if args.spec else _default_spec()
+        prior = args.mtbf_prior
+        if prior is None and args.spec is None:
+            prior = DEFAULT_MTBF_PRIOR_SECONDS
+        addresses = [a.strip() for a in args.bind_addresses.split(",") if a.strip()]
+        doc = build_spec_document(
+            base,
+            job=args.job,
+            workers=args.workers,
+            pp=args.pp,
+            bind_addresses=addresses,
+            mtbf_prior_seconds=prior,
+        )
+        spec = parse_spec(doc)
+        worker_ids = [w.id for w in spec.workers]
+        if args.steps <= 0:
+            raise SpecError("--steps must be positive")
+        faults = (
+            ()
+            if args.trace
+            else parse_faults(
+                DEFAULT_FAULTS
+                if args.faults is None
+                else ("" if args.faults == "none" else args.faults)
+            )
+        )
+        check_workers(faults, worker_ids)
+        late = [f for f in faults if f.at_step is not None and f.at_step >= args.steps - 1]
+        if late:
+            raise FaultSpecError(
+                f"{late[0].action}:{late[0].worker}@{late[0].when}: beyond --steps {args.steps}"
+            )
+        replay: tuple[ReplayStep, ...] = ()
+        if args.trace:
+            r = plan_replay(load_trace(args.trace), worker_ids, time_scale=args.time_scale)
+            replay = r.steps
+            print(
+                f"trace {args.trace}: {len(r.steps)} actions on {len(r.mapping)} mapped nodes, "
+                f"{r.skipped} events skipped (nodes beyond the cluster or no-ops)"
+            )
+    except (SpecError, FaultSpecError, TraceError) as e:
+        print(f"chameleonctl up: {e}", file=err)
+        return 2
+    report_dir: Path = args.report
+    run_dir = report_dir / "run"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(doc, indent=2))
+    bind = {w: addresses[i % len(addresses)] for i, w in enumerate(worker_ids)} if addresses else {}
+    opts = RunOptions(
+        job=args.job,
+        workers=worker_ids,
+        steps=args.steps,
+        spec_path=spec_path,
+        run_dir=run_dir,
+        global_batch=spec.training.global_batch,
+        faults=faults,
+        replay=replay,
+        policy=args.policy,
+        redis_url=args.redis_url,
+        bind_addresses=bind,
+        timeout_seconds=args.timeout,
+    )
+    progress = ProgressView(sys.stdout)
+    try:
+        result = LocalRun(opts, progress).execute()
+    except (KeyboardInterrupt, Interrupted):
+        progress.close()
+        print("chameleonctl up: interrupted; every process was stopped", file=err)
+        return 130
+    except ClusterError as e:
+        progress.close()
+        print(f"chameleonctl up: {e}", file=err)
+        return 1
+    mon = result.monitor
+    report = build_report(
+        job=args.job,
+        global_batch=spec.training.global_batch,
+        injections=result.injections,
+        events=mon.events,
+        decisions=mon.decisions,
+        members=mon.members,
+        extra={
+            "completed": result.completed,
+            "ended": result.reason,
+            "policy_option": args.policy,
+            "workers": worker_ids,
+            "layout": [list(p) for p in spec.layout],
+            "mtbf_prior_seconds": spec.mtbf_prior_seconds,
+            "skipped": result.skipped,
+        },
+    )
+    json_path, png_path = write_report(report, report_dir)
+    print()
+    print_table(report, sys.stdout)
+    for s in result.skipped:
+        print(f"not injected: {s}")
+    print(f"run ended: {result.reason}")
+    print(f"wrote {json_path} and {png_path} (logs in {run_dir / 'logs'})")
+    return 0 if result.completed else 1
