@@ -1,0 +1,301 @@
+"""The policy state machine of one job: which phase the job is in and when a decision is due.
+
+Pure: plain data in, plain data out, time passed in as `now` (wall-clock seconds, so a persisted
+deadline still means something after a restart). The daemon feeds it events; it answers with
+`Transition`s to record and `DecisionRequest`s to hand to the planner. Phases:
+
+    waiting -> transitioning -> training -> fault_detected -> planning -> transitioning -> training
+                                                                       -> unrecoverable
+
+Faults that arrive while a decision is under way are folded: they wait in `pending_faults` and
+the running decision, if its plan still uses one of those workers, is superseded instead of
+published, so a burst of faults yields a handful of plans, not one per fault.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+
+class Phase(StrEnum):
+    WAITING = "waiting"  # before the initial plan: workers are registering
+    TRAINING = "training"
+    FAULT_DETECTED = "fault_detected"
+    PLANNING = "planning"
+    TRANSITIONING = "transitioning"  # a plan is published, not every worker has acknowledged it
+    UNRECOVERABLE = "unrecoverable"
+
+
+@dataclass(frozen=True)
+class Transition:
+    source: Phase
+    target: Phase
+    generation: int
+    cause: str
+    at: float
+
+
+@dataclass(frozen=True)
+class DecisionRequest:
+    """What the planner is asked: every worker out now, the workers that may be taken back."""
+
+    failed: frozenset[str]
+    joined: frozenset[str]
+    faults: Mapping[str, str]  # worker -> cause, the new faults this decision answers
+    cause: str
+    first_event_at: float  # when the oldest folded event was received
+    generation: int  # the generation a plan from this request gets
+
+
+@dataclass(frozen=True)
+class DecisionResult:
+    """What the planner answered, reduced to what the machine needs."""
+
+    generation: int | None  # None: no new plan (unrecoverable, or nothing worth changing)
+    policy: str | None
+    workers: tuple[str, ...] = ()
+    unrecoverable: str | None = None
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """A fault's recovery is complete: every worker of the new plan committed a step."""
+
+    generation: int
+    policy: str
+    seconds: float
+
+
+@dataclass
+class _RecoveryWatch:
+    generation: int
+    policy: str
+    since: float
+    remaining: set[str]
+
+
+@dataclass
+class PolicyMachine:
+    ready_timeout_seconds: float = 30.0
+    phase: Phase = Phase.WAITING
+    generation: int = 0
+    failed: set[str] = field(default_factory=set)  # committed: excluded from the current plan
+    plan_workers: tuple[str, ...] = ()
+    awaiting_ready: set[str] = field(default_factory=set)
+    ready_deadline: float = 0.0
+    pending_faults: dict[str, str] = field(default_factory=dict)
+    pending_joins: set[str] = field(default_factory=set)
+    pending_since: float | None = None
+    in_flight: DecisionRequest | None = None
+    recovery: _RecoveryWatch | None = None
+
+    # ---- transitions -------------------------------------------------------------------------
+
+    def _move(self, target: Phase, cause: str, now: float) -> list[Transition]:
+        if target == self.phase:
+            return []
+        t = Transition(self.phase, target, self.generation, cause, now)
+        self.phase = target
+        return [t]
+
+    # ---- inputs ------------------------------------------------------------------------------
+
+    def fault(self, worker: str, cause: str, now: float) -> tuple[bool, list[Transition]]:
+        """A worker is reported out. Returns (new, transitions); new=False for a duplicate."""
+        in_flight = self.in_flight.failed if self.in_flight else frozenset()
+        if worker in self.failed or worker in self.pending_faults or worker in in_flight:
+            return False, []
+        self.pending_joins.discard(worker)
+        joining = self.in_flight.joined if self.in_flight else frozenset()
+        if self.phase is not Phase.WAITING and worker not in {*self.plan_workers, *joining}:
+            # Not running anything: no plan changes, it is simply no longer available.
+            self.failed.add(worker)
+            return True, []
+        self.pending_faults[worker] = cause
+        if self.pending_since is None:
+            self.pending_since = now
+        if self.phase in (Phase.TRAINING, Phase.TRANSITIONING):
+            return True, self._move(Phase.FAULT_DETECTED, f"{worker}: {cause}", now)
+        return True, []
+
+    def join(self, worker: str, now: float) -> tuple[bool, list[Transition]]:
+        """A worker outside the current plan is available (repaired, restarted or new)."""
+        if self.phase is Phase.WAITING:
+            return False, []
+        in_plan = worker in self.plan_workers and worker not in self.failed
+        in_flight = self.in_flight.joined if self.in_flight else frozenset()
+        if in_plan or worker in self.pending_joins or worker in in_flight:
+            return False, []
+        self.failed.discard(worker)
+        self.pending_joins.add(worker)
+        if self.pending_since is None:
+            self.pending_since = now
+        return True, []
+
+    def initial(self, generation: int, workers: Iterable[str], now: float) -> list[Transition]:
+        """Generation `generation` (the spec's layout) is published."""
+        self.generation = generation
+        self.plan_workers = tuple(sorted(workers))
+        self.awaiting_ready = set(self.plan_workers)
+        self.ready_deadline = now + self.ready_timeout_seconds
+        return self._move(Phase.TRANSITIONING, "initial plan", now)
+
+    def switch(
+        self, generation: int, workers: Iterable[str], now: float, cause: str
+    ) -> list[Transition]:
+        """Switch from a running reroute plan to the dynamic plan prepared alongside it (no new
+        fault: the decision was made with the reroute, the switch only pays off later)."""
+        if self.phase is not Phase.TRAINING or self.in_flight is not None:
+            raise ValueError(f"a switch needs a training job and no decision running: {self.phase}")
+        if generation <= self.generation:
+            raise ValueError(f"generation {generation} does not follow {self.generation}")
+        self.generation = generation
+        self.plan_workers = tuple(sorted(workers))
+        self.failed -= set(self.plan_workers)
+        self.awaiting_ready = set(self.plan_workers)
+        self.ready_deadline = now + self.ready_timeout_seconds
+        return self._move(Phase.TRANSITIONING, cause, now)
+
+    def next_request(self, now: float) -> tuple[DecisionRequest | None, list[Transition]]:
+        """Start a decision when one is due and none is running."""
+        if self.in_flight is not None or self.phase is Phase.WAITING:
+            return None, []
+        faults = dict(self.pending_faults)
+        # Joins wait until the job trains again: taking a worker back mid-transition helps nobody.
+        joins_due = self.phase in (Phase.TRAINING, Phase.UNRECOVERABLE) or bool(faults)
+        joins = set(self.pending_joins) - set(faults) if joins_due else set()
+        if not faults and not joins:
+            return None, []
+        parts = [f"{w}: {c}" for w, c in sorted(faults.items())]
+        parts += [f"{w} rejoined" for w in sorted(joins)]
+        request = DecisionRequest(
+            failed=frozenset(self.failed | set(faults)),
+            joined=frozenset(joins),
+            faults=faults,
+            cause="; ".join(parts),
+            first_event_at=self.pending_since if self.pending_since is not None else now,
+            generation=self.generation + 1,
+        )
+        self.pending_faults.clear()
+        self.pending_joins -= joins
+        self.pending_since = None
+        self.in_flight = request
+        return request, self._move(Phase.PLANNING, request.cause, now)
+
+    def decided(
+        self, request: DecisionRequest, result: DecisionResult, now: float
+    ) -> tuple[bool, list[Transition]]:
+        """The planner answered `request`. Returns (commit, transitions); commit=False means the
+        answer is superseded by faults that arrived meanwhile and is folded into the next one."""
+        self.in_flight = None
+        if result.generation is not None and set(self.pending_faults) & set(result.workers):
+            for w, c in request.faults.items():
+                self.pending_faults.setdefault(w, c)
+            self.pending_joins |= request.joined
+            self.pending_since = min(self.pending_since or now, request.first_event_at)
+            return False, self._move(Phase.FAULT_DETECTED, "superseded by later faults", now)
+        self.failed |= request.failed
+        if result.unrecoverable is not None:
+            return True, self._move(Phase.UNRECOVERABLE, result.unrecoverable, now)
+        if result.generation is None or result.policy is None:
+            self.failed -= request.joined
+            back = Phase.TRANSITIONING if self.awaiting_ready else Phase.TRAINING
+            return True, self._move(back, "current plan kept", now)
+        if result.generation <= self.generation:
+            raise ValueError(f"generation {result.generation} does not follow {self.generation}")
+        self.generation = result.generation
+        self.plan_workers = tuple(sorted(result.workers))
+        self.failed -= set(self.plan_workers)
+        self.awaiting_ready = set(self.plan_workers)
+        self.ready_deadline = now + self.ready_timeout_seconds
+        if request.faults:
+            self.recovery = _RecoveryWatch(
+                result.generation, result.policy, request.first_event_at, set(self.plan_workers)
+            )
+        cause = f"{result.policy} plan for {request.cause}"
+        return True, self._move(Phase.TRANSITIONING, cause, now)
+
+    def ready(self, worker: str, generation: int, now: float) -> tuple[bool, list[Transition]]:
+        """A worker acknowledged `generation` (process groups built, migration done)."""
+        if generation != self.generation or worker not in self.awaiting_ready:
+            return False, []
+        self.awaiting_ready.discard(worker)
+        if not self.awaiting_ready and self.phase is Phase.TRANSITIONING:
+            cause = f"every worker runs generation {generation}"
+            return True, self._move(Phase.TRAINING, cause, now)
+        return True, []
+
+    def step(
+        self, worker: str, generation: int, now: float
+    ) -> tuple[Recovery | None, list[Transition]]:
+        """A worker committed a step of `generation`; a step also proves the plan was taken up."""
+        transitions: list[Transition] = []
+        if worker in self.awaiting_ready:
+            transitions = self.ready(worker, generation, now)[1]
+        watch = self.recovery
+        if watch is None or generation != watch.generation:
+            return None, transitions
+        watch.remaining.discard(worker)
+        if watch.remaining:
+            return None, transitions
+        self.recovery = None
+        return Recovery(watch.generation, watch.policy, max(0.0, now - watch.since)), transitions
+
+    def overdue(self, now: float) -> tuple[str, ...]:
+        """Workers of the current plan that have not acknowledged it in time."""
+        if self.awaiting_ready and now > self.ready_deadline:
+            return tuple(sorted(self.awaiting_ready - self.failed - set(self.pending_faults)))
+        return ()
+
+    def busy(self) -> bool:
+        return self.in_flight is not None
+
+    # ---- persistence -------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The committed part of the machine; pending faults are not in it (their stream entries
+        are still unacknowledged, so a restarted daemon reads them again)."""
+        rec = self.recovery
+        phase = self.phase
+        if phase in (Phase.FAULT_DETECTED, Phase.PLANNING):
+            phase = Phase.TRANSITIONING if self.awaiting_ready else Phase.TRAINING
+        return {
+            "phase": phase.value,
+            "generation": self.generation,
+            "failed": sorted(self.failed),
+            "plan_workers": list(self.plan_workers),
+            "awaiting_ready": sorted(self.awaiting_ready),
+            "ready_deadline": self.ready_deadline,
+            "recovery": None
+            if rec is None
+            else {
+                "generation": rec.generation,
+                "policy": rec.policy,
+                "since": rec.since,
+                "remaining": sorted(rec.remaining),
+            },
+        }
+
+    @classmethod
+    def restore(cls, d: Mapping[str, Any], *, ready_timeout_seconds: float) -> PolicyMachine:
+        rec = d.get("recovery")
+        return cls(
+            ready_timeout_seconds=ready_timeout_seconds,
+            phase=Phase(d["phase"]),
+            generation=int(d["generation"]),
+            failed=set(d["failed"]),
+            plan_workers=tuple(d["plan_workers"]),
+            awaiting_ready=set(d["awaiting_ready"]),
+            ready_deadline=float(d["ready_deadline"]),
+            recovery=None
+            if not rec
+            else _RecoveryWatch(
+                int(rec["generation"]),
+                str(rec["policy"]),
+                float(rec["since"]),
+                set(rec["remaining"]),
+            ),
+        )

@@ -1,0 +1,187 @@
+"""`chameleond run` starts the daemon; `chameleond check` exits 0 when it is healthy, 1 otherwise.
+
+Settings come from the TOML file (--config), CHAMELEON_* environment variables and flags; flags
+win. Without --redis-url an embedded redis-server is started (append-only in the state
+directory) and its URL and a ready-to-paste redis-cli line are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import redis
+import uvloop
+
+from chameleond.core.spec import JobSpec, SpecError, load_spec
+from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
+from chameleond.protocol import CONSUMER_GROUP, Keys
+from chameleond.redis_server import RedisServer, redis_binary
+
+log = logging.getLogger("chameleond")
+
+
+def _add_settings(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML file of settings (or CHAMELEON_CONFIG)")
+    defaults = Config()
+    for name, f in FIELDS.items():
+        default = getattr(defaults, name)
+        kind = type(default)
+        shown = f"default {default!r}" if default != "" else "default: see text"
+        p.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=kind,
+            default=None,
+            metavar=f.name.split("_")[-1].upper() if kind is not str else "VALUE",
+            help=f"{HELP[name]} ({shown}; env CHAMELEON_{name.upper()})",
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chameleond", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = sub.add_parser(
+        "run", help="run the daemon", description="Run the daemon in the foreground. " + __doc__
+    )
+    _add_settings(run)
+    check = sub.add_parser(
+        "check",
+        help="exit 0 if the running daemon is healthy (or, with --config-only, if the settings "
+        "and job spec are valid), 1 otherwise",
+    )
+    _add_settings(check)
+    check.add_argument("--config-only", action="store_true", help="only validate the settings")
+    return parser
+
+
+def settings(args: argparse.Namespace) -> Config:
+    flags = {name: getattr(args, name) for name in FIELDS}
+    return load(args.config, os.environ, flags)
+
+
+def job_spec(cfg: Config) -> JobSpec:
+    if cfg.spec:
+        return load_spec(cfg.spec)
+    from chameleond.jobs import load_default_spec
+
+    spec: JobSpec = load_default_spec()
+    return spec
+
+
+def _embedded(cfg: Config) -> RedisServer:
+    """The embedded redis-server; an orphan of a previous run on the same state dir is adopted."""
+    data = (cfg.state_path / "redis").resolve()
+    server = RedisServer(data, host="127.0.0.1", port=cfg.embedded_redis_port)
+    probe = redis.Redis(host="127.0.0.1", port=cfg.embedded_redis_port, socket_timeout=1.0)
+    try:
+        found = probe.config_get("dir").get("dir")
+        if found and Path(found).resolve() == data:
+            log.info("reusing the embedded redis-server already serving %s", data)
+            return server  # not started by us: stop() leaves it alone
+        raise SystemExit(
+            f"port {cfg.embedded_redis_port} is taken by a Redis serving {found}; "
+            "pass --redis-url or --embedded-redis-port"
+        )
+    except redis.ConnectionError:
+        pass
+    finally:
+        probe.close()
+    return server.start()
+
+
+def run(cfg: Config) -> int:
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        spec = job_spec(cfg)
+    except SpecError as e:
+        print(f"chameleond: job spec: {e}", file=sys.stderr)
+        return 1
+    server = None
+    url = cfg.redis_url
+    if not url:
+        try:
+            server = _embedded(cfg)
+        except (RuntimeError, TimeoutError, OSError) as e:
+            print(f"chameleond: embedded Redis: {e}", file=sys.stderr)
+            return 1
+        url = server.url
+        cli = f"{redis_binary('redis-cli')} -h {server.host} -p {server.port}"
+        print(f"chameleond: embedded Redis at {url} (data in {server.data_dir})", flush=True)
+        print(
+            f"chameleond: send a fault with:\n  {cli} XADD {Keys(cfg.job).events} '*' "
+            'type fault worker w3 cause "ECC error"',
+            flush=True,
+        )
+    from chameleond.daemon.service import Service
+
+    async def main() -> int:
+        service = Service(cfg, spec, url)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, service.shutdown)
+        return await service.run()
+
+    try:
+        return uvloop.run(main())
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def check(cfg: Config, config_only: bool) -> tuple[bool, str]:
+    try:
+        spec = job_spec(cfg)
+    except SpecError as e:
+        return False, f"job spec: {e}"
+    if config_only:
+        return True, f"settings and job spec valid ({len(spec.workers)} workers)"
+    try:
+        with urllib.request.urlopen(f"http://{cfg.http}/readyz", timeout=3) as r:
+            body: dict[str, Any] = json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return False, f"not ready: HTTP {e.code} {e.read().decode(errors='replace')}"
+    except (OSError, ValueError) as e:
+        return False, f"no daemon answering on http://{cfg.http}: {e}"
+    url = cfg.redis_url or f"redis://127.0.0.1:{cfg.embedded_redis_port}/0"
+    try:
+        client = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
+        groups = client.xinfo_groups(Keys(cfg.job).events)
+        client.close()
+    except redis.RedisError as e:
+        return False, f"Redis: {e}"
+    if not any(g["name"] in (CONSUMER_GROUP, CONSUMER_GROUP.encode()) for g in groups):
+        return False, f"consumer group {CONSUMER_GROUP!r} missing on {Keys(cfg.job).events}"
+    return True, f"ready: job {cfg.job} {body.get('state')}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = settings(args)
+    except ConfigError as e:
+        print(f"chameleond: {e}", file=sys.stderr)
+        return 1 if args.command == "check" else 2
+    if args.command == "check":
+        ok, why = check(cfg, args.config_only)
+        print(f"chameleond check: {why}")
+        return 0 if ok else 1
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

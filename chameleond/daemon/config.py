@@ -1,0 +1,185 @@
+"""The daemon's configuration: defaults < TOML file < CHAMELEON_* environment variables < flags.
+
+Every setting is one field of `Config`, one top-level key of the TOML file (same name), one
+environment variable (`CHAMELEON_` + the name in capitals) and one flag (`--` + the name with
+dashes). `chameleond run --help` lists them all from `FIELDS`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("adaptive", "reroute", "dynamic")
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names it and where it came from."""
+
+
+@dataclass(frozen=True)
+class Config:
+    job: str = "default"
+    redis_url: str = ""  # empty: start an embedded redis-server
+    embedded_redis_port: int = 6380
+    state_dir: str = ""  # empty: $STATE_DIRECTORY (systemd) or ./state
+    http: str = "127.0.0.1:9464"
+    spec: str = ""  # empty: the packaged default job (chameleond/jobs/cpu-small.toml)
+    policy: str = "adaptive"
+    min_workers: int = 0  # 0: every worker of the spec must register before the initial plan
+    heartbeat_timeout_seconds: float = 3.0
+    ready_timeout_seconds: float = 30.0
+    block_ms: int = 1000
+    socket_timeout_seconds: float = 5.0
+    batch_count: int = 512
+    max_deliveries: int = 5
+    claim_idle_seconds: float = 30.0
+    stream_maxlen: int = 100_000
+    persist_interval_seconds: float = 1.0
+    consumer: str = ""  # empty: the host name (stable, so a restart re-reads its own pending)
+    decision_delay_seconds: float = 0.0  # fault injection: hold each decision before committing
+    log_level: str = "info"
+
+    @property
+    def http_host(self) -> str:
+        return self.http.rsplit(":", 1)[0]
+
+    @property
+    def http_port(self) -> int:
+        return int(self.http.rsplit(":", 1)[1])
+
+    @property
+    def state_path(self) -> Path:
+        if self.state_dir:
+            return Path(self.state_dir)
+        # systemd's StateDirectory= exports the path; it may list several, separated by ':'.
+        env = os.environ.get("STATE_DIRECTORY", "")
+        return Path(env.split(":")[0]) if env else Path("state")
+
+    @property
+    def consumer_name(self) -> str:
+        return self.consumer or os.uname().nodename or "chameleond"
+
+
+HELP: dict[str, str] = {
+    "job": "job name: every Redis key lives under chameleon:{job}:",
+    "redis_url": "Redis to use (redis://, rediss:// for TLS, user:password@ for ACL); "
+    "empty starts an embedded redis-server",
+    "embedded_redis_port": "port of the embedded redis-server on 127.0.0.1",
+    "state_dir": "directory of the embedded Redis data (append-only file); "
+    "default $STATE_DIRECTORY under systemd, else ./state",
+    "http": "HOST:PORT of the HTTP endpoint (/metrics, /healthz, /readyz, /api/v1/...)",
+    "spec": "job description file (TOML/JSON); default: the packaged cpu-small job",
+    "policy": "adaptive (the selector decides), or force reroute / dynamic",
+    "min_workers": "registered workers needed for the initial plan; 0 = every worker of the spec",
+    "heartbeat_timeout_seconds": "a worker of the plan silent this long is declared failed",
+    "ready_timeout_seconds": "a worker not acknowledging a plan this long is declared failed",
+    "block_ms": "XREADGROUP BLOCK in milliseconds (keep well under the socket timeout)",
+    "socket_timeout_seconds": "Redis client socket timeout",
+    "batch_count": "stream entries read per XREADGROUP (COUNT)",
+    "max_deliveries": "an entry delivered this many times without success goes to dead letters",
+    "claim_idle_seconds": "pending entries idle this long are claimed again (XAUTOCLAIM)",
+    "stream_maxlen": "approximate length the event stream is trimmed to",
+    "persist_interval_seconds": "how often heartbeat/step progress is written to Redis",
+    "consumer": "consumer name in the group; default: the host name",
+    "decision_delay_seconds": "fault injection for tests: hold each decision this long before "
+    "committing it",
+    "log_level": "debug, info, warning or error",
+}
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def _coerce(name: str, value: Any, origin: str) -> Any:
+    kind = type(getattr(Config(), name))
+    try:
+        if kind is bool:
+            return str(value).lower() in ("1", "true", "yes", "on")
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{origin}: {name} must be {kind.__name__}, got {value!r}") from None
+
+
+def from_mapping(base: Config, values: Mapping[str, Any], origin: str) -> Config:
+    changes: dict[str, Any] = {}
+    for key, value in values.items():
+        name = key.replace("-", "_")
+        if name not in FIELDS:
+            raise ConfigError(f"{origin}: unknown setting {key!r}")
+        changes[name] = _coerce(name, value, origin)
+    return replace(base, **changes)
+
+
+def from_env(base: Config, environ: Mapping[str, str]) -> Config:
+    values = {
+        name: environ[f"CHAMELEON_{name.upper()}"]
+        for name in FIELDS
+        if f"CHAMELEON_{name.upper()}" in environ
+    }
+    return from_mapping(base, values, "environment")
+
+
+def load(path: str | None, environ: Mapping[str, str], flags: Mapping[str, Any]) -> Config:
+    """Defaults, then the file (--config or CHAMELEON_CONFIG), then the environment, then flags."""
+    cfg = Config()
+    path = path or environ.get("CHAMELEON_CONFIG") or None
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: {e.strerror}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        cfg = from_mapping(cfg, data, path)
+    cfg = from_env(cfg, environ)
+    cfg = from_mapping(cfg, {k: v for k, v in flags.items() if v is not None}, "flags")
+    return validate(cfg)
+
+
+def validate(cfg: Config) -> Config:
+    if not cfg.job or any(c.isspace() or c in ":{}" for c in cfg.job):
+        raise ConfigError(f"job: {cfg.job!r} must be a name without spaces, ':' or braces")
+    if cfg.policy not in POLICIES:
+        raise ConfigError(f"policy: {cfg.policy!r} is not one of {', '.join(POLICIES)}")
+    host, sep, port = cfg.http.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ConfigError(f"http: {cfg.http!r} must be HOST:PORT")
+    if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError(
+            f"redis_url: {cfg.redis_url!r} must start with redis://, rediss:// or unix://"
+        )
+    if cfg.block_ms <= 0 or cfg.block_ms >= cfg.socket_timeout_seconds * 1000 / 2:
+        raise ConfigError(
+            f"block_ms: {cfg.block_ms} must be > 0 and well under the socket timeout "
+            f"({cfg.socket_timeout_seconds} s): at most half of it"
+        )
+    positive = (
+        "heartbeat_timeout_seconds",
+        "ready_timeout_seconds",
+        "batch_count",
+        "max_deliveries",
+        "claim_idle_seconds",
+        "stream_maxlen",
+        "persist_interval_seconds",
+        "embedded_redis_port",
+    )
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"{name}: must be > 0, got {getattr(cfg, name)!r}")
+    if cfg.min_workers < 0 or cfg.decision_delay_seconds < 0:
+        raise ConfigError("min_workers and decision_delay_seconds must be >= 0")
+    if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"log_level: {cfg.log_level!r} is not debug, info, warning or error")
+    return cfg

@@ -1,0 +1,153 @@
+"""Reliable reading of the job's event stream through the consumer group.
+
+XREADGROUP blocks for `block_ms`, well under the client's socket timeout, so a quiet stream never
+looks like a dead connection. Entries are acknowledged by the service only once their effect is
+durable. At start the consumer re-reads its own pending entries (id 0: delivered to this consumer
+name before a crash, never acknowledged); periodically it claims entries left idle by any consumer
+(XAUTOCLAIM), and reports how often each was delivered so a poison entry can be dead-lettered.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from chameleond.protocol import CONSUMER_GROUP, Keys
+
+log = logging.getLogger("chameleond.consumer")
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    fields: dict[bytes, bytes] | None  # None: trimmed from the stream before it was handled
+    deliveries: int = 1
+
+
+def _id(raw: Any) -> str:
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+class StreamConsumer:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        consumer: str,
+        *,
+        block_ms: int,
+        count: int,
+        claim_idle_ms: int,
+        maxlen: int,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.consumer = consumer
+        self.block_ms = block_ms
+        self.count = count
+        self.claim_idle_ms = claim_idle_ms
+        self.maxlen = maxlen
+        self._claim_cursor = "0-0"
+
+    async def ensure_group(self) -> None:
+        """Create the group at the start of the stream: events sent before the daemon's first start
+        (a fault typed by an operator) are handled too."""
+        try:
+            await self.client.xgroup_create(self.keys.events, CONSUMER_GROUP, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    async def read(self) -> list[Entry]:
+        """New entries, blocking up to block_ms."""
+        reply: Any = await self.client.xreadgroup(
+            CONSUMER_GROUP,
+            self.consumer,
+            {self.keys.events: ">"},
+            count=self.count,
+            block=self.block_ms,
+        )
+        return [Entry(_id(i), f) for _, entries in reply or [] for i, f in entries]
+
+    async def own_pending(self, after: str = "0") -> list[Entry]:
+        """Entries delivered to this consumer and never acknowledged, oldest first, one page."""
+        try:
+            reply: Any = await self.client.xreadgroup(
+                CONSUMER_GROUP, self.consumer, {self.keys.events: after}, count=self.count
+            )
+        except (TypeError, AttributeError):
+            # An entry was deleted from the stream while pending: the client cannot decode the
+            # reply, so rebuild the page from XPENDING + XRANGE.
+            return await self._pending_by_range(after)
+        entries = [Entry(_id(i), f or None) for _, es in reply or [] for i, f in es]
+        return await self._with_deliveries(entries)
+
+    async def _pending_by_range(self, after: str) -> list[Entry]:
+        start = "(" + after if after != "0" else "-"
+        rows = await self.client.xpending_range(
+            self.keys.events,
+            CONSUMER_GROUP,
+            min=start,
+            max="+",
+            count=self.count,
+            consumername=self.consumer,
+        )
+        if not rows:
+            return []
+        ids = [_id(r["message_id"]) for r in rows]
+        rows_found: Any = await self.client.xrange(self.keys.events, ids[0], ids[-1])
+        found: dict[str, Any] = {_id(i): f for i, f in rows_found}
+        return [
+            Entry(i, found.get(i), int(r["times_delivered"]) + 1)
+            for i, r in zip(ids, rows, strict=True)
+        ]
+
+    async def claim_stale(self) -> list[Entry]:
+        """Entries idle for claim_idle_ms under any consumer name (a daemon that died on another
+        host, or a handler that failed), claimed by this one; a page per call."""
+        try:
+            reply: Any = await self.client.xautoclaim(
+                self.keys.events,
+                CONSUMER_GROUP,
+                self.consumer,
+                self.claim_idle_ms,
+                start_id=self._claim_cursor,
+                count=self.count,
+            )
+        except ResponseError as e:
+            log.warning("XAUTOCLAIM failed: %s", e)
+            return []
+        cursor, claimed = reply[0], reply[1]
+        self._claim_cursor = _id(cursor)
+        entries = [Entry(_id(i), f or None) for i, f in claimed if i is not None]
+        return await self._with_deliveries(entries)
+
+    async def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
+        if not entries:
+            return []
+        rows = await self.client.xpending_range(
+            self.keys.events,
+            CONSUMER_GROUP,
+            min=entries[0].id,
+            max=entries[-1].id,
+            count=len(entries) * 2 + 16,
+            consumername=self.consumer,
+        )
+        times = {_id(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        return [Entry(e.id, e.fields, times.get(e.id, 1)) for e in entries]
+
+    async def trim(self) -> None:
+        """Keep the stream near maxlen, but never cut an entry that is still pending."""
+        length = await self.client.xlen(self.keys.events)
+        if length <= self.maxlen:
+            return
+        summary = await self.client.xpending(self.keys.events, CONSUMER_GROUP)
+        if not summary or not summary.get("pending"):
+            await self.client.xtrim(self.keys.events, maxlen=self.maxlen, approximate=True)
+            return
+        oldest = _id(summary["min"])
+        await self.client.xtrim(self.keys.events, minid=oldest, approximate=True)

@@ -1,0 +1,89 @@
+"""Failure detection: heartbeat lapse, plans not acknowledged in time, and fencing.
+
+What the detector suspects it writes to the event stream as an ordinary `fault` (with
+`source=detector`), so a suspicion takes the same durable path as a reported fault and an operator
+sees it in the stream. A worker declared failed that still heartbeats is fenced: it is in the
+plan's `excluded` list, and the current generation is published again now and then so it learns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from redis.exceptions import RedisError
+
+from chameleond.core.machine import Phase
+
+if TYPE_CHECKING:
+    from chameleond.daemon.service import Service
+
+log = logging.getLogger("chameleond.detector")
+TICK_SECONDS = 0.2
+NUDGE_SECONDS = 2.0
+
+
+class Detector:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.reported: dict[str, float] = {}  # worker -> when a suspicion was written
+        self.last_nudge = 0.0
+        self.fenced_logged: set[str] = set()
+
+    def suspects(self, now: float) -> dict[str, str]:
+        """Workers of the current plan to declare failed now, with the reason."""
+        svc = self.service
+        job, cfg = svc.job, svc.cfg
+        m = job.machine
+        if m.phase in (Phase.WAITING, Phase.UNRECOVERABLE) or job.plan is None:
+            return {}
+        hold = max(2.0, cfg.heartbeat_timeout_seconds)
+        out: dict[str, str] = {}
+        for w in m.plan_workers:
+            if w in m.failed or job.pending(w) or now - self.reported.get(w, 0.0) < hold:
+                continue
+            age = now - job.worker(w).last_heartbeat
+            if age > cfg.heartbeat_timeout_seconds:
+                out[w] = (
+                    f"heartbeat lapse: none for {age:.1f} s "
+                    f"(timeout {cfg.heartbeat_timeout_seconds:g} s)"
+                )
+        for w in m.overdue(now):
+            if w not in out and not job.pending(w) and now - self.reported.get(w, 0.0) >= hold:
+                out[w] = (
+                    f"did not acknowledge generation {m.generation} within "
+                    f"{cfg.ready_timeout_seconds:g} s"
+                )
+        return out
+
+    def fenced_alive(self, now: float) -> list[str]:
+        svc = self.service
+        job = svc.job
+        states = job.worker_states(now, svc.cfg.heartbeat_timeout_seconds)
+        return sorted(w for w, s in states.items() if s == "fenced")
+
+    async def run(self) -> None:
+        svc = self.service
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            now = time.time()
+            try:
+                for worker, cause in self.suspects(now).items():
+                    self.reported[worker] = now
+                    log.warning("suspect %s: %s", worker, cause)
+                    assert svc.client is not None
+                    await svc.client.xadd(
+                        svc.keys.events,
+                        {"type": "fault", "worker": worker, "cause": cause, "source": "detector"},
+                    )
+                fenced = self.fenced_alive(now)
+                for w in set(fenced) - self.fenced_logged:
+                    log.warning("fenced %s: declared failed but still heartbeating", w)
+                self.fenced_logged = set(fenced)
+                if fenced and now - self.last_nudge >= NUDGE_SECONDS:
+                    self.last_nudge = now
+                    await svc.broadcaster.nudge(svc.job.machine.generation)
+            except (RedisError, OSError) as e:
+                log.warning("detector: %s", e)

@@ -1,0 +1,264 @@
+"""One job as the daemon sees it: the spec, the current plan, the workers, the policy state machine.
+
+Handlers change it; the service turns what changed into durable commits. No I/O here: the
+service persists `snapshot()` and the buffered `records`, and acknowledges stream entries only
+once the effect they caused is in Redis (`owed` holds the entries a pending decision answers).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recovery, Transition
+from chameleond.core.plan import Plan
+from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
+from chameleond.daemon.jobspec import measured_layers, profile_from_json, profile_to_json
+
+WORKER_STATES = ("waiting", "active", "failed", "fenced", "stopped")
+RECORDS_KEEP = 10_000  # decision/transition entries kept in the decisions stream
+
+
+@dataclass
+class WorkerRecord:
+    id: str
+    host: str = ""
+    device: str = ""
+    memory_bytes: int = 0
+    registered: bool = False
+    stopped_generation: int = 0
+    last_heartbeat: float = 0.0  # soft state: wall-clock time of the last heartbeat seen
+    profile: dict[int, LayerProfile] = field(default_factory=dict)
+
+
+@dataclass
+class StepMeter:
+    """Measured throughput in O(1) memory: a step is done when every worker of the plan reported
+    it (or a later step shows up); its time is the slowest worker's."""
+
+    generation: int = 0
+    step: int = -1
+    samples: int = 0
+    seconds: float = 0.0
+    reporters: int = 0
+    samples_per_second: float = 0.0
+    last_loss: float = float("nan")
+
+    def report(
+        self, generation: int, step: int, samples: int, seconds: float, loss: float, expected: int
+    ) -> bool:
+        """Returns False for a report of a step that is already finished (stale or duplicate)."""
+        if (generation, step) < (self.generation, self.step):
+            return False
+        if (generation, step) > (self.generation, self.step):
+            self._finish()
+            self.generation, self.step, self.samples, self.seconds = generation, step, samples, 0.0
+            self.reporters = 0
+        self.seconds = max(self.seconds, seconds)
+        self.reporters += 1
+        self.last_loss = loss
+        if self.reporters >= expected:
+            self._finish()
+        return True
+
+    def _finish(self) -> None:
+        if self.reporters and self.seconds > 0:
+            self.samples_per_second = self.samples / self.seconds
+        self.reporters = 0
+
+
+class Job:
+    def __init__(self, name: str, spec: JobSpec, *, policy: str, machine: PolicyMachine) -> None:
+        self.name = name
+        self.base_spec = spec
+        self.policy = policy  # adaptive | reroute | dynamic
+        self.machine = machine
+        self.workers: dict[str, WorkerRecord] = {w.id: WorkerRecord(w.id) for w in spec.workers}
+        self.extra_workers: dict[str, WorkerSpec] = {}  # registered workers the spec does not list
+        self.plan: Plan | None = None
+        self.started = 0.0  # when the initial plan was made: start of the MTBF exposure window
+        self.fault_times: list[float] = []
+        self.last_decision: dict[str, Any] | None = None
+        self.owed: dict[str, list[str]] = {}  # worker -> entry ids acked when its decision commits
+        self.records: list[dict[str, str]] = []  # transitions awaiting a durable write
+        self.dirty = False  # snapshot changed since the last commit
+        self.meter = StepMeter()
+        self.recoveries: list[Recovery] = []  # completed recoveries, drained into the metrics
+        self._spec_cache: JobSpec | None = None
+
+    # ---- the spec the planner sees -----------------------------------------------------------
+
+    def reset_spec(self, spec: JobSpec) -> None:
+        """Plan with `spec` (the job's stored spec wins over the configured one on a restart)."""
+        self.base_spec = spec
+        self.workers = {w.id: WorkerRecord(w.id) for w in spec.workers}
+        self._spec_cache = None
+
+    @property
+    def spec(self) -> JobSpec:
+        if self._spec_cache is None:
+            spec = self.base_spec
+            if self.extra_workers:
+                spec = spec.with_workers(spec.workers + tuple(self.extra_workers.values()))
+            profiles = [w.profile for w in self.workers.values() if w.profile]
+            if profiles:
+                spec = spec.with_layers(measured_layers(spec.layers, profiles))
+            self._spec_cache = spec
+        return self._spec_cache
+
+    def spec_changed(self) -> None:
+        self._spec_cache = None
+        self.dirty = True
+
+    def knows(self, worker: str) -> bool:
+        return worker in self.workers
+
+    def worker(self, worker: str) -> WorkerRecord:
+        rec = self.workers.get(worker)
+        if rec is None:
+            rec = self.workers[worker] = WorkerRecord(worker)
+        return rec
+
+    # ---- what handlers call ------------------------------------------------------------------
+
+    def record(self, transitions: list[Transition]) -> None:
+        for t in transitions:
+            self.records.append(
+                {
+                    "kind": "transition",
+                    "from": t.source.value,
+                    "to": t.target.value,
+                    "generation": str(t.generation),
+                    "cause": t.cause,
+                    "at": f"{t.at:.6f}",
+                }
+            )
+        if transitions:
+            self.dirty = True
+
+    def owe(self, worker: str, entry_id: str) -> None:
+        self.owed.setdefault(worker, []).append(entry_id)
+
+    def pending(self, worker: str) -> bool:
+        """A decision about this worker is pending or running."""
+        m = self.machine
+        flight = m.in_flight
+        return (
+            worker in m.pending_faults
+            or worker in m.pending_joins
+            or (flight is not None and (worker in flight.failed or worker in flight.joined))
+        )
+
+    def registered_spec_workers(self) -> int:
+        return sum(1 for w in self.base_spec.workers if self.workers[w.id].registered)
+
+    def initial_due(self, min_workers: int) -> bool:
+        need = min_workers or len(self.base_spec.workers)
+        return self.machine.phase is Phase.WAITING and self.registered_spec_workers() >= need
+
+    # ---- decisions -----------------------------------------------------------------------------
+
+    def force(self) -> str | None:
+        return None if self.policy == "adaptive" else self.policy
+
+    def acks_for(self, request: DecisionRequest | None) -> list[str]:
+        """Entry ids a committed decision answers (its faults and joins, with their duplicates)."""
+        workers = set(request.faults) | set(request.joined) if request else set()
+        # Faults about workers outside the plan went straight to `failed`: nothing else covers them.
+        workers |= {w for w in self.owed if not self.pending(w)}
+        return [i for w in sorted(workers) for i in self.owed.pop(w, [])]
+
+    def adopt(self, plan: Plan, failed: set[str]) -> Plan:
+        """The plan as published: every failed worker fenced through `excluded`."""
+        excluded = tuple(sorted(set(plan.excluded) | (failed - set(plan.workers))))
+        return replace(plan, excluded=excluded)
+
+    # ---- persistence ---------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "machine": self.machine.snapshot(),
+            "started": self.started,
+            "fault_times": self.fault_times[-1000:],
+            "last_decision": self.last_decision,
+            "extra_workers": [
+                {"id": w.id, "host": w.host, "memory_bytes": w.memory_bytes, "device": w.device}
+                for w in self.extra_workers.values()
+            ],
+            "workers": {
+                w.id: {
+                    "host": w.host,
+                    "device": w.device,
+                    "memory_bytes": w.memory_bytes,
+                    "registered": w.registered,
+                    "stopped_generation": w.stopped_generation,
+                    "profile": profile_to_json(w.profile),
+                }
+                for w in self.workers.values()
+            },
+        }
+
+    def restore(self, snap: dict[str, Any], plan: Plan | None, *, ready_timeout: float) -> None:
+        self.machine = PolicyMachine.restore(snap["machine"], ready_timeout_seconds=ready_timeout)
+        self.plan = plan
+        self.started = float(snap.get("started", 0.0))
+        self.fault_times = [float(t) for t in snap.get("fault_times", [])]
+        self.last_decision = snap.get("last_decision")
+        for w in snap.get("extra_workers", []):
+            self.extra_workers[w["id"]] = WorkerSpec(
+                str(w["id"]), str(w["host"]), int(w["memory_bytes"]), str(w["device"])
+            )
+        for wid, d in snap.get("workers", {}).items():
+            rec = self.worker(wid)
+            rec.host, rec.device = str(d["host"]), str(d["device"])
+            rec.memory_bytes, rec.registered = int(d["memory_bytes"]), bool(d["registered"])
+            rec.stopped_generation = int(d["stopped_generation"])
+            rec.profile = profile_from_json(d["profile"])
+        now = time.time()
+        # Nobody could acknowledge or heartbeat to a daemon that was down: start the clocks again.
+        m = self.machine
+        m.ready_deadline = max(m.ready_deadline, now + ready_timeout)
+        for rec in self.workers.values():
+            rec.last_heartbeat = now
+        self._spec_cache = None
+
+    # ---- views ---------------------------------------------------------------------------------
+
+    def worker_state(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> str | None:
+        m = self.machine
+        alive = now - rec.last_heartbeat <= heartbeat_timeout and rec.last_heartbeat > 0
+        if rec.id in m.failed or (self.plan and rec.id in self.plan.excluded):
+            if rec.stopped_generation >= m.generation and m.generation:
+                return "stopped"
+            return "fenced" if alive else "failed"
+        if rec.id in m.plan_workers:
+            return "active"
+        return "waiting" if rec.registered else None
+
+    def worker_states(self, now: float, heartbeat_timeout: float) -> dict[str, str]:
+        out = {}
+        for rec in self.workers.values():
+            state = self.worker_state(rec, now, heartbeat_timeout)
+            if state is not None:
+                out[rec.id] = state
+        return out
+
+    def observe_step(
+        self,
+        worker: str,
+        generation: int,
+        step: int,
+        samples: int,
+        seconds: float,
+        loss: float,
+        now: float,
+    ) -> bool:
+        """Returns False for a stale or repeated step report."""
+        expected = len(self.machine.plan_workers) or 1
+        fresh = self.meter.report(generation, step, samples, seconds, loss, expected)
+        recovery, transitions = self.machine.step(worker, generation, now)
+        self.record(transitions)
+        if recovery is not None:
+            self.recoveries.append(recovery)
+        return fresh

@@ -1,0 +1,95 @@
+"""Prometheus metrics of one daemon, on its own CollectorRegistry (tests build a fresh one each).
+
+Names and labels are part of the interface (docs/daemon.md, dashboards/chameleond.json)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from chameleond.core.machine import Phase
+from chameleond.daemon.job import WORKER_STATES
+from chameleond.protocol import EVENT_TYPES
+
+OUTCOMES = ("handled", "invalid", "duplicate")
+POLICY_LABELS = ("reroute", "dynamic", "initial")
+# Decisions take milliseconds to seconds; recoveries seconds to minutes.
+DECISION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.events = Counter(
+            "chameleon_events",
+            "Events read from the job's stream, by type and outcome.",
+            ["type", "outcome"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "chameleon_decision_seconds",
+            "Time from a fault received to its plan published.",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.recovery_seconds = Histogram(
+            "chameleon_recovery_seconds",
+            "From a fault received to the first step committed by every worker of the new plan.",
+            ["policy"],
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.policy_decisions = Counter(
+            "chameleon_policy_decisions",
+            "Plans published, by the policy they follow.",
+            ["policy"],
+            registry=r,
+        )
+        self.training_throughput = Gauge(
+            "chameleon_training_throughput_samples_per_second",
+            "Measured: samples of the last finished step over its slowest worker's time.",
+            registry=r,
+        )
+        self.estimated_throughput = Gauge(
+            "chameleon_estimated_throughput_samples_per_second",
+            "The performance model's throughput of the current plan (global batch / step time).",
+            registry=r,
+        )
+        self.workers = Gauge(
+            "chameleon_workers", "Workers of the job by state.", ["state"], registry=r
+        )
+        self.generation = Gauge(
+            "chameleon_plan_generation", "Generation of the current plan.", registry=r
+        )
+        self.job_state = Gauge(
+            "chameleon_job_state",
+            "1 for the job's current phase, 0 for the others.",
+            ["state"],
+            registry=r,
+        )
+        # Every label value exists from the start, so dashboards and alerts see zeros, not gaps.
+        for kind in (*EVENT_TYPES, "unknown"):
+            for outcome in OUTCOMES:
+                self.events.labels(kind, outcome)
+        for policy in POLICY_LABELS:
+            self.policy_decisions.labels(policy)
+            self.recovery_seconds.labels(policy)
+        for state in WORKER_STATES:
+            self.workers.labels(state)
+        for phase in Phase:
+            self.job_state.labels(phase.value)
+
+    def set_phase(self, phase: Phase) -> None:
+        for p in Phase:
+            self.job_state.labels(p.value).set(1.0 if p is phase else 0.0)
+
+    def set_workers(self, states: dict[str, str]) -> None:
+        counts = dict.fromkeys(WORKER_STATES, 0)
+        for s in states.values():
+            counts[s] += 1
+        for state, n in counts.items():
+            self.workers.labels(state).set(n)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

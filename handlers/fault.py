@@ -1,0 +1,34 @@
+"""`fault`: a worker (or a node, named like a worker) is out. New faults wait for the next
+decision; the entry is acknowledged when that decision is committed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from chameleond.protocol import Event, EventError
+from handlers import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome, handles
+
+if TYPE_CHECKING:
+    from chameleond.daemon.job import Job
+
+
+@handles("fault")
+def handle_fault(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+    worker = event.worker
+    if not job.knows(worker):
+        raise EventError(f"fault names {worker!r}, which is not a worker of job {job.name!r}")
+    cause = event.get("cause") or "reported failed"
+    if job.pending(worker):
+        # Already part of the next decision: ack with it, never earlier.
+        job.owe(worker, entry_id)
+        return DUPLICATE_OWED
+    new, transitions = job.machine.fault(worker, cause, now)
+    job.record(transitions)
+    if not new:
+        return DUPLICATE
+    job.fault_times.append(now)
+    job.dirty = True
+    if job.pending(worker):
+        job.owe(worker, entry_id)
+        return HANDLED_OWED
+    return HANDLED  # the worker ran nothing: marked failed in the snapshot committed with the ack

@@ -1,0 +1,34 @@
+"""`rejoin`: a worker outside the current plan (repaired, restarted) is available again. The
+planner decides whether and how to take it back (decide(joined=...))."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from chameleond.protocol import Event, EventError
+from handlers import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome, handles
+
+if TYPE_CHECKING:
+    from chameleond.daemon.job import Job
+
+
+def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
+    if job.pending(worker):
+        job.owe(worker, entry_id)
+        return DUPLICATE_OWED
+    new, transitions = job.machine.join(worker, now)
+    job.record(transitions)
+    if not new:
+        return DUPLICATE
+    if job.pending(worker):
+        job.owe(worker, entry_id)
+        return HANDLED_OWED
+    return HANDLED
+
+
+@handles("rejoin")
+def handle_rejoin(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+    if not job.knows(event.worker) or not job.workers[event.worker].registered:
+        raise EventError(f"rejoin from {event.worker!r}, which never registered: send register")
+    job.worker(event.worker).last_heartbeat = now
+    return join(job, event.worker, entry_id, now)

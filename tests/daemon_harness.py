@@ -1,0 +1,152 @@
+"""Helpers for the daemon's end-to-end tests: chameleond as a real subprocess on a real Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from chameleond.jobs import load_default_spec
+from chameleond.redis_server import free_port
+
+WORKERS = tuple(w.id for w in load_default_spec().workers)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class Daemon:
+    """`chameleond run` in a subprocess; stdout+stderr go to a log file shown on failure."""
+
+    def __init__(self, redis_url: str, workdir: Path, *args: str, job: str = "default") -> None:
+        self.redis_url = redis_url
+        self.workdir = workdir
+        self.job = job
+        self.args = list(args)
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = workdir / f"chameleond-{self.port}.log"
+
+    def start(self, env: dict[str, str] | None = None) -> Daemon:
+        cmd = [
+            sys.executable, "-m", "chameleond.daemon.cli", "run",
+            "--redis-url", self.redis_url, "--job", self.job,
+            "--http", f"127.0.0.1:{self.port}", "--consumer", "test-daemon",
+            "--heartbeat-timeout-seconds", "30", *self.args,
+        ]  # fmt: skip
+        full_env = {**os.environ, **(env or {})}
+        self.log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env=full_env, cwd=self.workdir
+        )
+        return self
+
+    def wait_ready(self, timeout: float = 20.0) -> Daemon:
+        def ready() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"chameleond exited {self.proc.returncode}:\n{self.output()}")
+            return self.get("/readyz")[0] == 200
+
+        wait_for(ready, timeout, "chameleond /readyz")
+        return self
+
+    def get(self, path: str) -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
+                body = r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            body, status = e.read(), e.code
+        except OSError:
+            return 0, None
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body.decode()
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.get("/api/v1/status")
+        assert code == 200, (code, body)
+        return dict(body)
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.log.close()
+
+    def terminate(self, timeout: float = 20.0) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=timeout)
+        self.log.close()
+        return rc
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        if hasattr(self, "log") and not self.log.closed:
+            self.log.close()
+
+
+class Workers:
+    """Sends what the workers would send, with redis-py."""
+
+    def __init__(self, client: redis.Redis, job: str = "default") -> None:
+        self.client = client
+        self.stream = f"chameleon:{job}:events"
+        self.job = job
+
+    def send(self, **fields: Any) -> str:
+        return str(self.client.xadd(self.stream, {k: str(v) for k, v in fields.items()}))
+
+    def register(self, workers: tuple[str, ...] = WORKERS) -> None:
+        for w in workers:
+            self.send(type="register", worker=w, host="localhost", memory_bytes=2**31)
+
+    def heartbeat(self, workers: tuple[str, ...] = WORKERS) -> None:
+        for w in workers:
+            self.send(type="heartbeat", worker=w)
+
+    def ready(self, generation: int, workers: tuple[str, ...] | list[str]) -> None:
+        for w in workers:
+            self.send(type="ack", worker=w, generation=generation, phase="ready")
+
+    def plan(self) -> dict[str, Any] | None:
+        raw = self.client.get(f"chameleon:{self.job}:plan")
+        return json.loads(raw) if raw else None
+
+    def generation(self) -> int:
+        plan = self.plan()
+        return int(plan["generation"]) if plan else 0
+
+    def decisions(self) -> list[dict[str, str]]:
+        entries = self.client.xrange(f"chameleon:{self.job}:decisions")
+        return [{_s(k): _s(v) for k, v in f.items()} for _, f in entries]
+
+
+def _s(x: Any) -> str:
+    return x.decode() if isinstance(x, bytes) else str(x)
