@@ -23,9 +23,8 @@ from chameleond.local.run import LocalRun, RunOptions
 from chameleond.local.trace import ReplayStep, TraceError, load_trace, plan_replay
 
 # The default schedule (docs/local.md, "Why the two default faults end differently").
-DEFAULT_FAULTS = "kill:w3@step=6,kill:w5@step=18"
-DEFAULT_STEPS = 32
-DEFAULT_MTBF_PRIOR_SECONDS = 20.0
+DEFAULT_FAULTS = "kill:w0@step=40,kill:w2@step=100"
+DEFAULT_STEPS = 160
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,8 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mtbf-prior",
         type=float,
         default=None,
-        help=f"the D prior in seconds (default: {DEFAULT_MTBF_PRIOR_SECONDS:g} for the packaged "
-        "job, the spec's own with --spec)",
+        help="the D prior in seconds (job.mtbf_prior_seconds; default: the spec's own)",
     )
     parser.add_argument(
         "--bind-addresses",
@@ -127,8 +125,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         base = load_spec(args.spec) if args.spec else _default_spec()
         prior = args.mtbf_prior
-        if prior is None and args.spec is None:
-            prior = DEFAULT_MTBF_PRIOR_SECONDS
         addresses = [a.strip() for a in args.bind_addresses.split(",") if a.strip()]
         doc = build_spec_document(
             base,

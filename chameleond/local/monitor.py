@@ -78,6 +78,8 @@ class StreamMonitor:
             self.state = f.get("to", self.state)
         elif is_decision(f) and f.get("selected"):
             self.policy = f["selected"]
+            with contextlib.suppress(ValueError):
+                self.generation = max(self.generation or 0, int(f.get("generation", "")))
 
     def _plan_members(self, generation: int) -> frozenset[str] | None:
         if generation in self.members:

@@ -15,7 +15,6 @@ new plan's steps after its first.
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 from collections.abc import Collection, Mapping, Sequence
@@ -179,15 +178,25 @@ def draw_chart(report: Mapping[str, Any], path: Path) -> None:
 
     tl = report["timeline"]
     batch = report["global_batch"]
-    ts = [r["t"] for r in tl]
-    tput = [
-        batch / (b["at"] - a["at"]) if b["at"] > a["at"] else None
-        for a, b in itertools.pairwise(tl)
-    ]
+    nan = float("nan")
+    # Throughput of a step = B / the time since the previous commit on the same plan; the line is
+    # broken (NaN) where a plan changes, so a recovery shows as a gap, not as a slope.
+    ts: list[float] = []
+    tput: list[float] = []
+    losses: list[float] = []
+    for prev, r in zip([None, *tl[:-1]], tl, strict=True):
+        same = prev is not None and prev["generation"] == r["generation"] and r["at"] > prev["at"]
+        if prev is not None and not same:
+            ts.append(r["t"])
+            tput.append(nan)
+            losses.append(nan)
+        ts.append(r["t"])
+        tput.append(batch / (r["at"] - prev["at"]) if same and prev is not None else nan)
+        losses.append(r["loss"] if r["loss"] is not None else nan)
     fig, (ax_t, ax_l) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    ax_t.plot(ts[1:], [v if v is not None else float("nan") for v in tput], lw=1.2)
+    ax_t.plot(ts, tput, lw=1.2, marker=".", ms=3)
     ax_t.set_ylabel("throughput (samples/s)")
-    ax_l.plot(ts, [r["loss"] if r["loss"] is not None else float("nan") for r in tl], lw=1.2)
+    ax_l.plot(ts, losses, lw=1.2)
     ax_l.set_ylabel("loss")
     ax_l.set_xlabel("seconds since the first committed step")
     for row in [*report["faults"], *report.get("rejoins", [])]:

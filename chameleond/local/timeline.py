@@ -146,11 +146,9 @@ def parse_decision(entry_id: str, fields: Mapping[str, str]) -> DecisionRecord:
     generation = merged.get("generation")
     if generation is None and isinstance(plan, dict):
         generation = plan.get("generation")
-    received = None
-    for key in ("received_at", "fault_received_at", "detected_at"):
-        received = _float(merged.get(key))
-        if received is not None:
-            break
+    # The daemon records when it decided (`at`) and how long since the fault reached it.
+    at, took = _float(merged.get("at")), _float(merged.get("decision_seconds"))
+    received = at - took if at is not None and took is not None else None
     return DecisionRecord(
         at=entry_seconds(entry_id),
         generation=int(generation) if generation not in (None, "") else None,
