@@ -87,3 +87,37 @@ def test_published_trace_maps_onto_six_workers() -> None:
         ("w4", "kill", 1.002),
         ("w0", "kill", 5.01),
     ]
+
+
+@pytest.mark.slow
+def test_trace_replay_with_removals_and_a_rejoin_completes(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    trace = tmp_path / "trace.csv"
+    lines = [f"0,add,node{i}" for i in range(1, 7)]
+    # Time scale 1: node1 (w0) fails 1 s into training, is back at 2 s; node3 (w2) fails at 3 s.
+    lines += ["1000,remove,node1", "2000,add,node1", "3000,remove,node3", "4000,remove,node42"]
+    trace.write_text("\n".join(lines) + "\n")
+    report_dir = tmp_path / "report"
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "chameleond.cli.ctl", "up", "--trace", str(trace),
+            "--time-scale", "1", "--steps", "200", "--report", str(report_dir), "--timeout", "240",
+        ],
+        capture_output=True, text=True, timeout=280, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 events skipped" not in proc.stdout  # node42's remove is the one skipped event
+    assert "1 events skipped" in proc.stdout
+    report = json.loads((report_dir / "report.json").read_text())
+    assert [(f["worker"], f["action"]) for f in report["faults"]] == [
+        ("w0", "kill"),
+        ("w2", "kill"),
+    ]
+    assert all(f["policy"] in ("reroute", "dynamic") for f in report["faults"])
+    [rejoin] = report["rejoins"]
+    assert rejoin["worker"] == "w0" and rejoin["action"] == "start"
+    # The restarted w0 registered again and the daemon decided about taking it back.
+    assert rejoin["generation"] is not None, rejoin

@@ -1,0 +1,82 @@
+"""`chameleonctl up` end to end: real redis-server, chameleond and CPU workers, real kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
+
+
+def chameleonctl(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
+    # stdout is a pipe, not a terminal: progress must come as plain lines.
+    return subprocess.run(
+        [sys.executable, "-m", "chameleond.cli.ctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def leftover_processes(port: str) -> list[str]:
+    """Processes whose command line still names the run's Redis port."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if f":{port}" in cmd:
+            out.append(f"{pid}: {cmd}")
+    return out
+
+
+def test_up_with_two_faults_reports_both_with_measured_numbers(tmp_path: Path) -> None:
+    report_dir = tmp_path / "report"
+    proc = chameleonctl(
+        "up", "--steps", "40", "--faults", "kill:w0@step=8,kill:w2@step=22",
+        "--report", str(report_dir), "--timeout", "240",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert not CONTROL.search(out.replace("\n", "")), "control codes in non-terminal output"
+    assert re.search(r"^step \d+/40  loss \d", out, re.M)
+    assert "fault: kill -9 w0" in out and "fault: kill -9 w2" in out
+    report = json.loads((report_dir / "report.json").read_text())
+    assert report["completed"] and report["steps_committed"] >= 40
+    faults = report["faults"]
+    assert [f["worker"] for f in faults] == ["w0", "w2"]
+    for f in faults:
+        assert f["policy"] in ("reroute", "dynamic"), f
+        for key in ("decision_seconds", "recovery_seconds", "detection_seconds"):
+            assert isinstance(f[key], float) and f[key] >= 0, (key, f)
+        assert f["throughput_before"] > 0 and f["throughput_after"] > 0, f
+        assert f["recovery_seconds"] >= f["decision_seconds"]
+        assert {c["policy"] for c in f["candidates"]} == {"reroute", "dynamic"}
+        assert f["mtbf_seconds"] > 0 and f["estimated_step_seconds"] > 0
+    # After w0 and w2, one replica of stage 0 is left: rerouting would pile three pipelines' stage-0
+    # work on it, so the model must choose the re-partition.
+    assert faults[1]["policy"] == "dynamic", faults[1]["why"]
+    assert (report_dir / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Recovery report" in out and "why:" in out
+    port = re.search(r"redis redis://127\.0\.0\.1:(\d+)/", out)
+    assert port and not leftover_processes(port.group(1))
+
+
+def test_bad_fault_spec_is_one_clear_line(tmp_path: Path) -> None:
+    proc = chameleonctl("up", "--faults", "kill:w9@step=3", "--report", str(tmp_path), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "chameleonctl up: kill:w9@step=3: no worker 'w9' (the cluster runs w0, w1, w2, w3, w4, w5)"
+    )
