@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from chameleond.core.machine import Phase
 from chameleond.core.spec import WorkerSpec
 from chameleond.protocol import Event
-from handlers import HANDLED, Outcome, handles
+from handlers import DUPLICATE, HANDLED, Outcome, handles
 from handlers.rejoin import join
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def handle_register(job: Job, event: Event, entry_id: str, now: float) -> Outcom
     if changed:
         job.spec_changed()
     if job.machine.phase is Phase.WAITING:
-        return HANDLED
+        return HANDLED if changed else DUPLICATE
     outcome = join(job, event.worker, entry_id, now)
     # The registration itself is new information even when the join is not.
     return HANDLED if changed and outcome.duplicate else outcome

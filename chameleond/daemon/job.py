@@ -42,6 +42,7 @@ class StepMeter:
     samples: int = 0
     seconds: float = 0.0
     reporters: int = 0
+    finished: bool = False
     samples_per_second: float = 0.0
     last_loss: float = float("nan")
 
@@ -49,12 +50,14 @@ class StepMeter:
         self, generation: int, step: int, samples: int, seconds: float, loss: float, expected: int
     ) -> bool:
         """Returns False for a report of a step that is already finished (stale or duplicate)."""
-        if (generation, step) < (self.generation, self.step):
+        if (generation, step) < (self.generation, self.step) or (
+            (generation, step) == (self.generation, self.step) and self.finished
+        ):
             return False
         if (generation, step) > (self.generation, self.step):
             self._finish()
             self.generation, self.step, self.samples, self.seconds = generation, step, samples, 0.0
-            self.reporters = 0
+            self.reporters, self.finished = 0, False
         self.seconds = max(self.seconds, seconds)
         self.reporters += 1
         self.last_loss = loss
@@ -63,9 +66,9 @@ class StepMeter:
         return True
 
     def _finish(self) -> None:
-        if self.reporters and self.seconds > 0:
+        if self.reporters and self.seconds > 0 and not self.finished:
             self.samples_per_second = self.samples / self.seconds
-        self.reporters = 0
+        self.finished = True
 
 
 class Job:

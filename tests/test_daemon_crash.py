@@ -1,0 +1,148 @@
+"""kill -9 of the daemon, including in the middle of a decision, then a restart: no acknowledged
+fault is lost, no generation is reused or goes backwards, and the restarted daemon resumes."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from daemon_harness import WORKERS, Daemon, Workers, wait_for
+
+from chameleond.redis_server import RedisServer
+
+EVENTS = "chameleon:default:events"
+
+
+class Generations:
+    """Every generation published on the plans channel, across daemon restarts."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        self.pubsub = self.client.pubsub()
+        self.pubsub.subscribe("chameleon:default:plans")
+        self.seen: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            m = self.pubsub.get_message(timeout=0.1)
+            if m and m["type"] == "message":
+                self.seen.append(int(m["data"]))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.pubsub.close()
+        self.client.close()
+
+
+@pytest.fixture
+def generations(redis_server: RedisServer) -> Iterator[Generations]:
+    g = Generations(redis_server.url)
+    yield g
+    g.close()
+
+
+def pending(client: redis.Redis) -> int:
+    return int(client.xpending(EVENTS, "chameleond")["pending"])
+
+
+def unacknowledged(client: redis.Redis) -> set[str]:
+    """Workers named by fault entries not yet acknowledged: pending, or not delivered yet."""
+    group = next(g for g in client.xinfo_groups(EVENTS) if g["name"] == "chameleond")
+    rows = client.xpending_range(EVENTS, "chameleond", min="-", max="+", count=1000)
+    ids = [r["message_id"] for r in rows]
+    entries = [e for i in ids for e in client.xrange(EVENTS, i, i)]
+    entries += client.xrange(EVENTS, "(" + group["last-delivered-id"], "+")
+    return {f["worker"] for _, f in entries if f.get("type") == "fault"}
+
+
+def plan_records(workers: Workers) -> list[int]:
+    return [int(d["generation"]) for d in workers.decisions()
+            if d["kind"] == "decision" and d.get("selected")]  # fmt: skip
+
+
+def test_kill_during_a_decision_then_restart_redecides_once(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, generations: Generations
+) -> None:
+    workers = Workers(redis_client)
+    slow = Daemon(redis_server.url, tmp_path, "--decision-delay-seconds", "30").start()
+    try:
+        slow.wait_ready()
+        workers.register()
+        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
+        workers.ready(1, WORKERS)
+        wait_for(lambda: slow.status()["state"] == "training", 15, "training")
+        fault_id = workers.send(type="fault", worker="w1", cause="NIC down")
+        wait_for(lambda: slow.status()["state"] == "planning", 15, "planning")
+        slow.kill()  # kill -9 while the decision is held
+    finally:
+        slow.stop()
+    assert workers.generation() == 1 and pending(redis_client) == 1  # nothing half-written
+
+    again = Daemon(redis_server.url, tmp_path).start()
+    try:
+        again.wait_ready()
+        wait_for(lambda: workers.generation() == 2, 15, "generation 2 after the restart")
+        plan = workers.plan()
+        assert plan is not None and plan["excluded"] == ["w1"]
+        wait_for(lambda: pending(redis_client) == 0, 10, "the fault acknowledged")
+        entries = redis_client.xrange(EVENTS, fault_id, fault_id)
+        assert entries and entries[0][1]["worker"] == "w1"
+        assert plan_records(workers) == [1, 2]
+        assert again.status()["state"] == "transitioning"
+    finally:
+        again.stop()
+    wait_for(lambda: generations.seen, 5, "published generations")
+    assert generations.seen == sorted(set(generations.seen)) and generations.seen[-1] == 2
+
+
+def test_random_kills_lose_no_acknowledged_fault_and_never_reuse_a_generation(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, generations: Generations
+) -> None:
+    rng = random.Random(7)
+    workers = Workers(redis_client)
+    first = Daemon(redis_server.url, tmp_path).start()
+    try:
+        first.wait_ready()
+        workers.register()
+        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
+        workers.ready(1, WORKERS)
+    finally:
+        first.kill()
+    faulted: list[str] = []
+    for worker in ("w1", "w2", "w4"):
+        d = Daemon(redis_server.url, tmp_path, "--decision-delay-seconds", "0.4").start()
+        try:
+            d.wait_ready()
+            workers.send(type="fault", worker=worker, cause="injected")
+            faulted.append(worker)
+            threading.Event().wait(rng.uniform(0.0, 0.8))
+            d.kill()
+        finally:
+            d.stop()
+        # Whatever was acknowledged is in the committed plan; nothing unacknowledged is lost.
+        plan = workers.plan()
+        assert plan is not None
+        assert set(faulted) <= set(plan["excluded"]) | unacknowledged(redis_client)
+    final = Daemon(redis_server.url, tmp_path).start()
+    try:
+        final.wait_ready()
+        wait_for(lambda: pending(redis_client) == 0, 20, "every fault acknowledged")
+        plan = workers.plan()
+        assert plan is not None and sorted(plan["excluded"]) == sorted(faulted)
+        assert final.status()["failed"] == sorted(faulted)
+    finally:
+        final.stop()
+    records = plan_records(workers)
+    assert records == sorted(set(records)) and records[-1] == plan["generation"]
+    assert generations.seen == sorted(set(generations.seen))
+    stored = json.loads(redis_client.hget("chameleon:default:state", "snapshot") or "{}")
+    assert stored["machine"]["generation"] == plan["generation"]

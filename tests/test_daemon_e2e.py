@@ -1,0 +1,182 @@
+"""chameleond as a real subprocess on a real redis-server: faults typed with the real redis-cli
+become plans with higher generations and decision records; detection, fencing, rejoin, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from daemon_harness import WORKERS, Daemon, Workers, wait_for
+
+from chameleond.redis_server import RedisServer, redis_binary
+
+
+@pytest.fixture
+def daemon_factory(redis_server: RedisServer, tmp_path: Path) -> Iterator[type[Daemon]]:
+    started: list[Daemon] = []
+
+    class Started(Daemon):
+        def __init__(self, *args: str) -> None:
+            super().__init__(redis_server.url, tmp_path, *args)
+            started.append(self)
+
+    yield Started
+    for d in started:
+        d.stop()
+
+
+def training(workers: Workers, daemon: Daemon) -> None:
+    workers.register()
+    wait_for(lambda: workers.generation() == 1, 15, "generation 1")
+    workers.ready(1, WORKERS)
+    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
+
+
+def redis_cli(server: RedisServer, *args: str) -> str:
+    cmd = [redis_binary("redis-cli"), "-h", server.host, "-p", str(server.port), *args]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=10).stdout
+
+
+def metric(daemon: Daemon, line_prefix: str) -> float:
+    _, body = daemon.get("/metrics")
+    for line in str(body).splitlines():
+        if line.startswith(line_prefix):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{line_prefix} not in /metrics")
+
+
+def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_record(
+    daemon_factory: type[Daemon], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    daemon = daemon_factory().start().wait_ready()
+    workers = Workers(redis_client)
+    assert daemon.get("/api/v1/plan")[0] == 404  # no plan before the workers registered
+    spec = json.loads(redis_client.get("chameleon:default:spec") or "{}")
+    assert spec["model"]["arch"]["d_model"] > 0  # workers build the model from the stored spec
+    training(workers, daemon)
+    pubsub = redis_client.pubsub()
+    pubsub.subscribe("chameleon:default:plans")
+
+    redis_cli(redis_server, "XADD", "chameleon:default:events", "*",
+              "type", "fault", "worker", "w3", "cause", "ECC error")  # fmt: skip
+    wait_for(lambda: workers.generation() == 2, 15, "generation 2")
+
+    plan = workers.plan()
+    assert plan is not None and "w3" in plan["excluded"] and "w3" not in json.dumps(plan["routing"])
+    messages = [m for m in iter(lambda: pubsub.get_message(timeout=1.0), None) if m]
+    # "2" once for the plan, maybe again as a nudge to the fenced (still heartbeating) w3.
+    assert {m["data"] for m in messages if m["type"] == "message"} == {"2"}
+    decision = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
+    assert decision["generation"] == "2" and "ECC error" in decision["cause"]
+    candidates = json.loads(decision["candidates"])
+    assert {c["policy"] for c in candidates} == {"reroute", "dynamic"}
+    assert all(c["score"] > 0 for c in candidates) and float(decision["mtbf_seconds"]) > 0
+    assert decision["selected"] == plan["policy"]
+    transitions = [(d["from"], d["to"]) for d in workers.decisions() if d["kind"] == "transition"]
+    assert transitions[-3:] == [
+        ("training", "fault_detected"), ("fault_detected", "planning"),
+        ("planning", "transitioning"),
+    ]  # fmt: skip
+
+    status = daemon.status()
+    assert status["generation"] == 2 and status["state"] == "transitioning"
+    assert len(status["last_decision"]["candidates"]) == 2
+    assert daemon.get("/api/v1/plan")[1]["generation"] == 2
+    assert redis_client.xpending("chameleon:default:events", "chameleond")["pending"] == 0
+
+    # The same fault again (an operator repeating it, or a redelivery): no second plan.
+    redis_cli(redis_server, "XADD", "chameleon:default:events", "*",
+              "type", "fault", "worker", "w3", "cause", "ECC error")  # fmt: skip
+    wait_for(lambda: metric(daemon, 'chameleon_events_total{outcome="duplicate",type="fault"}'))
+    assert workers.generation() == 2
+    assert metric(daemon, "chameleon_plan_generation") == 2
+    assert metric(daemon, 'chameleon_policy_decisions_total{policy="initial"}') == 1
+    assert metric(daemon, "chameleon_decision_seconds_count") == 1
+
+    # Every worker of generation 2 commits a step: the recovery is measured.
+    workers.ready(2, [w for w in WORKERS if w != "w3"])
+    for w in WORKERS:
+        if w != "w3":
+            workers.send(type="step", worker=w, generation=2, step=0, samples=12,
+                         seconds=0.25, loss=5.0)  # fmt: skip
+    policy = plan["policy"]
+    wait_for(lambda: metric(daemon, f'chameleon_recovery_seconds_count{{policy="{policy}"}}'))
+    assert metric(daemon, "chameleon_training_throughput_samples_per_second") == 12 / 0.25
+    assert daemon.status()["state"] == "training"
+    assert daemon.terminate() == 0
+    assert "stopped job=default generation=2" in daemon.output()
+
+
+def test_heartbeat_lapse_ack_timeout_and_fencing(
+    daemon_factory: type[Daemon], redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    daemon = (
+        daemon_factory(
+            "--heartbeat-timeout-seconds",
+            "1.5",
+            "--ready-timeout-seconds",
+            "3",
+            "--policy",
+            "reroute",
+        )
+        .start()
+        .wait_ready()
+    )
+    workers = Workers(redis_client)
+    beating = set(WORKERS) - {"w4"}  # w4 never heartbeats: its lapse is a fault
+    stop = threading.Event()
+
+    def heartbeats() -> None:
+        client = redis.Redis.from_url(redis_server.url)
+        while not stop.wait(0.3):
+            for w in sorted(beating):
+                client.xadd("chameleon:default:events", {"type": "heartbeat", "worker": w})
+        client.close()
+
+    thread = threading.Thread(target=heartbeats, daemon=True)
+    thread.start()
+    try:
+        training(workers, daemon)
+        wait_for(lambda: workers.generation() == 2, 15, "generation 2 after w4's lapse")
+        plan = workers.plan()
+        assert plan is not None and plan["excluded"] == ["w4"] and plan["policy"] == "reroute"
+        fault = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
+        assert "heartbeat lapse" in fault["cause"]
+        # w5 never acknowledges generation 2 but keeps heartbeating: declared failed, fenced.
+        workers.ready(2, [w for w in WORKERS if w not in ("w4", "w5")])
+        wait_for(lambda: workers.generation() == 3, 15, "generation 3 after w5's silence")
+        plan = workers.plan()
+        assert plan is not None and set(plan["excluded"]) == {"w4", "w5"}
+        causes = [d["cause"] for d in workers.decisions() if d["kind"] == "decision"]
+        assert "did not acknowledge generation 2" in causes[-1]
+        wait_for(lambda: daemon.status()["workers"]["w5"]["state"] == "fenced", 5, "w5 fenced")
+        assert daemon.status()["workers"]["w4"]["state"] == "failed"
+        workers.send(type="ack", worker="w5", generation=3, phase="stopped")
+        wait_for(lambda: daemon.status()["workers"]["w5"]["state"] == "stopped", 5, "w5 stopped")
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_rejoin_takes_a_repaired_worker_back(
+    daemon_factory: type[Daemon], redis_client: redis.Redis
+) -> None:
+    daemon = daemon_factory("--policy", "dynamic").start().wait_ready()
+    workers = Workers(redis_client)
+    training(workers, daemon)
+    workers.send(type="fault", worker="w1", cause="power")
+    wait_for(lambda: workers.generation() == 2, 15, "generation 2")
+    workers.ready(2, [w for w in WORKERS if w != "w1"])
+    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
+    workers.send(type="rejoin", worker="w1")
+    wait_for(lambda: workers.generation() == 3, 15, "generation 3")
+    plan = workers.plan()
+    assert plan is not None and "w1" not in plan["excluded"]
+    assert any(st["worker"] == "w1" for p in plan["pipelines"] for st in p["stages"])
+    decision = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
+    assert json.loads(decision["joined"]) == ["w1"] and "w1 rejoined" in decision["cause"]

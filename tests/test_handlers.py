@@ -1,0 +1,117 @@
+"""The handlers registry and each handler against an in-memory job (handlers do no I/O)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+import handlers
+from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
+from chameleond.daemon.job import Job
+from chameleond.jobs import load_default_spec
+from chameleond.protocol import EVENT_TYPES, EventError, parse_event
+
+SPEC = load_default_spec()
+WORKERS = tuple(w.id for w in SPEC.workers)
+
+
+def job() -> Job:
+    return Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+
+
+def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> handlers.Outcome:
+    return handlers.dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
+
+
+def training_job() -> Job:
+    j = job()
+    for w in WORKERS:
+        send(j, type="register", worker=w, host="localhost", memory_bytes=2**31)
+    j.record(j.machine.initial(1, WORKERS, 1.0))
+    for w in WORKERS:
+        send(j, type="ack", worker=w, generation=1, phase="ready")
+    assert j.machine.phase is Phase.TRAINING
+    return j
+
+
+def test_one_handler_per_event_type() -> None:
+    assert set(handlers.HANDLERS) == set(EVENT_TYPES)
+
+
+def test_registration_counts_towards_the_initial_plan() -> None:
+    j = job()
+    for w in WORKERS[:5]:
+        assert send(j, type="register", worker=w, host="localhost", memory_bytes=2**31).label == (
+            "handled"
+        )
+    assert not j.initial_due(0) and j.initial_due(5)
+    send(j, type="register", worker="w5", host="localhost", memory_bytes=2**31)
+    assert j.initial_due(0)
+    assert send(j, type="register", worker="w5", host="localhost", memory_bytes=2**31).duplicate
+
+
+def test_fault_is_owed_until_its_decision_and_duplicates_fold_into_it() -> None:
+    j = training_job()
+    first = send(j, "5-0", type="fault", worker="w3", cause="ECC")
+    assert first.owed and first.label == "handled"
+    again = send(j, "6-0", type="fault", worker="w3", cause="again")
+    assert again.owed and again.duplicate
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
+    assert j.acks_for(request) == ["5-0", "6-0"]
+    # Redelivered (or repeated) after the plan excluded w3: no second plan, acked at once.
+    late = send(j, "5-0", type="fault", worker="w3", cause="ECC")
+    assert late.duplicate and not late.owed
+    assert j.machine.next_request(4.0) == (None, [])
+
+
+def test_fault_naming_a_stranger_is_rejected_with_a_reason() -> None:
+    with pytest.raises(EventError, match="not a worker of job"):
+        send(training_job(), type="fault", worker="w99")
+
+
+def test_profile_replaces_layers_with_the_mean_over_reporters() -> None:
+    j = training_job()
+    layers = [asdict(layer) for layer in SPEC.layers]
+    for w, scale in (("w0", 2.0), ("w1", 4.0)):
+        data = [{**d, "forward_seconds": d["forward_seconds"] * scale} for d in layers]
+        assert send(j, type="profile", worker=w, data=json.dumps({"layers": data})).label == (
+            "handled"
+        )
+    assert j.spec.layers[2].forward_seconds == pytest.approx(SPEC.layers[2].forward_seconds * 3)
+    assert j.spec.layers[2].param_bytes == SPEC.layers[2].param_bytes
+    partial = {"layers": [{**layers[0], "index": 0, "backward_seconds": 1.0}]}
+    send(j, type="profile", worker="w2", data=json.dumps(partial))
+    assert j.spec.layers[0].backward_seconds == pytest.approx(
+        (SPEC.layers[0].backward_seconds * 2 + 1.0) / 3
+    )
+    with pytest.raises(EventError, match="must be a number"):
+        bad = {"layers": [{**layers[0], "forward_seconds": "fast"}]}
+        send(j, type="profile", worker="w0", data=json.dumps(bad))
+
+
+def test_steps_measure_throughput_and_count_repeats_as_duplicates() -> None:
+    j = training_job()
+    for w, seconds in zip(WORKERS, (0.1, 0.2, 0.3, 0.1, 0.2, 0.4), strict=True):
+        send(j, type="step", worker=w, generation=1, step=0, samples=12, seconds=seconds, loss=5)
+    assert j.meter.samples_per_second == pytest.approx(12 / 0.4)
+    late = send(j, type="step", worker="w0", generation=1, step=0, samples=12, seconds=1, loss=5)
+    assert late.duplicate
+
+
+def test_ack_stopped_and_rejoin() -> None:
+    j = training_job()
+    send(j, "7-0", type="fault", worker="w3", cause="x")
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
+    assert send(j, type="ack", worker="w3", generation=2, phase="stopped").label == "handled"
+    assert send(j, type="ack", worker="w3", generation=2, phase="stopped").duplicate
+    assert j.worker_state(j.workers["w3"], 4.0, 3.0) == "stopped"
+    joined = send(j, "8-0", type="rejoin", worker="w3")
+    assert joined.owed and "w3" in j.machine.pending_joins
+    with pytest.raises(EventError, match="never registered"):
+        send(j, type="rejoin", worker="w42")

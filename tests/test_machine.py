@@ -1,0 +1,179 @@
+"""The policy state machine: pure, so every path is driven directly with plain data."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
+
+WORKERS = ("w0", "w1", "w2", "w3", "w4", "w5")
+
+
+def training(ready_timeout: float = 30.0) -> PolicyMachine:
+    m = PolicyMachine(ready_timeout_seconds=ready_timeout)
+    m.initial(1, WORKERS, now=0.0)
+    for w in WORKERS:
+        m.ready(w, 1, now=1.0)
+    assert m.phase is Phase.TRAINING
+    return m
+
+
+def survivors(failed: frozenset[str]) -> tuple[str, ...]:
+    return tuple(w for w in WORKERS if w not in failed)
+
+
+def test_initial_plan_then_every_ready_ack_means_training() -> None:
+    m = PolicyMachine()
+    transitions = m.initial(1, WORKERS, now=0.0)
+    assert [(t.source, t.target) for t in transitions] == [(Phase.WAITING, Phase.TRANSITIONING)]
+    for w in WORKERS[:-1]:
+        assert m.ready(w, 1, now=1.0) == (True, [])
+    assert m.ready("w0", 1, now=1.0) == (False, [])  # repeated ack
+    assert m.ready(WORKERS[-1], 0, now=1.0) == (False, [])  # stale generation
+    ok, transitions = m.ready(WORKERS[-1], 1, now=1.0)
+    assert ok and transitions[0].target is Phase.TRAINING and transitions[0].generation == 1
+
+
+def test_fault_to_plan_records_every_transition_with_generation_and_cause() -> None:
+    m = training()
+    new, t1 = m.fault("w3", "ECC error", now=10.0)
+    assert new and [t.target for t in t1] == [Phase.FAULT_DETECTED]
+    assert t1[0].cause == "w3: ECC error" and t1[0].generation == 1
+    request, t2 = m.next_request(now=10.1)
+    assert request is not None and request.failed == {"w3"} and request.generation == 2
+    assert [t.target for t in t2] == [Phase.PLANNING]
+    commit, t3 = m.decided(request, DecisionResult(2, "reroute", survivors(request.failed)), 10.2)
+    assert commit and [t.target for t in t3] == [Phase.TRANSITIONING]
+    assert t3[0].generation == 2 and "reroute" in t3[0].cause
+    assert m.failed == {"w3"} and m.awaiting_ready == set(survivors(request.failed))
+
+
+def test_duplicate_faults_are_recognised_pending_in_flight_and_committed() -> None:
+    m = training()
+    assert m.fault("w3", "x", 1.0)[0]
+    assert not m.fault("w3", "again", 1.1)[0]  # pending
+    request, _ = m.next_request(1.2)
+    assert request is not None
+    assert not m.fault("w3", "again", 1.3)[0]  # in flight
+    m.decided(request, DecisionResult(2, "reroute", survivors(request.failed)), 1.4)
+    assert not m.fault("w3", "again", 1.5)[0]  # excluded by the committed plan
+    assert m.next_request(1.6) == (None, [])
+
+
+def test_faults_during_a_decision_supersede_it_and_fold_into_one_next_decision() -> None:
+    m = training()
+    m.fault("w1", "a", 1.0)
+    first, _ = m.next_request(1.0)
+    assert first is not None
+    for w in ("w2", "w4"):
+        m.fault(w, "b", 1.1)
+    assert m.next_request(1.2) == (None, [])  # one decision at a time
+    commit, transitions = m.decided(first, DecisionResult(2, "dynamic", survivors(first.failed)), 2)
+    assert not commit and transitions[0].target is Phase.FAULT_DETECTED
+    assert m.generation == 1  # nothing published
+    second, _ = m.next_request(2.1)
+    assert second is not None
+    assert second.failed == {"w1", "w2", "w4"} and second.generation == 2
+    assert second.first_event_at == 1.0  # the oldest folded fault's time is kept
+    commit, _ = m.decided(second, DecisionResult(2, "dynamic", survivors(second.failed)), 2.2)
+    assert commit and m.generation == 2
+
+
+def test_fault_of_a_worker_outside_the_plan_needs_no_decision() -> None:
+    m = training()
+    m.fault("w1", "a", 1.0)
+    request, _ = m.next_request(1.0)
+    assert request is not None
+    m.decided(request, DecisionResult(2, "dynamic", ("w0", "w2", "w3", "w4")), 2.0)  # w5 idle
+    new, transitions = m.fault("w5", "gone", 3.0)
+    assert new and transitions == [] and "w5" in m.failed
+    assert m.next_request(3.1) == (None, [])
+
+
+def test_unrecoverable_and_rejoin() -> None:
+    m = training()
+    m.fault("w1", "a", 1.0)
+    request, _ = m.next_request(1.0)
+    assert request is not None
+    commit, transitions = m.decided(request, DecisionResult(None, None, (), "layers 3-5 lost"), 2)
+    assert commit and m.phase is Phase.UNRECOVERABLE and transitions[0].cause == "layers 3-5 lost"
+    new, _ = m.join("w1", 5.0)
+    assert new and "w1" not in m.failed
+    request, _ = m.next_request(5.1)
+    assert request is not None and request.joined == {"w1"} and not request.faults
+    commit, _ = m.decided(request, DecisionResult(2, "dynamic", WORKERS), 6.0)
+    assert commit and m.phase is Phase.TRANSITIONING and m.recovery is None
+
+
+def test_join_waits_for_the_transition_to_finish() -> None:
+    m = PolicyMachine()
+    m.initial(1, WORKERS[:4], now=0.0)
+    assert m.join("w5", 1.0)[0]
+    assert m.next_request(1.1) == (None, [])  # transitioning: not now
+    for w in WORKERS[:4]:
+        m.ready(w, 1, 2.0)
+    request, _ = m.next_request(2.1)
+    assert request is not None and request.joined == {"w5"}
+    commit, transitions = m.decided(request, DecisionResult(None, None), 2.2)
+    assert commit and m.phase is Phase.TRAINING and transitions[0].cause == "current plan kept"
+
+
+def test_overdue_acks_and_recovery_time() -> None:
+    m = training(ready_timeout=5.0)
+    m.fault("w3", "x", 100.0)
+    request, _ = m.next_request(100.0)
+    assert request is not None
+    workers = survivors(request.failed)
+    m.decided(request, DecisionResult(2, "reroute", workers), 100.5)
+    assert m.overdue(104.0) == ()
+    m.ready("w0", 2, 101.0)
+    assert m.overdue(106.0) == ("w1", "w2", "w4", "w5")
+    recovery = None
+    for w in workers:
+        recovery, _ = m.step(w, 2, 107.0)
+    assert recovery is not None and recovery.policy == "reroute"
+    assert recovery.seconds == pytest.approx(7.0) and recovery.generation == 2
+    assert m.phase is Phase.TRAINING  # a step proves the plan was taken up
+
+
+def test_snapshot_restores_the_committed_state_only() -> None:
+    m = training()
+    m.fault("w3", "x", 1.0)
+    request, _ = m.next_request(1.0)
+    assert request is not None
+    m.decided(request, DecisionResult(2, "reroute", survivors(request.failed)), 2.0)
+    m.fault("w4", "y", 3.0)  # pending: its stream entry is unacknowledged, so it is not persisted
+    restored = PolicyMachine.restore(m.snapshot(), ready_timeout_seconds=30.0)
+    assert restored.generation == 2 and restored.failed == {"w3"}
+    assert restored.phase is Phase.TRANSITIONING and restored.pending_faults == {}
+    assert restored.recovery is not None and restored.recovery.policy == "reroute"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["fault", "decide", "supersede", "ready"]),
+                          st.sampled_from(WORKERS)), max_size=40))  # fmt: skip
+def test_generations_only_increase_whatever_the_interleaving(ops: list[tuple[str, str]]) -> None:
+    m = training()
+    now, published = 2.0, [1]
+    request = None
+    for op, worker in ops:
+        now += 0.1
+        if op == "fault":
+            m.fault(worker, "x", now)
+        elif op == "ready":
+            m.ready(worker, m.generation, now)
+        if request is None:
+            request, _ = m.next_request(now)
+            continue
+        if op in ("decide", "supersede"):
+            gen = m.generation + 1
+            commit, _ = m.decided(
+                request, DecisionResult(gen, "reroute", survivors(request.failed)), now
+            )
+            if commit:
+                published.append(gen)
+            request = None
+    assert published == sorted(set(published))
+    assert m.generation == published[-1]

@@ -1,0 +1,81 @@
+"""The wire protocol: key names, and parse_event's contract (typed event or EventError(reason))."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event
+
+
+def test_keys_live_under_the_job_prefix() -> None:
+    k = Keys("job7")
+    names = [k.events, k.dead, k.plan, k.plans_channel, k.state, k.spec, k.decisions, k.store(3)]
+    assert all(n.startswith("chameleon:job7:") for n in names)
+    assert k.events == "chameleon:job7:events" and k.plans_channel == "chameleon:job7:plans"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"type": "fault", "worker": "w3", "cause": "ECC error"},
+        {"type": "fault", "node": "w3"},
+        {"type": "rejoin", "worker": "w3"},
+        {"type": "register", "worker": "w3", "host": "h1", "device": "cpu", "memory_bytes": "1"},
+        {"type": "heartbeat", "worker": "w3"},
+        {"type": "profile", "worker": "w3", "data": json.dumps({"layers": []})},
+        {"type": "step", "worker": "w3", "generation": "2", "step": "0", "samples": "12",
+         "seconds": "0.5", "loss": "5.5"},
+        {"type": "ack", "worker": "w3", "generation": "2", "phase": "ready"},
+        {"type": "ack", "worker": "w3", "generation": "2", "phase": "stopped"},
+    ],
+)  # fmt: skip
+def test_valid_events_parse(fields: dict[str, str]) -> None:
+    raw = {k.encode(): v.encode() for k, v in fields.items()}
+    event = parse_event(raw)
+    assert event.type == fields["type"] and event.worker == "w3"
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [
+        ({}, "missing field 'type'"),
+        ({"type": "explode"}, "unknown type"),
+        ({"type": "fault"}, "needs 'worker' or 'node'"),
+        ({"type": "fault", "worker": "w 3"}, "printable id without spaces"),
+        ({"type": "register", "worker": "w3", "host": "h"}, "missing field 'memory_bytes'"),
+        ({"type": "step", "worker": "w3", "generation": "1", "step": "x"}, "must be an integer"),
+        ({"type": "step", "worker": "w3", "generation": "1", "step": "1", "samples": "2",
+          "seconds": "nan", "loss": "1"}, "finite number"),
+        ({"type": "ack", "worker": "w3", "generation": "1", "phase": "done"}, "'phase' must be"),
+        ({"type": "profile", "worker": "w3", "data": "{"}, "not JSON"),
+        ({"type": b"\xff\xfe"}, "not UTF-8"),
+    ],
+)  # fmt: skip
+def test_malformed_events_say_why(fields: dict[object, object], reason: str) -> None:
+    with pytest.raises(EventError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        parse_event(fields)
+
+
+_text = st.one_of(st.text(max_size=20), st.binary(max_size=20))
+
+
+_names = st.sampled_from(["type", "worker", "generation", "phase", "data", "memory_bytes", "step"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.dictionaries(
+        st.one_of(_names, _text), st.one_of(st.sampled_from(list(EVENT_TYPES)), _text), max_size=8
+    )
+)
+def test_any_fields_give_an_event_or_an_event_error(fields: dict[object, object]) -> None:
+    try:
+        event = parse_event(fields)
+    except EventError as e:
+        assert str(e)
+    else:
+        assert event.type in EVENT_TYPES and event.worker
