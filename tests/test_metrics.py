@@ -1,0 +1,63 @@
+"""The metrics: exactly the names of the interface, one registry per service, promtool-clean."""
+
+from __future__ import annotations
+
+import subprocess
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from chameleond.core.machine import Phase
+from chameleond.daemon.metrics import Metrics
+
+NAMES = {
+    "chameleon_events": "counter",
+    "chameleon_decision_seconds": "histogram",
+    "chameleon_recovery_seconds": "histogram",
+    "chameleon_policy_decisions": "counter",
+    "chameleon_training_throughput_samples_per_second": "gauge",
+    "chameleon_estimated_throughput_samples_per_second": "gauge",
+    "chameleon_workers": "gauge",
+    "chameleon_plan_generation": "gauge",
+    "chameleon_job_state": "gauge",
+}
+
+
+def populated() -> Metrics:
+    m = Metrics()
+    m.events.labels("fault", "handled").inc()
+    m.events.labels("unknown", "invalid").inc(3)
+    m.decision_seconds.observe(0.02)
+    m.recovery_seconds.labels("reroute").observe(0.8)
+    m.policy_decisions.labels("dynamic").inc()
+    m.training_throughput.set(280.5)
+    m.estimated_throughput.set(290.0)
+    m.set_workers({"w0": "active", "w1": "fenced", "w2": "failed"})
+    m.generation.set(3)
+    m.set_phase(Phase.TRANSITIONING)
+    return m
+
+
+def test_exactly_the_documented_metrics() -> None:
+    text = populated().exposition().decode()
+    families = {f.name: f.type for f in text_string_to_metric_families(text)}
+    # prometheus_client adds a `_created` timestamp beside each counter and histogram.
+    assert {n: t for n, t in families.items() if not n.endswith("_created")} == NAMES
+    text = populated().exposition().decode()
+    assert 'chameleon_events_total{outcome="invalid",type="unknown"} 3.0' in text
+    assert 'chameleon_job_state{state="transitioning"} 1.0' in text
+    assert 'chameleon_job_state{state="training"} 0.0' in text
+    assert 'chameleon_workers{state="fenced"} 1.0' in text
+
+
+def test_each_service_has_its_own_registry() -> None:
+    a, b = Metrics(), Metrics()
+    a.generation.set(7)
+    assert b"chameleon_plan_generation 0.0" in b.exposition()
+
+
+def test_promtool_check_metrics_passes() -> None:
+    result = subprocess.run(
+        ["/usr/bin/promtool", "check", "metrics"],
+        input=populated().exposition().decode(), capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
