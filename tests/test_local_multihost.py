@@ -83,3 +83,4 @@ def test_workers_on_two_loopback_hosts_train_and_recover(tmp_path: Path) -> None
     assert d["failed"] == ["w3"] and d["selected"] in ("reroute", "dynamic")
     assert {c["policy"] for c in d["candidates"]} == {"reroute", "dynamic"}
     assert s["plan"]["generation"] >= 2 and "w3" in s["plan"]["excluded"]
+    assert s["phase"] in ("training", "transitioning") and s["workers"]["w3"] == "excluded"

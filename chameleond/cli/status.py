@@ -87,6 +87,7 @@ def collect(client: redis.Redis, job: str) -> dict[str, Any]:
     decisions = decisions[:LAST_DECISIONS]
     return {
         "job": job,
+        "phase": phase(state),
         "state": state,
         "plan": plan,
         "plan_error": plan_error,
@@ -97,22 +98,32 @@ def collect(client: redis.Redis, job: str) -> dict[str, Any]:
     }
 
 
+def _snapshot(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    snap = state.get("snapshot")
+    return snap if isinstance(snap, dict) else {}
+
+
+def phase(state: Mapping[str, Any]) -> str:
+    """The policy machine's phase as the daemon last persisted it."""
+    machine = _snapshot(state).get("machine", {})
+    return str(machine.get("phase", "unknown")) if isinstance(machine, dict) else "unknown"
+
+
 def _workers(state: Mapping[str, Any], plan: Mapping[str, Any] | None) -> dict[str, str]:
-    """Worker -> state: the daemon's own view when it persisted one, else what the plan says."""
-    for key in ("workers", "worker_states"):
-        v = state.get(key)
-        if isinstance(v, dict):
-            return {
-                str(w): str(s.get("state", s) if isinstance(s, dict) else s) for w, s in v.items()
-            }
-    if not plan:
-        return {}
+    """Worker -> state: in the plan, excluded (failed or fenced), or registered and waiting."""
+    snap = _snapshot(state)
+    known = snap.get("workers", {}) if isinstance(snap.get("workers"), dict) else {}
+    out = {
+        str(w): "registered" if isinstance(d, dict) and d.get("registered") else "not registered"
+        for w, d in known.items()
+    }
     try:
-        p = plan_from_dict(plan)
+        p = plan_from_dict(plan) if plan else None
     except PlanError:
-        return {}
-    out = {w: "in plan" for w in p.workers}
-    out.update({w: "excluded" for w in p.excluded})
+        p = None
+    if p is not None:
+        out.update({w: "in plan" for w in p.workers})
+        out.update({w: "excluded" for w in p.excluded})
     return out
 
 
@@ -137,7 +148,7 @@ def _score(v: Any) -> str:
 
 def _print(s: Mapping[str, Any]) -> None:
     state = s["state"]
-    print(f"job {s['job']}: state {state.get('state', 'unknown')}", end="")
+    print(f"job {s['job']}: state {s['phase']}", end="")
     print(f", generation {state.get('generation', '-')}")
     if s["plan_error"]:
         print(f"plan: unreadable ({s['plan_error']})")
