@@ -3,7 +3,9 @@ conflict-free rounds, and sync groups that cover every layer's surviving owners.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from chameleond.core.restorer import (
     assign,
     holdings,
     layer_ranges,
+    match_slots,
     min_cost_assignment,
     sync_groups,
 )
@@ -121,6 +124,8 @@ def test_published_example_through_assign() -> None:
     # Both transfers go to w3, so they are in different rounds.
     assert sorted(t.round for t in r.migration) == [0, 1]
     assert r.migration_seconds == pytest.approx(2 * (0.01 + 3 / 100.0))
+    # Plain Python values only: the plan is published as JSON.
+    assert json.loads(json.dumps(dataclasses.asdict(r)))["moved_bytes"] == 6
 
 
 # --- property tests on random small instances -----------------------------------------------------
@@ -263,6 +268,33 @@ def test_assignment_is_optimal_and_manifest_is_exact(inst: Instance) -> None:
     # Deterministic: the caller's survivor order does not change the plan.
     again = assign(inst.spec, inst.current, inst.shape, inst.micro_batches, sorted(inst.survivors))
     assert again == r
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_matching_over_classes_equals_the_full_matching(data: st.DataObject) -> None:
+    # Survivors drawn from a few holdings and slots from a few ranges, with repeats: the flow over
+    # classes and linear_sum_assignment on the full matrix must reach the same optimum.
+    n_layers = data.draw(st.integers(2, 8))
+    layer_bytes = np.array(
+        data.draw(st.lists(st.integers(0, 40), min_size=n_layers, max_size=n_layers)), np.int64
+    )
+    interval = st.tuples(st.integers(0, n_layers - 1), st.integers(1, n_layers)).filter(
+        lambda ab: ab[0] < ab[1]
+    )
+    holdings_pool = data.draw(st.lists(st.lists(interval, max_size=1), min_size=1, max_size=4))
+    ranges_pool = data.draw(st.lists(interval, min_size=1, max_size=4))
+    n = data.draw(st.integers(1, 12))
+    rows = [f"w{i}" for i in range(n)]
+    held = {w: data.draw(st.sampled_from(holdings_pool)) for w in rows}
+    slots = [(0, j, *data.draw(st.sampled_from(ranges_pool))) for j in range(n)]
+    full = match_slots(rows, held, slots, layer_bytes, by_class=False)
+    classes = match_slots(rows, held, slots, layer_bytes, by_class=True)
+    assert sorted(full) == sorted(classes) == list(range(n))
+    cost = _cost_matrix(rows, held, slots, layer_bytes)
+    assert sum(cost[r, j] for j, r in enumerate(classes)) == sum(
+        cost[r, j] for j, r in enumerate(full)
+    )
 
 
 def test_sources_prefer_the_same_host_and_spread_load() -> None:

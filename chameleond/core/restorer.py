@@ -23,6 +23,7 @@ import heapq
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+import networkx as nx
 import numpy as np
 import numpy.typing as npt
 from scipy.optimize import linear_sum_assignment
@@ -173,9 +174,7 @@ def assign(
     if lost:
         raise LostLayers(lost)
 
-    cost = _cost_matrix(rows, held, slots, layer_bytes)
-    pairs, _ = min_cost_assignment(cost)
-    owner = {col: rows[row] for row, col in pairs}
+    owner = {j: rows[r] for j, r in enumerate(match_slots(rows, held, slots, layer_bytes))}
 
     pipelines: list[Pipeline] = []
     first_mb, j = 0, 0
@@ -191,6 +190,64 @@ def assign(
     links = _Links(spec, host)
     migration, seconds = _migration(pipelines, held, replicas, prefix, order, links)
     return Restoration(tuple(pipelines), migration, seconds, sum(t.nbytes for t in migration))
+
+
+# Above this many (row class x column class) pairs the flow over classes stops paying off.
+_CLASS_PAIRS_LIMIT = 512
+
+
+def match_slots(
+    rows: Sequence[str],
+    held: dict[str, list[Interval]],
+    slots: Sequence[tuple[int, int, int, int]],
+    layer_bytes: npt.NDArray[np.int64],
+    *,
+    by_class: bool | None = None,
+) -> list[int]:
+    """The row (survivor) matched to each slot, moving the fewest bytes.
+
+    Survivors holding the same layers are interchangeable, and so are slots with the same layers.
+    When there are few such classes (the common case: a symmetric layout losing a few workers has
+    one class per old stage, plus the newcomers), the matching is a transportation problem over
+    classes, solved as a min-cost flow on a graph of a few dozen edges; its integral optimum,
+    expanded member by member in order, is an optimal matching. Otherwise the full n x n matrix
+    goes to linear_sum_assignment. `by_class` forces one path (tests compare them).
+    """
+    row_classes: dict[tuple[Interval, ...], list[int]] = {}
+    for r, w in enumerate(rows):
+        row_classes.setdefault(tuple(held.get(w, ())), []).append(r)
+    col_classes: dict[tuple[int, int], list[int]] = {}
+    for j, (_, _, a, b) in enumerate(slots):
+        col_classes.setdefault((a, b), []).append(j)
+    if by_class is None:
+        by_class = len(row_classes) * len(col_classes) <= _CLASS_PAIRS_LIMIT
+    if not by_class:
+        pairs, _ = min_cost_assignment(_cost_matrix(rows, held, slots, layer_bytes))
+        owner = [0] * len(slots)
+        for r, j in pairs:
+            owner[j] = r
+        return owner
+
+    reps = [rows[members[0]] for members in row_classes.values()]
+    class_slots = [(0, 0, a, b) for a, b in col_classes]
+    cost = _cost_matrix(reps, held, class_slots, layer_bytes).tolist()
+    g = nx.DiGraph()
+    for i, members in enumerate(row_classes.values()):
+        g.add_node(("row", i), demand=-len(members))
+    for j, members in enumerate(col_classes.values()):
+        g.add_node(("slot", j), demand=len(members))
+    for i in range(len(reps)):
+        for j in range(len(class_slots)):
+            g.add_edge(("row", i), ("slot", j), weight=cost[i][j])
+    flow = nx.min_cost_flow(g)
+    owner = [0] * len(slots)
+    row_lists = [iter(m) for m in row_classes.values()]
+    col_lists = [iter(m) for m in col_classes.values()]
+    for i in range(len(reps)):
+        for j in range(len(class_slots)):
+            for _ in range(flow[("row", i)][("slot", j)]):
+                owner[next(col_lists[j])] = next(row_lists[i])
+    return owner
 
 
 def _cost_matrix(
