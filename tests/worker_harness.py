@@ -1,0 +1,324 @@
+"""A small controller and process driver for the worker tests: real workers, real Redis, real plans.
+
+`Controller` does what the daemon does for the workers, and no more: it stores the spec, publishes
+the initial plan once every spec worker registered, and answers each new failed worker (from `fault`
+events, or a heartbeat lapse) with `decide(..., force=policy)` from the real decision core: SET the
+plan key, PUBLISH the generation. It records every event for the assertions. `Workers` starts
+`chameleon-worker` processes and kills them with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import redis
+
+from chameleond.core.plan import Plan, plan_to_dict
+from chameleond.core.spec import JobSpec, LayerProfile, parse_spec
+from chameleond.protocol import Keys
+
+TINY_ARCH = {
+    "d_model": 32,
+    "heads": 2,
+    "blocks": 4,
+    "seq_len": 32,
+    "vocab": 256,
+    "seed": 7,
+    "lr": 3e-3,
+}
+
+
+def tiny_spec(
+    job: str,
+    *,
+    memory_bytes: int = 8 << 30,
+    workers: int = 6,
+    stages: int = 2,
+    arch: dict[str, Any] | None = None,
+    global_batch: int = 12,
+    micro_batch: int = 2,
+) -> dict[str, Any]:
+    arch = dict(arch or TINY_ARCH)
+    layer = {
+        "forward_seconds": 0.001,
+        "backward_seconds": 0.002,
+        "param_bytes": 50_000,
+        "optimizer_bytes": 100_000,
+        "activation_bytes": 20_000,
+        "output_bytes": 8192,
+    }
+    return {
+        "job": {"name": job, "mtbf_prior_seconds": 3600.0, "rebuild_seconds": 0.05},
+        "workers": [
+            {"id": f"w{i}", "host": "localhost", "memory_bytes": memory_bytes}
+            for i in range(workers)
+        ],
+        "links": {
+            "intra_host": {"bandwidth_bytes_per_second": 1e9, "latency_seconds": 1e-4},
+            "inter_host": {"bandwidth_bytes_per_second": 1e8, "latency_seconds": 1e-3},
+        },
+        "model": {"layers": [{"count": int(arch["blocks"]) + 2, **layer}], "arch": arch},
+        "training": {"global_batch": global_batch, "micro_batch": micro_batch},
+        "plan": {"stages": stages},
+    }
+
+
+@dataclass
+class Record:
+    """Events seen by the controller, in arrival order (raw fields plus a local receive time)."""
+
+    events: list[dict[str, str]] = field(default_factory=list)
+    plans: list[Plan] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def of(self, kind: str) -> list[dict[str, str]]:
+        with self.lock:
+            return [e for e in self.events if e.get("type") == kind]
+
+    def committed(self) -> dict[int, float]:
+        """step -> loss, from every step event (all workers of a step report the same loss)."""
+        out: dict[int, float] = {}
+        for e in self.of("step"):
+            out.setdefault(int(e["step"]), float(e["loss"]))
+        return out
+
+
+class EventReader(threading.Thread):
+    """XREAD of the job's event stream into a Record (no consumer group: never steals entries)."""
+
+    def __init__(self, url: str, job: str, record: Record) -> None:
+        super().__init__(daemon=True)
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        self.keys = Keys(job)
+        self.record = record
+        self.stopped = threading.Event()
+        self.on_event: list[Any] = []
+
+    def run(self) -> None:
+        last = "0"
+        while not self.stopped.is_set():
+            try:
+                got = self.client.xread({self.keys.events: last}, count=500, block=100)
+            except redis.RedisError:
+                if self.stopped.is_set():
+                    return
+                raise
+            streams = cast(list[tuple[str, list[tuple[str, dict[str, str]]]]], got or [])
+            for _, entries in streams:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    fields["_received"] = f"{time.time():.4f}"
+                    with self.record.lock:
+                        self.record.events.append(fields)
+                    for cb in self.on_event:
+                        cb(fields)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(timeout=5)
+        self.client.close()
+
+
+class Controller:
+    """Plans like the daemon does: the initial plan, then decide(force=policy) per failure."""
+
+    def __init__(
+        self,
+        url: str,
+        spec: dict[str, Any],
+        *,
+        policy: str | list[str],
+        heartbeat_lapse: float = 3.0,
+        measured: bool = True,
+    ) -> None:
+        # measured=False keeps the spec's layer numbers: the plans' layouts are known in advance.
+        self.measured = measured
+        self.url = url
+        self.spec_dict = spec
+        self.spec: JobSpec = parse_spec(spec)
+        # One forced policy for every decision, or one per decision in order.
+        self.policies = [policy] if isinstance(policy, str) else list(policy)
+        self.keys = Keys(self.spec.name)
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        self.record = Record()
+        self.reader = EventReader(url, self.spec.name, self.record)
+        self.failed: set[str] = set()
+        self.current: Plan | None = None
+        self.heartbeat_lapse = heartbeat_lapse
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.errors: list[str] = []
+
+    def start(self) -> Controller:
+        self.client.set(self.keys.spec, json.dumps(self.spec_dict))
+        self.reader.start()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.reader.stop()
+        self.client.close()
+
+    def publish(self, plan: Plan) -> None:
+        self.client.set(self.keys.plan, json.dumps(plan_to_dict(plan)))
+        self.client.publish(self.keys.plans_channel, str(plan.generation))
+        self.current = plan
+        self.record.plans.append(plan)
+
+    def _loop(self) -> None:
+        try:
+            self._run()
+        except Exception as e:  # surfaced by the tests through `errors`
+            self.errors.append(f"{type(e).__name__}: {e}")
+            raise
+
+    def _run(self) -> None:
+        from chameleond.core.decide import decide, initial_plan
+
+        ids = {w.id for w in self.spec.workers}
+        while not self._stop.is_set():
+            registered = {e["worker"] for e in self.record.of("register")}
+            profiled = {e["worker"] for e in self.record.of("profile")}
+            if ids <= registered and ids <= profiled:
+                break
+            time.sleep(0.05)
+        else:
+            return
+        if self.measured:
+            profile = json.loads(self.record.of("profile")[0]["data"])["layers"]
+            self.spec = self.spec.with_layers([LayerProfile(**d) for d in profile])
+        self.publish(initial_plan(self.spec, generation=1, mtbf_seconds=3600.0))
+        seen_faults = 0
+        while not self._stop.is_set():
+            time.sleep(0.02)
+            faults = self.record.of("fault")
+            new = {f["worker"] for f in faults[seen_faults:]} - self.failed
+            seen_faults = len(faults)
+            new |= self._lapsed() - self.failed
+            if not new:
+                continue
+            self.failed |= new
+            assert self.current is not None
+            policy = self.policies[min(len(self.record.plans) - 1, len(self.policies) - 1)]
+            d = decide(
+                self.spec,
+                self.current,
+                sorted(self.failed),
+                mtbf_seconds=3600.0,
+                generation=self.current.generation + 1,
+                force=policy,
+                cause=f"failed: {', '.join(sorted(new))}",
+            )
+            if d.plan is None:
+                self.errors.append(f"no plan: {d.unrecoverable}")
+                return
+            self.publish(d.plan)
+
+    def _lapsed(self) -> set[str]:
+        if self.current is None:
+            return set()
+        last: dict[str, float] = {}
+        for e in self.record.of("heartbeat"):
+            last[e["worker"]] = float(e["_received"])
+        # A worker that acked `stopped` left on purpose (fenced or finished): not a failure.
+        for e in self.record.of("ack"):
+            if e["phase"] == "stopped":
+                last.pop(e["worker"], None)
+        now = time.time()
+        return {
+            w for w in self.current.workers if w in last and now - last[w] > self.heartbeat_lapse
+        }
+
+    # waiting helpers --------------------------------------------------------------------------
+
+    def wait_for(self, what: str, predicate: Any, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.errors:
+                raise AssertionError(f"controller failed: {self.errors}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def wait_steps(self, n: int, timeout: float = 120.0) -> None:
+        self.wait_for(f"{n} committed steps", lambda: len(self.record.committed()) >= n, timeout)
+
+
+class Workers:
+    """chameleon-worker subprocesses; logs under `log_dir`."""
+
+    def __init__(self, url: str, job: str, log_dir: Path) -> None:
+        self.url = url
+        self.job = job
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.kill_times: dict[str, float] = {}
+
+    def start(
+        self,
+        ids: Iterable[str],
+        env: dict[str, dict[str, str]] | None = None,
+        *,
+        max_steps: int = 0,
+    ) -> None:
+        for w in ids:
+            penv = dict(os.environ)
+            penv.update((env or {}).get(w, {}))
+            log = open(self.log_dir / f"{w}.log", "ab")  # noqa: SIM115 - closed with the process
+            self.procs[w] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "workers.main",
+                    "--redis-url",
+                    self.url,
+                    "--job",
+                    self.job,
+                    "--worker-id",
+                    w,
+                    "--group-timeout",
+                    "10",
+                    "--max-steps",
+                    str(max_steps),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=penv,
+            )
+            log.close()
+
+    def kill(self, w: str) -> float:
+        t = time.time()
+        os.kill(self.procs[w].pid, signal.SIGKILL)
+        self.procs[w].wait()
+        self.kill_times[w] = t
+        return t
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def log(self, w: str) -> str:
+        return (self.log_dir / f"{w}.log").read_text(errors="replace")

@@ -1,0 +1,112 @@
+"""Which collective backend a device uses, and how one process group is built on a store.
+
+cpu -> gloo, cuda:N -> nccl, npu:N -> hccl (Ascend, through the optional `torch_npu` package: the
+`npu` extra). A missing or broken backend is a `BackendUnavailable` whose message says what to
+install, never an import trace. Groups are built directly on a store (no global default group), so
+every plan generation's groups are plain objects that can be dropped when the generation ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class BackendUnavailable(RuntimeError):
+    """The device's collective backend cannot be used here; the message says why."""
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    kind: str  # "cpu" | "cuda" | "npu"
+    index: int
+    backend: str  # "gloo" | "nccl" | "hccl"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.index)
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"{self.kind}:{self.index}"
+
+
+def parse_device(text: str) -> DeviceChoice:
+    """`cpu`, `cuda:N` or `npu:N`; raises ValueError with the accepted forms."""
+    kind, _, idx = text.partition(":")
+    if kind == "cpu" and not idx:
+        return DeviceChoice("cpu", 0, "gloo")
+    if kind in ("cuda", "npu") and (idx.isdigit() or not idx):
+        return DeviceChoice(kind, int(idx or 0), "nccl" if kind == "cuda" else "hccl")
+    raise ValueError(f"device {text!r}: expected cpu, cuda:N or npu:N")
+
+
+def check_device(dev: DeviceChoice) -> None:
+    """Make the device current, or raise BackendUnavailable explaining what is missing."""
+    if dev.kind == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("cuda requested but torch sees no CUDA device")
+        if dev.index >= torch.cuda.device_count():
+            raise BackendUnavailable(
+                f"cuda:{dev.index} requested, {torch.cuda.device_count()} seen"
+            )
+        if not dist.is_nccl_available():
+            raise BackendUnavailable("this torch build has no NCCL backend")
+        torch.cuda.set_device(dev.index)
+    elif dev.kind == "npu":
+        npu = _torch_npu()
+        if not npu.npu.is_available():  # pragma: no cover - needs Ascend hardware
+            raise BackendUnavailable("torch_npu is installed but sees no NPU device")
+        npu.npu.set_device(dev.index)  # pragma: no cover
+
+
+def _torch_npu() -> Any:
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError as e:
+        raise BackendUnavailable(
+            "npu requested but torch_npu is not installed: pip install 'chameleond[npu]' "
+            f"(torch-npu matching torch {torch.__version__.split('+')[0]}) ({e})"
+        ) from None
+    except Exception as e:  # a broken install raises anything at import time
+        raise BackendUnavailable(f"torch_npu is installed but fails to import: {e}") from None
+
+
+def device_memory_bytes(dev: DeviceChoice) -> int:
+    if dev.kind == "cuda":
+        return int(torch.cuda.get_device_properties(dev.index).total_memory)
+    if dev.kind == "npu":  # pragma: no cover - needs Ascend hardware
+        return int(_torch_npu().npu.get_device_properties(dev.index).total_memory)
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def new_group(
+    store: dist.Store,
+    rank: int,
+    size: int,
+    dev: DeviceChoice,
+    *,
+    bind_address: str,
+    timeout: timedelta,
+) -> Any:
+    """One process group over `store`; blocks until all `size` members joined (or the store
+    aborts)."""
+    if dev.backend == "gloo":
+        # The options type is private in torch's stubs; it is the only way to pass the device.
+        opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address)]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+    if dev.backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, nccl_opts)
+    npu = _torch_npu()  # pragma: no cover - needs Ascend hardware
+    hccl = npu._C._distributed_c10d.ProcessGroupHCCL  # pragma: no cover
+    return hccl(store, rank, size, timeout)  # pragma: no cover

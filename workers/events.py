@@ -1,0 +1,175 @@
+"""The worker's side of the protocol: events it sends, plans it watches, peers it believes alive.
+
+Events are flat string fields XADDed to `Keys(job).events` (docs/protocol.md). Plans arrive as the
+`Keys(job).plan` key, announced on `Keys(job).plans_channel`; the watcher re-reads the key on every
+announcement and once a second anyway, so a missed message or a restart still converges.
+
+Liveness: every Redis connection of a worker carries the name `chameleon-worker:{job}:{id}`. The
+kernel closes a killed process's sockets, so Redis drops its connections at once; a peer without any
+named connection is gone. A survivor names a peer in a fault only on that evidence, never on a
+collective error alone (the error may come from a live peer that itself gave up the step).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+
+import redis
+
+from chameleond.core.plan import Plan, PlanError, plan_from_dict
+from chameleond.protocol import Keys
+
+log = logging.getLogger("chameleon.worker")
+
+HEARTBEAT_SECONDS = 0.5
+_PLAN_POLL_SECONDS = 1.0
+_STREAM_MAXLEN = 100_000
+
+
+def connection_name(job: str, worker: str) -> str:
+    return f"chameleon-worker:{job}:{worker}"
+
+
+class Reporter:
+    """XADD of the worker's events; every call is one stream entry of flat string fields."""
+
+    def __init__(self, client: redis.Redis, job: str, worker: str) -> None:
+        self._redis = client
+        self._keys = Keys(job)
+        self.worker = worker
+
+    def send(self, kind: str, fields: Mapping[str, object]) -> None:
+        entry = {"type": kind, "worker": self.worker}
+        entry.update({k: str(v) for k, v in fields.items()})
+        self._redis.xadd(self._keys.events, entry, maxlen=_STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+
+    def fault(self, failed: str, cause: str, **extra: object) -> None:
+        entry: dict[str, str] = {"type": "fault", "worker": failed, "cause": cause[:500]}
+        entry["reporter"] = self.worker
+        entry.update({k: str(v) for k, v in extra.items()})
+        self._redis.xadd(self._keys.events, entry, maxlen=_STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+
+
+class Heartbeat(threading.Thread):
+    """XADD a heartbeat every HEARTBEAT_SECONDS until stopped; Redis errors are logged only."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self._reporter = reporter
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self._reporter.send("heartbeat", {"at": f"{time.time():.3f}"})
+            except (redis.RedisError, OSError, ValueError) as e:
+                if self._stop_event.is_set():
+                    return
+                log.warning("heartbeat not sent: %s", e)
+            self._stop_event.wait(HEARTBEAT_SECONDS)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+class PlanWatcher(threading.Thread):
+    """Keeps the newest valid plan of the job; `wait_newer` blocks until one above a generation."""
+
+    def __init__(self, client: redis.Redis, job: str) -> None:
+        super().__init__(name="plan-watcher", daemon=True)
+        self._redis = client
+        self._keys = Keys(job)
+        self._cond = threading.Condition()
+        self._plan: Plan | None = None
+        self._stop_event = threading.Event()
+        self._bad_generation = -1
+
+    @property
+    def newest(self) -> Plan | None:
+        with self._cond:
+            return self._plan
+
+    @property
+    def newest_generation(self) -> int:
+        plan = self.newest
+        return plan.generation if plan else 0
+
+    def wait_newer(self, generation: int, timeout: float | None = None) -> Plan | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._plan is None or self._plan.generation <= generation:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or self._stop_event.is_set():
+                    return None
+                self._cond.wait(0.2 if left is None else min(left, 0.2))
+            return self._plan
+
+    def refresh(self) -> None:
+        raw = self._redis.get(self._keys.plan)
+        if raw is None:
+            return
+        try:
+            plan = plan_from_dict(json.loads(raw))
+        except (json.JSONDecodeError, PlanError) as e:
+            # A bad plan is the daemon's bug; training keeps the plan it has. Logged once.
+            gen = hash(raw) & 0x7FFFFFFF
+            if gen != self._bad_generation:
+                log.error("ignoring an undecodable plan under %s: %s", self._keys.plan, e)
+                self._bad_generation = gen
+            return
+        with self._cond:
+            if self._plan is None or plan.generation > self._plan.generation:
+                self._plan = plan
+                self._cond.notify_all()
+
+    def run(self) -> None:
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(self._keys.plans_channel)
+            self.refresh()
+            last = time.monotonic()
+            while not self._stop_event.is_set():
+                try:
+                    msg = pubsub.get_message(timeout=0.2)
+                    if msg is not None or time.monotonic() - last > _PLAN_POLL_SECONDS:
+                        self.refresh()
+                        last = time.monotonic()
+                except (redis.RedisError, OSError, ValueError) as e:
+                    if self._stop_event.is_set():
+                        return
+                    log.warning("plan watch: %s", e)
+                    time.sleep(0.2)
+        finally:
+            pubsub.close()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def live_workers(client: redis.Redis, job: str) -> set[str]:
+    """Workers of `job` with at least one open Redis connection (see the module docstring)."""
+    prefix = connection_name(job, "")
+    names = {c.get("name", "") for c in client.client_list()}
+    return {n[len(prefix) :] for n in names if n.startswith(prefix)}
+
+
+def dead_peers(
+    client: redis.Redis, job: str, peers: Iterable[str], *, settle_seconds: float = 0.3
+) -> list[str]:
+    """Peers with no open connection, polled briefly so that Redis has seen a fresh death."""
+    peers = list(peers)
+    deadline = time.monotonic() + settle_seconds
+    while True:
+        try:
+            alive = live_workers(client, job)
+        except redis.RedisError as e:  # CLIENT LIST may be denied by an ACL
+            log.warning("cannot list connections to find the failed peer: %s", e)
+            return []
+        dead = sorted(p for p in peers if p not in alive)
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.02)

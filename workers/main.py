@@ -1,0 +1,156 @@
+"""`chameleon-worker`: one training process on one device, following the job's plans.
+
+Exit codes (docs/worker.md):
+  0  fenced by a plan or finished --max-steps (acked `stopped`), or stopped by SIGTERM/SIGINT
+  2  bad command line
+  3  Redis unreachable, or lost for good
+  4  the job spec is missing, malformed, or its [model.arch] is unusable
+  5  the device's collective backend is unavailable (e.g. nccl without CUDA, npu without torch_npu)
+  6  the training corpus (the standard library's sources) is unavailable
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from datetime import timedelta
+from types import FrameType
+
+import redis
+import torch
+
+from chameleond.core.spec import SpecError
+from chameleond.protocol import MAX_ID_LEN
+from workers.backend import BackendUnavailable, check_device, parse_device
+from workers.data import CorpusError
+from workers.events import connection_name
+from workers.model import ArchError
+from workers.runtime import WorkerConfig, WorkerRuntime
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+EXIT_REDIS = 3
+EXIT_SPEC = 4
+EXIT_BACKEND = 5
+EXIT_CORPUS = 6
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by SIGTERM/SIGINT."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="chameleon-worker",
+        description="Train one slot of a chameleond job: register, profile, follow the plans.",
+    )
+    p.add_argument(
+        "--redis-url", required=True, help="Redis holding the job (redis:// or rediss://)"
+    )
+    p.add_argument("--job", default="default", help="job name (keys chameleon:{job}:*)")
+    p.add_argument("--worker-id", required=True, help="this worker's id, as in the job spec")
+    p.add_argument("--device", default="cpu", help="cpu | cuda:N | npu:N (default cpu)")
+    p.add_argument(
+        "--bind-address",
+        default="127.0.0.1",
+        help="address the collective backend listens on and advertises (default 127.0.0.1)",
+    )
+    p.add_argument(
+        "--group-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a collective may wait on a peer before the step is given up (default 10)",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=0,
+        help="stop (ack stopped, exit 0) once step N-1 is committed; 0: until fenced (default)",
+    )
+    p.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING (default INFO)")
+    return p
+
+
+def _valid_id(text: str) -> bool:
+    return 0 < len(text) <= MAX_ID_LEN and text.isprintable() and not any(c.isspace() for c in text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format=f"%(asctime)s %(levelname)s job={args.job} worker={args.worker_id} %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("chameleon.worker")
+    for name, value in (("--worker-id", args.worker_id), ("--job", args.job)):
+        if not _valid_id(value):
+            log.error("%s %r: expected a printable id without spaces", name, value)
+            return EXIT_USAGE
+    if args.max_steps < 0:
+        log.error("--max-steps must be >= 0")
+        return EXIT_USAGE
+    if args.group_timeout <= 0:
+        log.error("--group-timeout must be > 0")
+        return EXIT_USAGE
+    try:
+        device = parse_device(args.device)
+        check_device(device)
+    except ValueError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+    except BackendUnavailable as e:
+        log.error("backend unavailable: %s", e)
+        return EXIT_BACKEND
+    # One thread per worker: shared hosts stay responsive, and every worker computes a micro-batch
+    # with the same kernels, so a rerouted micro-batch gives the same numbers as on its owner.
+    torch.set_num_threads(1)
+
+    client = redis.Redis.from_url(
+        args.redis_url,
+        client_name=connection_name(args.job, args.worker_id),
+        socket_timeout=30,
+        health_check_interval=10,
+    )
+    cfg = WorkerConfig(
+        redis_url=args.redis_url,
+        job=args.job,
+        worker_id=args.worker_id,
+        device=device,
+        bind_address=args.bind_address,
+        group_timeout=timedelta(seconds=args.group_timeout),
+        kill_at=os.environ.get("CHAMELEON_WORKER_KILL_AT", ""),
+        max_steps=args.max_steps,
+    )
+    runtime = WorkerRuntime(cfg, client)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        runtime.stopping = True
+        raise _Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        client.ping()
+        return runtime.run()
+    except _Stop as e:
+        log.info("stopped by %s", e)
+        return EXIT_OK
+    except redis.RedisError as e:
+        log.error("redis at %s: %s", args.redis_url, e)
+        return EXIT_REDIS
+    except (SpecError, ArchError, TimeoutError) as e:
+        log.error("job spec: %s", e)
+        return EXIT_SPEC
+    except CorpusError as e:
+        log.error("corpus: %s", e)
+        return EXIT_CORPUS
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

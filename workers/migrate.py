@@ -1,0 +1,165 @@
+"""The start of a generation: agree on the committed step, then move layer state per the plan.
+
+1. Reconcile. Every worker contributes one row (its last committed step, its pending update's step,
+   the version of every layer it holds and which of them the pending update covers) to a SUM
+   all-reduce over the world group, i.e. an all-gather. The job's committed step is the MAX of the
+   committed steps. A commit vote may have completed on some workers only; every worker that voted
+   had finished the gradient sync, so whoever holds a pending update for exactly that step applies
+   it now, and a pending update for a later step (whose vote completed nowhere) is discarded.
+2. Migrate. A worker needs every layer the plan gives it whose copy is not at the committed step.
+   Each missing layer comes from the plan's Transfer when its source really holds a current copy,
+   and otherwise from the lowest-ranked worker that does (a fault in the middle of an earlier
+   migration leaves the plan's idea of who holds what behind the truth). Transfers run in the plan's
+   rounds, repairs in one extra round. Before any step has committed, missing layers are built from
+   the seed instead. Sources keep their layers; the runtime drops unowned layers after the
+   generation's first commit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from chameleond.core.plan import Plan
+from workers.generation import Generation
+from workers.model import LayerState
+from workers.state import WorkerState
+from workers.step import MIGRATION_TAG_BASE
+
+log = logging.getLogger("chameleon.worker")
+
+_ABSENT = -2.0
+
+
+class StateLost(RuntimeError):
+    """No worker holds a current copy of a layer: backup-free recovery is impossible."""
+
+
+@dataclass(frozen=True)
+class Move:
+    src: str | None  # None: build from the seed (nothing committed yet)
+    dst: str
+    layer: int
+    round: int
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    committed_step: int
+    applied_pending: int | None  # the step this worker applied late, if it did
+    moves: tuple[Move, ...]
+
+
+def _rows(gen: Generation, state: WorkerState) -> torch.Tensor:
+    n = state.arch.n_layers
+    rows = torch.zeros((len(gen.world), 2, n + 2), dtype=torch.float64)
+    mine = rows[gen.rank]
+    mine[0, 0] = state.committed_step
+    mine[0, 1] = -1 if state.pending_step is None else state.pending_step
+    mine[0, 2:] = _ABSENT
+    for i, layer in state.layers.items():
+        mine[0, 2 + i] = layer.version
+    for i in state.pending_layers:
+        mine[1, 2 + i] = 1.0
+    return rows
+
+
+def plan_moves(plan: Plan, rows: torch.Tensor, world: tuple[str, ...]) -> Reconciled:
+    """Pure: from the gathered rows, the committed step and the moves every worker agrees on."""
+    committed = int(rows[:, 0, 0].max().item())
+    n = rows.shape[2] - 2
+    current: dict[str, set[int]] = {}
+    for r, w in enumerate(world):
+        pending = int(rows[r, 0, 1].item())
+        held = set()
+        for i in range(n):
+            version = int(rows[r, 0, 2 + i].item())
+            if pending == committed and rows[r, 1, 2 + i] > 0:
+                version = committed
+            if version == committed and rows[r, 0, 2 + i] != _ABSENT:
+                held.add(i)
+        current[w] = held
+    planned = {(t.dst, layer): t for t in plan.migration for layer in t.layers}
+    repair_round = 1 + max((t.round for t in plan.migration), default=-1)
+    moves: list[Move] = []
+    for w in world:
+        for layer in plan.owned_layers(w):
+            if layer in current[w]:
+                continue
+            if committed < 0:
+                moves.append(Move(None, w, layer, 0))
+                continue
+            t = planned.get((w, layer))
+            if t is not None and t.src in current and layer in current[t.src]:
+                moves.append(Move(t.src, w, layer, t.round))
+                continue
+            holders = [h for h in world if layer in current[h]]
+            if not holders:
+                raise StateLost(
+                    f"layer {layer} has no copy at step {committed} among {', '.join(world)}"
+                )
+            moves.append(Move(holders[0], w, layer, repair_round))
+    return Reconciled(committed, None, tuple(moves))
+
+
+def reconcile(
+    gen: Generation,
+    state: WorkerState,
+    *,
+    on_round: Callable[[int], None] | None = None,
+) -> Reconciled:
+    """Run steps 1 and 2 of the module docstring over the world group."""
+    rows = _rows(gen, state)
+    gen.world_group.allreduce([rows]).wait()
+    plan = gen.plan
+    result = plan_moves(plan, rows, gen.world)
+    applied: int | None = None
+    if state.pending_step is not None:
+        if state.pending_step == result.committed_step:
+            applied = state.apply_pending(plan.global_batch)
+            log.info("applied step %d late: its commit vote reached other workers", applied)
+        else:
+            state.discard_step()
+    # Layers at an older step are stale: they can be neither trained nor sent.
+    for i in [i for i, lay in state.layers.items() if lay.version != result.committed_step]:
+        if result.committed_step >= 0:
+            del state.layers[i]
+    state.committed_step = max(state.committed_step, result.committed_step)
+    _execute(gen, state, result.moves, result.committed_step, on_round)
+    return Reconciled(result.committed_step, applied, result.moves)
+
+
+def _execute(
+    gen: Generation,
+    state: WorkerState,
+    moves: tuple[Move, ...],
+    committed: int,
+    on_round: Callable[[int], None] | None,
+) -> None:
+    me = gen.me
+    for rnd in sorted({m.round for m in moves}):
+        works = []
+        received: list[tuple[LayerState, torch.Tensor]] = []
+        for m in (m for m in moves if m.round == rnd):
+            tag = MIGRATION_TAG_BASE + m.layer
+            if m.dst == me and m.src is None:
+                state.build_from_seed(m.layer)
+            elif m.src == me:
+                buf = state.layer(m.layer).state_buffer()
+                works.append((gen.world_group.send([buf], gen.rank_of(m.dst), tag), buf))
+            elif m.dst == me:
+                assert m.src is not None
+                skeleton = LayerState(state.arch, m.layer, state.device)
+                buf = torch.empty(skeleton.state_numel(), device=state.device)
+                works.append((gen.world_group.recv([buf], gen.rank_of(m.src), tag), buf))
+                received.append((skeleton, buf))
+        if on_round is not None:
+            on_round(rnd)
+        for work, _ in works:
+            work.wait()
+        for layer, buf in received:
+            layer.load_buffer(buf, committed)
+            state.layers[layer.index] = layer

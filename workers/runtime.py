@@ -1,0 +1,335 @@
+"""The worker's life: wait for the spec, register, profile, then follow the plans generation by
+generation.
+
+    spec -> register -> profile -> (heartbeat, plan watch) -> for each plan including this worker:
+      world group -> reconcile + migrate -> sync groups -> ack ready -> steps until a newer plan
+    a fault in a generation -> discard the step, report the dead peer, wait for a newer plan
+    fenced (excluded, or dropped from the plans) -> ack stopped, exit 0
+
+A step commits on every worker or on none: after the gradient sync, every worker of the plan joins
+a vote (a SUM all-reduce of [loss, 1, newest plan generation seen]); only when the vote completes
+does a worker apply its update. The vote also carries the newest generation anyone has seen, so
+all workers switch to a newer plan after the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import redis
+import torch
+
+from chameleond.core.plan import Plan
+from chameleond.core.spec import JobSpec, SpecError, parse_spec
+from chameleond.protocol import Keys
+from workers.backend import DeviceChoice, device_memory_bytes
+from workers.data import Corpus
+from workers.events import Heartbeat, PlanWatcher, Reporter, dead_peers, live_workers
+from workers.generation import Generation
+from workers.migrate import StateLost, reconcile
+from workers.model import Arch
+from workers.profile import profile_model
+from workers.state import WorkerState
+from workers.step import StepRunner
+from workers.store import StoreAborted
+
+log = logging.getLogger("chameleon.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    redis_url: str
+    job: str
+    worker_id: str
+    device: DeviceChoice
+    bind_address: str = "127.0.0.1"
+    group_timeout: timedelta = timedelta(seconds=10)
+    spec_timeout_seconds: float = 300.0
+    # Test hook (docs/worker.md): "step:N" kills this process (SIGKILL) in the middle of step N,
+    # "migration:G" in the middle of generation G's migration.
+    kill_at: str = ""
+    max_steps: int = 0  # stop after committing step max_steps - 1; 0: train until fenced
+
+
+class Fenced(Exception):
+    """This worker must stop: the plans no longer include it."""
+
+
+class Finished(Exception):
+    """The configured number of steps is committed."""
+
+
+class Superseded(Exception):
+    """A newer plan arrived while this generation was being built."""
+
+
+class WorkerRuntime:
+    def __init__(self, cfg: WorkerConfig, client: redis.Redis) -> None:
+        self.cfg = cfg
+        self.redis = client
+        self.keys = Keys(cfg.job)
+        self.reporter = Reporter(client, cfg.job, cfg.worker_id)
+        self.watcher = PlanWatcher(client, cfg.job)
+        self.heartbeat = Heartbeat(self.reporter)
+        self.stopping = False
+        self._last_liveness_check = 0.0
+        self._failed_at = 0.0
+
+    # start-up -----------------------------------------------------------------------------------
+
+    def wait_for_spec(self) -> JobSpec:
+        deadline = time.monotonic() + self.cfg.spec_timeout_seconds
+        while True:
+            raw = self.redis.get(self.keys.spec)
+            if raw is not None:
+                try:
+                    return parse_spec(json.loads(raw))
+                except (json.JSONDecodeError, SpecError) as e:
+                    raise SpecError(f"{self.keys.spec}: {e}") from e
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no job spec under {self.keys.spec}")
+            time.sleep(0.1)
+
+    def register(self, spec: JobSpec, corpus: Corpus) -> None:
+        me = self.cfg.worker_id
+        try:
+            host = spec.worker(me).host
+        except KeyError:
+            host = socket.gethostname()
+        self.reporter.send(
+            "register",
+            {
+                "host": host,
+                "device": str(self.cfg.device),
+                "memory_bytes": device_memory_bytes(self.cfg.device),
+                "pid": os.getpid(),
+                "address": self.cfg.bind_address,
+                "corpus": corpus.digest,
+            },
+        )
+
+    def run(self) -> int:
+        spec = self.wait_for_spec()
+        arch = Arch.from_mapping(spec.arch)
+        corpus = Corpus()
+        device = self.cfg.device.torch_device
+        self.register(spec, corpus)
+        self.heartbeat.start()
+        t0 = time.perf_counter()
+        data = profile_model(arch, spec.training.micro_batch, device)
+        self.reporter.send("profile", {"data": json.dumps(data)})
+        log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
+        self.watcher.start()
+        try:
+            return self.follow_plans(WorkerState(arch, device), corpus)
+        finally:
+            self.heartbeat.stop()
+            self.watcher.stop()
+            for thread in (self.heartbeat, self.watcher):
+                if thread.is_alive():
+                    thread.join(timeout=2)
+
+    # plans --------------------------------------------------------------------------------------
+
+    def follow_plans(self, state: WorkerState, corpus: Corpus) -> int:
+        me = self.cfg.worker_id
+        seen = 0
+        member = False
+        while not self.stopping:
+            plan = self.watcher.wait_newer(seen, timeout=0.5)
+            if plan is None:
+                continue
+            seen = plan.generation
+            if me in plan.excluded or (member and me not in plan.workers):
+                self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
+                log.info("fenced by generation %d: stopping", plan.generation)
+                return 0
+            if me not in plan.workers:
+                log.info("generation %d does not include %s: waiting", plan.generation, me)
+                continue
+            member = True
+            try:
+                self.run_generation(plan, state, corpus)
+            except Finished:
+                self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
+                log.info("step %d committed: finished", state.committed_step)
+                return 0
+            except Superseded as e:
+                log.info("%s", e)
+                if state.pending_step is None:
+                    state.discard_step()
+            except StateLost as e:
+                log.error("generation %d cannot start: %s", plan.generation, e)
+            except (RuntimeError, ValueError) as e:
+                self.on_fault(plan, state, e)
+        return 0
+
+    def on_fault(self, plan: Plan, state: WorkerState, error: Exception) -> None:
+        detected = self._failed_at or time.time()
+        self._failed_at = 0.0
+        if state.pending_step is None:
+            state.discard_step()
+        peers = [w for w in plan.workers if w != self.cfg.worker_id]
+        t_close = time.time()
+        dead = dead_peers(self.redis, self.cfg.job, peers)
+        log.info(
+            "groups closed %.3fs after the error; dead peers found in %.3fs",
+            t_close - detected,
+            time.time() - t_close,
+        )
+        cause = f"{type(error).__name__}: {error}"
+        log.warning("generation %d failed (%s); dead peers: %s", plan.generation, cause, dead)
+        for w in dead:
+            self.reporter.fault(w, cause, generation=plan.generation, at=f"{detected:.3f}")
+        if not dead:
+            log.warning("no dead peer found; waiting for the next plan")
+
+    def _abort_check(self, generation: int, peers: tuple[str, ...]) -> None:
+        """Called while waiting on the store: give up the rendezvous early when it cannot finish."""
+        newest = self.watcher.newest_generation
+        if newest > generation:
+            raise Superseded(f"generation {generation} superseded by {newest} during rendezvous")
+        now = time.monotonic()
+        if now - self._last_liveness_check < 0.1:
+            return
+        self._last_liveness_check = now
+        alive = live_workers(self.redis, self.cfg.job)
+        gone = [w for w in peers if w not in alive]
+        if gone:
+            raise StoreAborted(f"peer(s) {', '.join(gone)} gone during rendezvous")
+
+    def run_generation(self, plan: Plan, state: WorkerState, corpus: Corpus) -> None:
+        cfg, me = self.cfg, self.cfg.worker_id
+        t0 = time.perf_counter()
+        gen = Generation.for_plan(plan, me, cfg.device)
+        peers = tuple(w for w in gen.world if w != me)
+
+        def abort() -> None:
+            self._abort_check(plan.generation, peers)
+
+        try:
+            gen.connect(
+                self.redis,
+                bind_address=cfg.bind_address,
+                timeout=cfg.group_timeout,
+                abort=abort,
+                sync=False,
+            )
+            t_world = time.perf_counter()
+            rec = reconcile(gen, state, on_round=self._kill_hook_migration(plan.generation))
+            if rec.applied_pending is not None:
+                self._report_step(plan, rec.applied_pending, state.pending_loss, 0.0, late=True)
+            t_migrated = time.perf_counter()
+            gen.connect(
+                self.redis,
+                bind_address=cfg.bind_address,
+                timeout=cfg.group_timeout,
+                abort=abort,
+                sync=True,
+            )
+            build = time.perf_counter() - t0
+            self.reporter.send(
+                "ack",
+                {
+                    "generation": plan.generation,
+                    "phase": "ready",
+                    "build_seconds": f"{build:.4f}",
+                    "world_seconds": f"{t_world - t0:.4f}",
+                    "migration_seconds": f"{t_migrated - t_world:.4f}",
+                    "moves": len(rec.moves),
+                },
+            )
+            log.info(
+                "generation %d ready in %.3fs (%d layer moves), resuming at step %d",
+                plan.generation,
+                build,
+                len(rec.moves),
+                rec.committed_step + 1,
+            )
+            if self.cfg.max_steps and rec.committed_step + 1 >= self.cfg.max_steps:
+                raise Finished
+            self._train(gen, state, corpus, rec.committed_step + 1)
+        except (RuntimeError, ValueError):
+            self._failed_at = time.time()  # before the groups are torn down
+            raise
+        finally:
+            gen.close()
+
+    def _train(self, gen: Generation, state: WorkerState, corpus: Corpus, step: int) -> None:
+        plan = gen.plan
+        runner = StepRunner(gen, state, corpus)
+        owned = plan.owned_layers(gen.me)
+        first = True
+        while not self.stopping:
+            t0 = time.perf_counter()
+            result = runner.run(step, on_op=self._kill_hook_step())
+            state.mark_pending(step, result.layers, 0.0)
+            vote = torch.zeros((len(gen.world), 3), dtype=torch.float64)
+            vote[gen.rank] = torch.tensor(
+                [result.loss_sum, 1.0, float(self.watcher.newest_generation)], dtype=torch.float64
+            )
+            gen.world_group.allreduce([vote]).wait()
+            loss = float(vote[:, 0].sum().item()) / plan.global_batch
+            state.pending_loss = loss
+            state.apply_pending(plan.global_batch)
+            seconds = time.perf_counter() - t0
+            if first:
+                dropped = state.drop_except(owned)
+                if dropped:
+                    log.info("dropped layers %s: their new owners committed a step", dropped)
+                first = False
+            self._report_step(plan, step, loss, seconds)
+            step += 1
+            if self.cfg.max_steps and step >= self.cfg.max_steps:
+                raise Finished
+            if int(vote[:, 2].max().item()) > plan.generation:
+                return
+
+    def _report_step(
+        self, plan: Plan, step: int, loss: float, seconds: float, *, late: bool = False
+    ) -> None:
+        fields: dict[str, object] = {
+            "generation": plan.generation,
+            "step": step,
+            "samples": plan.global_batch,
+            "seconds": f"{seconds:.6f}",
+            "loss": repr(loss),
+            "at": f"{time.time():.3f}",
+        }
+        if late:
+            fields["late"] = 1
+        self.reporter.send("step", fields)
+
+    # test hooks ---------------------------------------------------------------------------------
+
+    def _kill_hook_step(self) -> Callable[[int, int, int], None] | None:
+        what, _, arg = self.cfg.kill_at.partition(":")
+        if what != "step":
+            return None
+        target = int(arg)
+
+        def on_op(step: int, i: int, n: int) -> None:
+            if step == target and i == n // 2:
+                log.warning("kill hook: SIGKILL in the middle of step %d", step)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return on_op
+
+    def _kill_hook_migration(self, generation: int) -> Callable[[int], None] | None:
+        what, _, arg = self.cfg.kill_at.partition(":")
+        if what != "migration" or int(arg) != generation:
+            return None
+
+        def on_round(_rnd: int) -> None:
+            log.warning("kill hook: SIGKILL in the middle of generation %d's migration", generation)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        return on_round

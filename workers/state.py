@@ -1,0 +1,65 @@
+"""What a worker holds between plan generations: its layers, the last committed step, and at most
+one pending update (gradients fully summed over the layer owners, not yet applied because the step's
+commit vote did not reach this worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from workers.model import Arch, LayerState
+
+
+class WorkerState:
+    def __init__(self, arch: Arch, device: torch.device) -> None:
+        self.arch = arch
+        self.device = device
+        self.layers: dict[int, LayerState] = {}
+        self.committed_step = -1  # the last step this worker applied; -1: none yet
+        self.pending_step: int | None = None
+        self.pending_layers: tuple[int, ...] = ()
+        self.pending_loss = 0.0
+
+    def layer(self, index: int) -> LayerState:
+        try:
+            return self.layers[index]
+        except KeyError:
+            raise RuntimeError(f"layer {index} is not held by this worker") from None
+
+    def build_from_seed(self, index: int) -> LayerState:
+        """Only valid before any step committed: the initial weights are a function of the seed."""
+        st = LayerState(self.arch, index, self.device, version=-1)
+        self.layers[index] = st
+        return st
+
+    def mark_pending(self, step: int, layers: Iterable[int], loss: float) -> None:
+        self.pending_step = step
+        self.pending_layers = tuple(layers)
+        self.pending_loss = loss
+
+    def apply_pending(self, global_batch: int) -> int:
+        """Apply the pending update (the step committed); returns the step."""
+        if self.pending_step is None:
+            raise RuntimeError("no pending update to apply")
+        step = self.pending_step
+        for i in self.pending_layers:
+            self.layer(i).apply_update(global_batch, step)
+        self.committed_step = step
+        self.pending_step = None
+        self.pending_layers = ()
+        return step
+
+    def discard_step(self) -> None:
+        """Forget every gradient of an uncommitted step (including a pending one)."""
+        for layer in self.layers.values():
+            layer.discard_gradients()
+        self.pending_step = None
+        self.pending_layers = ()
+
+    def drop_except(self, keep: Iterable[int]) -> list[int]:
+        keep_set = set(keep)
+        dropped = sorted(i for i in self.layers if i not in keep_set)
+        for i in dropped:
+            del self.layers[i]
+        return dropped

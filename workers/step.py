@@ -1,0 +1,161 @@
+"""One training step of one worker under a plan: its 1F1B ops, then the gradient sync rounds.
+
+Ops run in the generation's order with blocking receives and non-blocking sends; the order is a
+linear extension of the step's dependency graph (chameleond.core.schedule), so it cannot deadlock.
+Under rerouting a worker's op list holds ops of several pipelines (the failed slot's micro-batches),
+so activations and gradients cross pipelines; everything is keyed by (pipeline, stage, micro-batch).
+Each p2p message has a fixed shape (micro_batch, seq_len, d_model) and a tag naming
+(kind, pipeline, stage boundary, micro-batch), so no receive can take another's message.
+
+Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
+all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds. The
+division by B happens once, at commit (LayerState.apply_update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chameleond.core.schedule import BACKWARD, FORWARD, Op
+from workers.data import Corpus
+from workers.generation import Generation, sync_order
+from workers.model import run_layers, sample_loss_sum
+from workers.state import WorkerState
+
+_MAX_BOUNDARY = 256
+_MAX_PIPELINES = 256
+MIGRATION_TAG_BASE = 1 << 30
+
+
+def p2p_tag(kind: str, pipeline: int, boundary: int, micro_batch: int) -> int:
+    """Unique per message of a step; boundary s is the link between stage s and s + 1."""
+    if pipeline >= _MAX_PIPELINES or boundary >= _MAX_BOUNDARY:
+        raise ValueError("more than 256 pipelines or stages: widen p2p_tag")
+    tag = ((micro_batch * _MAX_PIPELINES + pipeline) * _MAX_BOUNDARY + boundary) * 2
+    tag += 0 if kind == FORWARD else 1
+    if tag >= MIGRATION_TAG_BASE:
+        raise ValueError(f"micro-batch {micro_batch} too large for the p2p tag space")
+    return tag
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # SUM over the samples whose last stage this worker executed
+    layers: tuple[int, ...]  # layers whose gradients this step produced (and synced)
+
+
+class StepRunner:
+    def __init__(self, gen: Generation, state: WorkerState, corpus: Corpus) -> None:
+        self.gen = gen
+        self.state = state
+        self.corpus = corpus
+        plan = gen.plan
+        arch = state.arch
+        self.shape = (plan.micro_batch, arch.seq_len, arch.d_model)
+        self._sends: list[tuple[Any, torch.Tensor]] = []
+        self._local: dict[int, torch.Tensor] = {}
+
+    # point-to-point ---------------------------------------------------------------------------
+
+    def _send(self, tensor: torch.Tensor, peer: str, tag: int) -> None:
+        t = tensor.detach().contiguous()
+        if peer == self.gen.me:
+            self._local[tag] = t
+            return
+        work = self.gen.world_group.send([t], self.gen.rank_of(peer), tag)
+        self._sends.append((work, t))  # the tensor must outlive the send
+
+    def _recv(self, peer: str, tag: int) -> torch.Tensor:
+        if peer == self.gen.me:
+            return self._local.pop(tag)
+        buf = torch.empty(self.shape, device=self.state.device)
+        self.gen.world_group.recv([buf], self.gen.rank_of(peer), tag).wait()
+        return buf
+
+    # the step ---------------------------------------------------------------------------------
+
+    def run(self, step: int, on_op: Any = None) -> StepResult:
+        try:
+            return self._run(step, on_op)
+        finally:
+            # Pending sends hold the group; a failed step must not keep it (and its sockets) open.
+            self._sends.clear()
+            self._local.clear()
+
+    def _run(self, step: int, on_op: Any) -> StepResult:
+        plan, st = self.gen.plan, self.state
+        dev = st.device
+        stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        loss_sum = 0.0
+        for i, op in enumerate(self.gen.ops):
+            if on_op is not None:
+                on_op(step, i, len(self.gen.ops))
+            stages = plan.pipelines[op.pipeline].stages
+            layers = [st.layer(j) for j in stages[op.stage].layers]
+            last = op.stage == len(stages) - 1
+            key = (op.pipeline, op.stage, op.micro_batch)
+            if op.kind == FORWARD:
+                x = self._forward_input(op, step)
+                out = run_layers(layers, x)
+                if last:
+                    _, targets = self.corpus.micro_batch(
+                        step, op.micro_batch, plan.global_batch, plan.micro_batch, st.arch.seq_len
+                    )
+                    out = sample_loss_sum(out, targets.to(dev))
+                    loss_sum += float(out.item())
+                else:
+                    assert op.downstream is not None
+                    self._send(out, op.downstream, p2p_tag(FORWARD, *key))
+                stash[key] = (x, out)
+            else:
+                x, out = stash.pop(key)
+                if last:
+                    out.backward()
+                else:
+                    assert op.downstream is not None
+                    grad = self._recv(op.downstream, p2p_tag(BACKWARD, *key))
+                    out.backward(grad)
+                if op.stage > 0:
+                    assert op.upstream is not None and x.grad is not None
+                    tag = p2p_tag(BACKWARD, op.pipeline, op.stage - 1, op.micro_batch)
+                    self._send(x.grad, op.upstream, tag)
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        if stash:
+            raise RuntimeError(f"step {step}: {len(stash)} forwards without a backward")
+        self._sync_gradients()
+        return StepResult(loss_sum, plan.owned_layers(self.gen.me))
+
+    def _forward_input(self, op: Op, step: int) -> torch.Tensor:
+        plan = self.gen.plan
+        if op.stage == 0:
+            inputs, _ = self.corpus.micro_batch(
+                step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.arch.seq_len
+            )
+            return inputs.to(self.state.device)
+        assert op.upstream is not None
+        x = self._recv(op.upstream, p2p_tag(FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
+        return x.requires_grad_()
+
+    def _sync_gradients(self) -> None:
+        """All-reduce SUM of each of this worker's SyncGroups, in round order."""
+        for index, group in sync_order(self.gen.plan):
+            pg = self.gen.sync_groups.get(index)
+            if pg is None:
+                continue
+            params = [p for j in group.layers for p in self.state.layer(j).params()]
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            pg.allreduce([flat]).wait()
+            off = 0
+            for p in params:
+                assert p.grad is not None
+                n = p.numel()
+                p.grad.copy_(flat[off : off + n].view_as(p.grad))
+                off += n
