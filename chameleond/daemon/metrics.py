@@ -68,10 +68,13 @@ class Metrics:
             ["state"],
             registry=r,
         )
-        # Every label value exists from the start, so dashboards and alerts see zeros, not gaps.
-        for kind in (*EVENT_TYPES, "unknown"):
-            for outcome in OUTCOMES:
-                self.events.labels(kind, outcome)
+        # Every label value exists from the start, so dashboards and alerts see zeros, not gaps;
+        # the children are kept, so counting an event is one dict lookup (the hot path).
+        self.event_counters = {
+            (kind, outcome): self.events.labels(kind, outcome)
+            for kind in (*EVENT_TYPES, "unknown")
+            for outcome in OUTCOMES
+        }
         for policy in POLICY_LABELS:
             self.policy_decisions.labels(policy)
             self.recovery_seconds.labels(policy)
@@ -79,6 +82,9 @@ class Metrics:
             self.workers.labels(state)
         for phase in Phase:
             self.job_state.labels(phase.value)
+
+    def count_event(self, kind: str, outcome: str) -> None:
+        self.event_counters[kind, outcome].inc()
 
     def set_phase(self, phase: Phase) -> None:
         for p in Phase:

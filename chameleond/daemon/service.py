@@ -237,14 +237,14 @@ class Service:
             if e.fields is None:
                 dead.append(_dead(e, {}, "the entry was deleted from the stream before handling"))
                 acks.append(e.id)
-                m.events.labels("unknown", "invalid").inc()
+                m.count_event("unknown", "invalid")
                 continue
             kind = _kind(e.fields)
             if e.deliveries > self.cfg.max_deliveries:
                 reason = f"delivered {e.deliveries} times without being handled"
                 dead.append(_dead(e, e.fields, reason))
                 acks.append(e.id)
-                m.events.labels(kind, "invalid").inc()
+                m.count_event(kind, "invalid")
                 continue
             try:
                 event = parse_event(e.fields)
@@ -252,12 +252,12 @@ class Service:
             except EventError as err:
                 dead.append(_dead(e, e.fields, str(err)))
                 acks.append(e.id)
-                m.events.labels(kind, "invalid").inc()
+                m.count_event(kind, "invalid")
                 continue
             except Exception:  # a handler bug: leave the entry pending; it comes back, then dies
                 log.exception("handler for entry %s failed; it stays pending", e.id)
                 continue
-            m.events.labels(event.type, outcome.label).inc()
+            m.count_event(event.type, outcome.label)
             if not outcome.owed:
                 acks.append(e.id)
             if self.observer is not None:
