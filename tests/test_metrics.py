@@ -61,3 +61,18 @@ def test_promtool_check_metrics_passes() -> None:
         input=populated().exposition().decode(), capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dashboard_queries_only_exported_series() -> None:
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = Path(__file__).resolve().parents[1] / "dashboards" / "chameleond.json"
+    text = json.dumps(json.loads(dashboard.read_text()))
+    exported = {
+        s.name for f in text_string_to_metric_families(populated().exposition().decode())
+        for s in f.samples
+    }  # fmt: skip
+    used = set(re.findall(r"chameleon_[a-z_]+", text))
+    assert used and used <= exported, used - exported
