@@ -25,7 +25,7 @@ from functools import lru_cache
 from itertools import accumulate
 
 from chameleond.core.plan import Pipeline, SyncGroup
-from chameleond.core.schedule import BACKWARD, FORWARD, build_schedule, slot_queue
+from chameleond.core.schedule import BACKWARD, FORWARD, slot_queue
 from chameleond.core.spec import JobSpec, LinkSpec
 
 Routing = Sequence[Sequence[Sequence[str]]]
@@ -77,11 +77,65 @@ class LayerTable:
 
 
 @lru_cache(maxsize=4096)
-def _queues(n_stages: int, n_micro: int) -> tuple[tuple[tuple[bool, int], ...], ...]:
-    return tuple(
-        tuple((kind == FORWARD, m) for kind, m in slot_queue(n_stages, s, n_micro))
-        for s in range(n_stages)
-    )
+def _order(n_stages: int, n_micro: int) -> tuple[tuple[int, bool, int], ...]:
+    """Every op (stage, is_forward, micro-batch) of one pipeline in a dependency-respecting order.
+
+    It is the order in which a round-robin over the stages can run each slot's 1F1B queue: the
+    structure does not depend on durations, so it is computed once per (N_pp, N_m) and every
+    longest path is then a single pass over it.
+    """
+    queues = [slot_queue(n_stages, s, n_micro) for s in range(n_stages)]
+    pos = [0] * n_stages
+    f_done = [[False] * n_micro for _ in range(n_stages)]
+    b_done = [[False] * n_micro for _ in range(n_stages)]
+    out: list[tuple[int, bool, int]] = []
+    while len(out) < 2 * n_stages * n_micro:
+        for s in range(n_stages):
+            while pos[s] < len(queues[s]):
+                kind, m = queues[s][pos[s]]
+                if kind == FORWARD:
+                    if s > 0 and not f_done[s - 1][m]:
+                        break
+                    f_done[s][m] = True
+                else:
+                    if s + 1 < n_stages and not b_done[s + 1][m]:
+                        break
+                    b_done[s][m] = True
+                out.append((s, kind == FORWARD, m))
+                pos[s] += 1
+    return tuple(out)
+
+
+def _longest_path(
+    forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Start and end of every forward and backward op (index stage * N_m + micro-batch)."""
+    n = len(forward)
+    fwd = [max(x, _MIN_SECONDS) for x in forward]
+    bwd = [max(x, _MIN_SECONDS) for x in backward]
+    size = n * n_micro
+    f_start, f_end, b_start, b_end = [0.0] * size, [0.0] * size, [0.0] * size, [0.0] * size
+    free = [0.0] * n
+    for s, is_f, m in _order(n, n_micro):
+        i = s * n_micro + m
+        ready = free[s]
+        if is_f:
+            if s > 0:
+                dep = f_end[i - n_micro] + comm[s - 1]
+                if dep > ready:
+                    ready = dep
+            f_start[i] = ready
+            free[s] = f_end[i] = ready + fwd[s]
+        else:
+            if s + 1 < n:
+                dep = b_end[i + n_micro] + comm[s]
+                if dep > ready:
+                    ready = dep
+            if f_end[i] > ready:
+                ready = f_end[i]
+            b_start[i] = ready
+            free[s] = b_end[i] = ready + bwd[s]
+    return f_start, f_end, b_start, b_end
 
 
 def pipeline_seconds(
@@ -92,40 +146,10 @@ def pipeline_seconds(
     forward[s], backward[s]: seconds of stage s per micro-batch; comm[s]: seconds on the wire
     between stage s and s+1 (activations forward, their gradients backward, same size).
     """
-    n = len(forward)
-    queues = _queues(n, n_micro)
-    f_end = [[0.0] * n_micro for _ in range(n)]
-    b_end = [[0.0] * n_micro for _ in range(n)]
-    f_done = [[False] * n_micro for _ in range(n)]
-    b_done = [[False] * n_micro for _ in range(n)]
-    fwd = [max(x, _MIN_SECONDS) for x in forward]
-    bwd = [max(x, _MIN_SECONDS) for x in backward]
-    pos, free = [0] * n, [0.0] * n
-    remaining = 2 * n * n_micro
-    while remaining:
-        for s in range(n):
-            q = queues[s]
-            while pos[s] < len(q):
-                is_f, m = q[pos[s]]
-                ready = free[s]
-                if is_f:
-                    if s > 0:
-                        if not f_done[s - 1][m]:
-                            break
-                        ready = max(ready, f_end[s - 1][m] + comm[s - 1])
-                    end = ready + fwd[s]
-                    f_end[s][m], f_done[s][m] = end, True
-                else:
-                    if s + 1 < n:
-                        if not b_done[s + 1][m]:
-                            break
-                        ready = max(ready, b_end[s + 1][m] + comm[s])
-                    end = max(ready, f_end[s][m]) + bwd[s]
-                    b_end[s][m], b_done[s][m] = end, True
-                free[s] = end
-                pos[s] += 1
-                remaining -= 1
-    return max(b_end[0]) if n_micro else 0.0
+    if n_micro <= 0 or not forward:
+        return 0.0
+    b_end = _longest_path(forward, backward, comm, n_micro)[3]
+    return max(b_end[:n_micro])
 
 
 class Estimator:
@@ -174,19 +198,69 @@ class Estimator:
         return self._memo[key]
 
     def _schedule(self, pipes: Sequence[Pipeline], index: Sequence[int], routing: Routing) -> float:
-        t = self.table
+        """build_schedule's makespan for rerouted pipelines, without building its Op lists.
 
-        def op_seconds(p: int, s: int, kind: str, _w: str) -> float:
-            st = pipes[p].stages[s]
-            if kind == FORWARD:
-                return t.forward_seconds(st.first_layer, st.end_layer)
-            return t.backward_seconds(st.first_layer, st.end_layer)
-
-        def comm_seconds(p: int, s: int, _kind: str, src: str, dst: str) -> float:
-            return self.transfer_seconds(pipes[p], s, src, dst)
-
-        sub = [routing[p] for p in index]
-        return build_schedule(pipes, sub, op_seconds, comm_seconds).makespan
+        The same two passes: each pipeline's failure-free ("ideal") longest path, then every
+        executor running its ops in order of ideal start, with the real executors' links.
+        """
+        t, host = self.table, self._host
+        intra, inter = self.spec.intra_host, self.spec.inter_host
+        keyed: list[tuple[float, float, int, int, int, int]] = []
+        per = []
+        for k, pipe in enumerate(pipes):
+            n, nm = len(pipe.stages), pipe.micro_batches
+            fwd = [t.forward_seconds(st.first_layer, st.end_layer) for st in pipe.stages]
+            bwd = [t.backward_seconds(st.first_layer, st.end_layer) for st in pipe.stages]
+            owners = [st.worker for st in pipe.stages]
+            comm = [self.transfer_seconds(pipe, s, owners[s], owners[s + 1]) for s in range(n - 1)]
+            f_start, f_end, b_start, b_end = _longest_path(fwd, bwd, comm, nm)
+            for i in range(n * nm):
+                s, m = divmod(i, nm)
+                keyed.append((f_start[i], f_end[i], k, s, 0, m))
+                keyed.append((b_start[i], b_end[i], k, s, 1, m))
+            wire = [t.output_bytes(st.end_layer) for st in pipe.stages[:-1]]
+            per.append(
+                (
+                    nm,
+                    [max(x, _MIN_SECONDS) for x in fwd],
+                    [max(x, _MIN_SECONDS) for x in bwd],
+                    [intra.transfer_seconds(b) for b in wire],
+                    [inter.transfer_seconds(b) for b in wire],
+                    routing[index[k]],
+                    [0.0] * (n * nm),
+                    [0.0] * (n * nm),
+                )
+            )
+        keyed.sort()
+        free: dict[str, float] = {}
+        makespan = 0.0
+        for _, _, k, s, kind, m in keyed:
+            nm, fwd, bwd, c_intra, c_inter, rt, f_end, b_end = per[k]
+            w = rt[s][m]
+            i = s * nm + m
+            ready = free.get(w, 0.0)
+            if kind == 0:
+                if s > 0:
+                    up = rt[s - 1][m]
+                    c = (
+                        0.0
+                        if up == w
+                        else c_intra[s - 1]
+                        if host[up] == host[w]
+                        else c_inter[s - 1]
+                    )
+                    ready = max(ready, f_end[i - nm] + c)
+                end = f_end[i] = ready + fwd[s]
+            else:
+                ready = max(ready, f_end[i])
+                if s + 1 < len(rt):
+                    down = rt[s + 1][m]
+                    c = 0.0 if down == w else c_intra[s] if host[down] == host[w] else c_inter[s]
+                    ready = max(ready, b_end[i + nm] + c)
+                end = b_end[i] = ready + bwd[s]
+            free[w] = end
+            makespan = max(makespan, end)
+        return makespan
 
     def sync_seconds(self, groups: Sequence[SyncGroup]) -> float:
         """Gradient all-reduce: ring per group; a round lasts its slowest group; rounds add up."""
@@ -242,7 +316,7 @@ class Estimator:
         return None
 
 
-def ring_allreduce_seconds(n: int, nbytes: float, link: LinkSpec) -> float:
+def ring_allreduce_seconds(n: float, nbytes: float, link: LinkSpec) -> float:
     """Ring all-reduce of `nbytes` over n workers: 2(n-1) steps of nbytes/n, each paying latency."""
     if n <= 1 or nbytes <= 0:
         return 0.0

@@ -7,7 +7,8 @@ a pipeline left with 0 repaired to 1; the remainder r = M - sum m_j goes +1 to r
 placement enumerated), or, when the repairs overshot (r < 0), one micro-batch is taken from the
 pipeline with the most (longest on ties) until the sum is M; each pipeline's layers split evenly,
 enumerating which stages take the leftover layers. Layouts with a slot over memory are dropped; the
-objective is the step's 1F1B makespan (the slowest pipeline's longest path).
+objective is the step time: the slowest pipeline's 1F1B longest path plus its gradient sync (a ring
+over N / n_j peers for its largest stage; `ShapeModel.sync_seconds`).
 
 The search is exact over that space and fast because the objective is a max over pipelines:
 
@@ -26,12 +27,15 @@ puts real workers into the slots; the plan's own estimate uses their real links 
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, product
 
-from chameleond.core.estimator import LayerTable, pipeline_seconds
+from chameleond.core.estimator import LayerTable, pipeline_seconds, ring_allreduce_seconds
+from chameleond.core.plan import Pipeline, Stage
+from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.spec import JobSpec
 
 Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (first_layer, end_layer)
@@ -41,7 +45,7 @@ Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (fir
 class Layout:
     shape: Shape
     micro_batches: tuple[int, ...]  # N_m per pipeline, same order as shape
-    seconds: float  # the objective: the slowest pipeline's 1F1B makespan
+    seconds: float  # the objective: max over pipelines of 1F1B longest path + gradient sync
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class ShapeModel:
         self.memory = min(w.memory_bytes for w in chosen)
         spans_hosts = len({w.host for w in chosen}) > 1
         self.link = spec.inter_host if spans_hosts else spec.intra_host
+        self.n_survivors = len(chosen)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
         self._timed: dict[tuple[tuple[float, ...], tuple[float, ...], int], float] = {}
         self.shapes_timed = 0
@@ -107,7 +112,15 @@ class ShapeModel:
             comm = [self.link.transfer_seconds(t.output_bytes(b)) for _, b in spans[:-1]]
             self._timed[key] = pipeline_seconds(fwd, bwd, comm, n_micro)
             self.shapes_timed += 1
-        return self._timed[key]
+        return self._timed[key] + self.sync_seconds(sizes)
+
+    def sync_seconds(self, sizes: Sequence[int]) -> float:
+        """The pipeline's share of the gradient all-reduce: its largest stage's gradients in a ring
+        over N / n_j peers (as many as there would be pipelines of this length), on the search's
+        link. Exact for layouts of one length and split (every stage one group, one round)."""
+        peers = self.n_survivors / len(sizes)
+        grad = max(self.table.gradient_bytes(a, b) for a, b in self.bounds(sizes))
+        return ring_allreduce_seconds(peers, grad, self.link)
 
     def lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
         """A chain through the busiest stage k: micro-batch 0 forward to k, all of k's 2 N_m ops,
@@ -119,7 +132,16 @@ class ShapeModel:
             best = max(best, before + n_micro * work)
             before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
             del s
-        return best
+        return best + self.sync_seconds(sizes)
+
+    def floor(self, n: int, n_micro: int) -> float:
+        """A lower bound of best(n, n_micro) without any longest path: the least chain bound over
+        the memory-feasible splits (inf when none fits). Classes are ordered and pruned by it, so
+        lengths that cannot win are never timed."""
+        if (n, n_micro) in self._best:
+            return self._best[(n, n_micro)][0]
+        bounds = [self.lower_bound(sz, n_micro) for sz in self.splits(n) if self.fits(sz, n_micro)]
+        return min(bounds, default=math.inf)
 
     def best(self, n: int, n_micro: int) -> tuple[float, tuple[int, ...] | None]:
         """Fastest memory-feasible split of a pipeline of n stages with n_micro micro-batches."""
@@ -161,13 +183,92 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
     classes = []  # (lower bound of the class's pipeline time, length, m_n)
     for n in range(lo, hi + 1):
         m = micro_batch_floor(total, n_surv, n)
-        t, _ = model.best(n, m - 1 if overshoot and m > 1 else m)
+        t = model.floor(n, m - 1 if overshoot and m > 1 else m)
         if t < math.inf:
             classes.append((t, n, m))
     classes.sort()
     if not classes:
         return SearchResult(None, 0, model.shapes_timed, _why_none(spec, model, lo, hi))
 
+    if not overshoot:
+        found = _search_by_threshold(model, classes, n_surv, total)
+        if found is not None:
+            return found
+    return _search_depth_first(model, classes, n_surv, total)
+
+
+def _search_by_threshold(
+    model: ShapeModel, classes: Sequence[tuple[float, int, int]], n_surv: int, total: int
+) -> SearchResult | None:
+    """The smallest time threshold some partition meets, probing the classes' exact times in
+    increasing order; each probe is a knapsack over stage sums. None: fall back to depth-first.
+
+    With no repairs, the remainder of a partition is r = sum_j (M n_j / N - m_j), a sum of
+    per-pipeline surpluses. A partition meets threshold T iff it uses only lengths with
+    best(n, m_n) <= T, and the lengths whose +1 also meets T (set P) have room for r:
+    sum_j surplus_j - #{j in P} <= 0. Minimising that left side over partitions is an unbounded
+    knapsack on the stage sum with integer weights (surpluses scaled by N).
+    """
+    # Candidate thresholds in increasing order, lazily: a class's exact time is computed only
+    # when its lower bound comes up, so lengths that cannot win are never timed.
+    exact: list[list[float | None]] = [[None, None] for _ in classes]
+    heap: list[tuple[float, bool, int, int]] = []
+    for i, (floor0, n, m) in enumerate(classes):
+        heap.append((floor0, False, i, 0))
+        heap.append((model.floor(n, m + 1), False, i, 1))
+    heapq.heapify(heap)
+    states = 0
+
+    def probe(limit: float) -> list[int] | None:
+        nonlocal states
+        items = []
+        for (_, n, m), (t0, t1) in zip(classes, exact, strict=True):
+            if t0 is not None and t0 <= limit:
+                room = n_surv if t1 is not None and t1 <= limit else 0
+                items.append((n, total * n - n_surv * m - room))
+        best = [math.inf] * (n_surv + 1)
+        last = [0] * (n_surv + 1)
+        best[0] = 0
+        for x in range(1, n_surv + 1):
+            for n, w in items:
+                if n <= x and best[x - n] + w < best[x]:
+                    best[x], last[x] = best[x - n] + w, n
+            states += len(items)
+        if best[n_surv] > 0:
+            return None
+        counts: dict[int, int] = {}
+        x = n_surv
+        while x:
+            counts[last[x]] = counts.get(last[x], 0) + 1
+            x -= last[x]
+        return [counts.get(n, 0) for _, n, _ in classes]
+
+    found = None
+    while heap and found is None:
+        value, is_exact, i, which = heapq.heappop(heap)
+        if value == math.inf:
+            break
+        if not is_exact:
+            n, m = classes[i][1], classes[i][2] + which
+            heapq.heappush(heap, (model.best(n, m)[0], True, i, which))
+            continue
+        exact[i][which] = value
+        # Every class whose time could be <= value is known once nothing <= value is pending.
+        if heap and heap[0][0] <= value:
+            continue
+        found = probe(value)
+    if found is None or sum(found) > total:
+        return None  # no partition, or one with more pipelines than micro-batches: search it all
+    layout = _layout(model, _placement(model, classes, found, total))
+    if layout is None:
+        return None
+    return SearchResult(layout, states, model.shapes_timed)
+
+
+def _search_depth_first(
+    model: ShapeModel, classes: Sequence[tuple[float, int, int]], n_surv: int, total: int
+) -> SearchResult:
+    """Count vectors over the classes, depth first, pruned by the classes' lower bounds."""
     # fewest[i][x]: fewest pipelines of classes i.. that sum to x stages (inf: impossible).
     k = len(classes)
     fewest = [[math.inf] * (n_surv + 1) for _ in range(k + 1)]
@@ -186,7 +287,7 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
         nonlocal best_t, best_counts, scored
         if left == 0:
             scored += 1
-            t, _ = _score(model, classes, counts, total)
+            t = _seconds(model, _placement(model, classes, counts, total))
             if t < best_t:
                 best_t, best_counts = t, list(counts)
             return
@@ -203,47 +304,57 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
         visit(i + 1, left, used, bound)
 
     visit(0, n_surv, 0, 0.0)
-    if best_counts is None:
+    layout = None
+    if best_counts is not None:
+        layout = _layout(model, _placement(model, classes, best_counts, total))
+    if layout is None:
         reason = f"no partition of {n_surv} survivors into memory-feasible pipelines"
         return SearchResult(None, scored, model.shapes_timed, reason)
-    _, layout = _score(model, classes, best_counts, total)
-    assert layout is not None
     return SearchResult(layout, scored, model.shapes_timed)
 
 
-def _score(
+Groups = dict[tuple[int, int], int]  # (length, micro-batches) -> number of pipelines
+
+
+def _placement(
     model: ShapeModel, classes: Sequence[tuple[float, int, int]], counts: Sequence[int], total: int
-) -> tuple[float, Layout | None]:
-    """Best micro-batch placement for one partition (counts per class) and its time."""
+) -> Groups:
+    """The best micro-batch placement for one partition (counts per class)."""
     used = [(n, m, c) for (_, n, m), c in zip(classes, counts, strict=True) if c]
     r = total - sum(m * c for _, m, c in used)
-    groups: dict[tuple[int, int], int] = {}  # (length, micro-batches) -> pipelines
-    if r >= 0:
-        # +1 to the classes where it costs least: optimal for a max over pipelines.
-        order = sorted(used, key=lambda u: (model.best(u[0], u[1] + 1)[0], u[0]))
-        for n, m, c in order:
-            extra = min(c, r)
-            r -= extra
-            if extra:
-                groups[(n, m + 1)] = groups.get((n, m + 1), 0) + extra
-            if c - extra:
-                groups[(n, m)] = groups.get((n, m), 0) + c - extra
-    else:
+    groups: Groups = {}
+    if r < 0:
         for n, m, c in used:
             groups[(n, m)] = groups.get((n, m), 0) + c
-        groups = _take_from_largest(groups, -r)
-    worst = max(model.best(n, m)[0] for n, m in groups)
+        return _take_from_largest(groups, -r)
+    # +1 to the classes where it costs least: optimal for a max over pipelines.
+    for n, m, c in sorted(used, key=lambda u: (model.best(u[0], u[1] + 1)[0], u[0])):
+        extra = min(c, r)
+        r -= extra
+        if extra:
+            groups[(n, m + 1)] = groups.get((n, m + 1), 0) + extra
+        if c - extra:
+            groups[(n, m)] = groups.get((n, m), 0) + c - extra
+    return groups
+
+
+def _seconds(model: ShapeModel, groups: Groups) -> float:
+    return max(model.best(n, m)[0] for n, m in groups)
+
+
+def _layout(model: ShapeModel, groups: Groups) -> Layout | None:
+    worst = _seconds(model, groups)
     if worst == math.inf:
-        return math.inf, None
+        return None
     shape: list[tuple[tuple[int, int], ...]] = []
     micro: list[int] = []
     for n, m in sorted(groups):
         sizes = model.best(n, m)[1]
         assert sizes is not None
-        for _ in range(groups[(n, m)]):
-            shape.append(tuple(model.bounds(sizes)))
-            micro.append(m)
-    return worst, Layout(tuple(shape), tuple(micro), worst)
+        stages = tuple(model.bounds(sizes))
+        shape.extend([stages] * groups[(n, m)])
+        micro.extend([m] * groups[(n, m)])
+    return Layout(tuple(shape), tuple(micro), worst)
 
 
 def _take_from_largest(
@@ -285,12 +396,8 @@ def exhaustive(spec: JobSpec, survivors: Sequence[str], limit: int = 20_000) -> 
     Every partition, every remainder placement, every combination of layer splits over the
     pipelines; each layout timed by `schedule.build_schedule` over all its pipelines at once.
     """
-    from chameleond.core.plan import Pipeline, Stage
-    from chameleond.core.schedule import FORWARD, build_schedule
-
     n_surv, total = len(survivors), spec.training.micro_batches
     model = ShapeModel(spec, survivors)
-    t = model.table
     lo = max(spec.search.min_stages, 1)
     hi = min(spec.search.max_stages, model.n_layers, n_surv)
     best: Layout | None = None
@@ -314,19 +421,11 @@ def exhaustive(spec: JobSpec, survivors: Sequence[str], limit: int = 20_000) -> 
                     first += m
                 routing = [[[st.worker] * pp.micro_batches for st in pp.stages] for pp in pipes]
 
-                def op(p: int, s: int, kind: str, _w: str, pipes: list[Pipeline] = pipes) -> float:
-                    st = pipes[p].stages[s]
-                    if kind == FORWARD:
-                        return t.forward_seconds(st.first_layer, st.end_layer)
-                    return t.backward_seconds(st.first_layer, st.end_layer)
-
-                def comm(
-                    p: int, s: int, _k: str, a: str, b: str, pipes: list[Pipeline] = pipes
-                ) -> float:
-                    end = pipes[p].stages[s].end_layer
-                    return 0.0 if a == b else model.link.transfer_seconds(t.output_bytes(end))
-
-                seconds = build_schedule(pipes, routing, op, comm).makespan
+                # Pipelines share no worker: each one's longest path, plus its sync share.
+                seconds = max(
+                    _alone(model, pp, rt) + model.sync_seconds(sz)
+                    for pp, rt, sz in zip(pipes, routing, sizes, strict=True)
+                )
                 if best is None or seconds < best.seconds:
                     shape = tuple(
                         tuple((st.first_layer, st.end_layer) for st in pp.stages) for pp in pipes
@@ -361,3 +460,20 @@ def _placements(lengths: Sequence[int], n_surv: int, total: int) -> list[tuple[i
             m[j] += 1
         out.append(tuple(m))
     return out
+
+
+def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> float:
+    """schedule.build_schedule's makespan of one pipeline on the search's link."""
+    t = model.table
+
+    def op(_p: int, s: int, kind: str, _w: str) -> float:
+        st = pipe.stages[s]
+        if kind == FORWARD:
+            return t.forward_seconds(st.first_layer, st.end_layer)
+        return t.backward_seconds(st.first_layer, st.end_layer)
+
+    def comm(_p: int, s: int, _k: str, a: str, b: str) -> float:
+        end = pipe.stages[s].end_layer
+        return 0.0 if a == b else model.link.transfer_seconds(t.output_bytes(end))
+
+    return build_schedule([pipe], [routing], op, comm).makespan
