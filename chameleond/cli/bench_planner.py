@@ -1,0 +1,143 @@
+"""Decision latency of the planner: fault set in -> selected plan with manifest and rounds out.
+
+For clusters of 8 to 1,024 devices (GPT 1.3B-class per-layer profile, 4 stages per pipeline,
+8 devices per host, 8 micro-batches per pipeline) and several failure sets each, times `decide()`
+(both candidates: rerouting table, Algorithm 1, Hungarian assignment, migration manifest, colouring
+rounds, estimates, selection). Where the layout space is small enough, the search's layout is
+checked against an exhaustive enumeration of the same space (`optimality_gap`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from chameleond.core.decide import decide, initial_plan
+from chameleond.core.search import exhaustive, search
+from chameleond.core.spec import JobSpec, parse_spec
+
+SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
+STAGES = 4
+GIB = 2**30
+# Beyond this the exhaustive enumeration is too large to finish; the gap is then null.
+EXHAUSTIVE_MAX_DEVICES = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="device counts")
+    parser.add_argument("--repeat", type=int, default=5, help="timed decisions per failure set")
+    parser.add_argument(
+        "--exhaustive-limit", type=int, default=3000,
+        help="largest number of layouts the exhaustive check enumerates before giving up",
+    )  # fmt: skip
+
+
+def cluster_spec(devices: int) -> JobSpec:
+    """A GPT 1.3B-class job on `devices` devices: devices / 4 pipelines of 4 stages."""
+    block = {
+        "name": "block", "count": 24, "forward_seconds": 0.004, "backward_seconds": 0.008,
+        "param_bytes": 100_716_544, "optimizer_bytes": 604_299_264,
+        "activation_bytes": 142_606_336, "output_bytes": 8_388_608,
+    }  # fmt: skip
+    embedding = dict(block, name="embedding", count=1, forward_seconds=0.0003,
+                     backward_seconds=0.0006, param_bytes=214_171_648,
+                     optimizer_bytes=1_285_029_888, activation_bytes=8_388_608)  # fmt: skip
+    head = dict(block, name="head", count=1, forward_seconds=0.007, backward_seconds=0.014,
+                param_bytes=205_852_672, optimizer_bytes=1_235_116_032,
+                activation_bytes=411_705_344, output_bytes=0)  # fmt: skip
+    pipelines = devices // STAGES
+    return parse_spec(
+        {
+            "job": {"name": f"bench-{devices}", "rebuild_seconds": 2.0},
+            "workers": [
+                {"id": f"w{i}", "host": f"h{i // 8}", "memory_bytes": 32 * GIB}
+                for i in range(devices)
+            ],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_second": 1e11, "latency_seconds": 5e-6},
+                "inter_host": {"bandwidth_bytes_per_second": 1.25e10, "latency_seconds": 1e-5},
+            },
+            "model": {"layers": [embedding, block, head]},
+            "training": {"global_batch": 8 * pipelines, "micro_batch": 1},
+            "plan": {"stages": STAGES},
+            "search": {"min_stages": 2, "max_stages": 8},
+        }
+    )
+
+
+def failure_sets(devices: int, seed: int = 0) -> list[list[str]]:
+    """A first-stage worker, a last-stage worker, two and four random workers."""
+    rng = random.Random(seed + devices)
+    ids = [f"w{i}" for i in range(devices)]
+    return [
+        ["w1" if devices > 8 else "w0"],
+        [ids[-1]],
+        rng.sample(ids, 2),
+        rng.sample(ids, 4 if devices > 8 else 3),
+    ]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
+
+
+def measure(devices: int, repeat: int, limit: int) -> dict[str, Any]:
+    spec = cluster_spec(devices)
+    current = initial_plan(spec, generation=1)
+    samples: list[float] = []
+    considered = 0
+    gaps: list[float] = []
+    for failed in failure_sets(devices):
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            d = decide(spec, current, failed, mtbf_seconds=spec.mtbf_prior_seconds, generation=2)
+            samples.append(time.perf_counter() - t0)
+            considered = max(considered, d.plans_considered)
+        survivors = [w.id for w in spec.workers if w.id not in failed]
+        if devices > EXHAUSTIVE_MAX_DEVICES:
+            continue
+        ref = exhaustive(spec, survivors, limit=limit)
+        if not ref.complete:
+            continue
+        found = search(spec, survivors).layout
+        if ref.layout is not None and found is not None:
+            gaps.append(max(0.0, (found.seconds - ref.layout.seconds) / ref.layout.seconds))
+    return {
+        "devices": devices,
+        "p50_seconds": statistics.median(samples),
+        "p99_seconds": _percentile(samples, 0.99),
+        "plans_considered": considered,
+        "optimality_gap": max(gaps) if gaps else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        sizes = [int(x) for x in str(args.sizes).split(",") if x.strip()]
+    except ValueError:
+        print(f"bench planner: --sizes: not a list of integers: {args.sizes}")
+        return 2
+    if any(n < 8 or n % 8 for n in sizes) or args.repeat < 1:
+        print("bench planner: sizes must be multiples of 8 (>= 8) and --repeat >= 1")
+        return 2
+    rows = []
+    if not args.json:
+        print(f"{'devices':>7} {'p50_ms':>9} {'p99_ms':>9} {'plans_considered':>16} {'gap':>8}")
+    for n in sizes:
+        row = measure(n, args.repeat, args.exhaustive_limit)
+        rows.append(row)
+        if not args.json:
+            gap = "-" if row["optimality_gap"] is None else f"{row['optimality_gap']:.4f}"
+            print(
+                f"{n:>7} {row['p50_seconds'] * 1e3:>9.2f} {row['p99_seconds'] * 1e3:>9.2f} "
+                f"{row['plans_considered']:>16} {gap:>8}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    return 0
