@@ -243,15 +243,8 @@ def decide(
         spec, est, current, survivors, generation, mtbf, cause
     )
 
-    note = ""
+    selected, note = select(rr, dyn, force)
     by_policy = {"reroute": rr, "dynamic": dyn}
-    if force is not None and by_policy[force].feasible:
-        selected: str | None = force
-    else:
-        if force is not None:
-            note = f"forced {force} is infeasible ({by_policy[force].reason}); selector decided"
-        feasible = [c for c in (rr, dyn) if c.feasible]
-        selected = max(feasible, key=lambda c: c.score).policy if feasible else None
     if selected is None:
         reason = f"no feasible plan: reroute: {rr.reason}; dynamic: {dyn.reason}"
         return Decision(
@@ -280,6 +273,25 @@ def decide(
         after,
         note,
     )
+
+
+def select(
+    reroute_candidate: Candidate, dynamic_candidate: Candidate, force: str | None = None
+) -> tuple[str | None, str]:
+    """The policy to run (None: neither is feasible) and a note when a forced policy was not.
+
+    The higher score wins; reroute on ties, since it moves nothing.
+    """
+    by_policy = {"reroute": reroute_candidate, "dynamic": dynamic_candidate}
+    if force is not None and by_policy[force].feasible:
+        return force, ""
+    note = ""
+    if force is not None:
+        note = f"forced {force} is infeasible ({by_policy[force].reason}); selector decided"
+    feasible = [c for c in (reroute_candidate, dynamic_candidate) if c.feasible]
+    if not feasible:
+        return None, note
+    return max(feasible, key=lambda c: c.score).policy, note
 
 
 def _switch_pays_after(step_rr: float, step_dyn: float, switch: Estimates) -> float | None:

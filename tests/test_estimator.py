@@ -1,0 +1,178 @@
+"""The performance model: closed form, build_schedule equality, sync, memory, rerouting bound."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from chameleond.core.decide import decide, initial_plan
+from chameleond.core.estimator import (
+    Estimator,
+    closed_form_seconds,
+    pipeline_seconds,
+    reroute_bound_seconds,
+    ring_allreduce_seconds,
+)
+from chameleond.core.plan import SyncGroup
+from chameleond.core.schedule import FORWARD, build_schedule
+from chameleond.core.spec import JobSpec, LinkSpec, parse_spec
+
+
+def spec_of(
+    n_workers: int, n_stages: int, layers: list[dict[str, Any]], micro: int, *, hosts: int = 1,
+    memory: int = 10**12,
+) -> JobSpec:  # fmt: skip
+    return parse_spec(
+        {
+            "workers": [
+                {"id": f"w{i}", "host": f"h{i % hosts}", "memory_bytes": memory}
+                for i in range(n_workers)
+            ],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_second": 1e3, "latency_seconds": 0.01},
+                "inter_host": {"bandwidth_bytes_per_second": 1e2, "latency_seconds": 0.05},
+            },
+            "model": {"layers": layers},
+            "training": {"global_batch": micro, "micro_batch": 1},
+            "plan": {"stages": n_stages},
+        }
+    )
+
+
+def layer(
+    f: float, b: float, *, p: int = 0, o: int = 0, a: int = 0, out: int = 0
+) -> dict[str, Any]:
+    return {
+        "forward_seconds": f, "backward_seconds": b, "param_bytes": p, "optimizer_bytes": o,
+        "activation_bytes": a, "output_bytes": out,
+    }  # fmt: skip
+
+
+def reference_makespan(spec: JobSpec, pipelines: Any, routing: Any) -> float:
+    est = Estimator(spec)
+    t = est.table
+
+    def op(p: int, s: int, kind: str, _w: str) -> float:
+        x = pipelines[p].stages[s]
+        if kind == FORWARD:
+            return t.forward_seconds(x.first_layer, x.end_layer)
+        return t.backward_seconds(x.first_layer, x.end_layer)
+
+    def comm(p: int, s: int, _k: str, a: str, b: str) -> float:
+        return est.transfer_seconds(pipelines[p], s, a, b)
+
+    return build_schedule(pipelines, routing, op, comm).makespan
+
+
+@given(
+    n_stages=st.integers(1, 6), n_micro=st.integers(1, 12), tf=st.floats(0.01, 3.0),
+    tb=st.floats(0.01, 3.0), pipes=st.integers(1, 3),
+)  # fmt: skip
+def test_uniform_symmetric_pipelines_match_the_closed_form(
+    n_stages: int, n_micro: int, tf: float, tb: float, pipes: int
+) -> None:
+    spec = spec_of(n_stages * pipes, n_stages, [layer(tf, tb)] * n_stages, n_micro * pipes)
+    plan = initial_plan(spec)
+    expected = closed_form_seconds(n_stages, n_micro, tf, tb)
+    got = Estimator(spec).makespan(plan.pipelines, plan.routing)
+    assert math.isclose(got, expected, rel_tol=1e-9)
+    assert math.isclose(plan.estimates.step_seconds, expected, rel_tol=1e-9)  # no params: no sync
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_estimate_equals_build_schedule_on_every_candidate(data: st.DataObject) -> None:
+    n_stages = data.draw(st.integers(1, 4))
+    pipes = data.draw(st.integers(2, 4))
+    n_layers = data.draw(st.integers(n_stages, 8))
+    layers = [
+        layer(data.draw(st.floats(0.01, 2)), data.draw(st.floats(0.01, 2)),
+              out=data.draw(st.integers(0, 500)))
+        for _ in range(n_layers)
+    ]  # fmt: skip
+    spec = spec_of(
+        n_stages * pipes, n_stages, layers, pipes * data.draw(st.integers(1, 5)), hosts=2
+    )
+    plan = initial_plan(spec)
+    failed = data.draw(st.sets(st.sampled_from([w.id for w in spec.workers]), min_size=1))
+    d = decide(spec, plan, failed, mtbf_seconds=1e6, generation=2)
+    est = Estimator(spec)
+    for c in d.candidates:
+        if c.plan is not None:
+            ref = reference_makespan(spec, c.plan.pipelines, c.plan.routing)
+            assert math.isclose(est.makespan(c.plan.pipelines, c.plan.routing), ref, rel_tol=1e-12)
+
+
+def test_asymmetric_pipeline_is_bound_by_its_slowest_stage() -> None:
+    # Stage 1 takes twice as long: 1 s of stage 0 before its first forward, its 10 x 4 s, then
+    # stage 0's last backward; stage 2's work hides in stage 1's pace.
+    t = pipeline_seconds([1.0, 2.0, 1.0], [1.0, 2.0, 1.0], [0.0, 0.0], 10)
+    assert math.isclose(t, 1.0 + 10 * 4.0 + 1.0)
+    assert t < closed_form_seconds(3, 10, 2.0, 2.0)
+
+
+def test_transfer_time_is_on_the_link_between_executors() -> None:
+    layers = [layer(1, 1, out=100), layer(1, 1, out=100)]
+    same = spec_of(2, 2, layers, 1, hosts=1)
+    split = spec_of(2, 2, layers, 1, hosts=2)
+    t_same = initial_plan(same).estimates.step_seconds
+    t_split = initial_plan(split).estimates.step_seconds
+    # One micro-batch: F0, send, F1, B1, send back, B0.
+    assert math.isclose(t_same, 4 + 2 * (0.01 + 100 / 1e3))
+    assert math.isclose(t_split, 4 + 2 * (0.05 + 100 / 1e2))
+
+
+def test_ring_allreduce_and_rounds() -> None:
+    link = LinkSpec(1e3, 0.01)
+    assert ring_allreduce_seconds(1, 1000, link) == 0.0
+    assert math.isclose(ring_allreduce_seconds(4, 1000, link), 2 * 3 / 4 * 1.0 + 6 * 0.01)
+    spec = spec_of(4, 1, [layer(1, 1, p=1000), layer(1, 1, p=500)], 4)
+    est = Estimator(spec)
+    one = ring_allreduce_seconds(2, 1000, spec.intra_host)
+    two = ring_allreduce_seconds(2, 500, spec.intra_host)
+    concurrent = [SyncGroup(("w0", "w1"), (0,), 0), SyncGroup(("w2", "w3"), (1,), 0)]
+    rounds = [SyncGroup(("w0", "w1"), (0,), 0), SyncGroup(("w0", "w2"), (1,), 1)]
+    assert math.isclose(est.sync_seconds(concurrent), max(one, two))
+    assert math.isclose(est.sync_seconds(rounds), one + two)
+    # A group spanning hosts runs on the slower link.
+    multi = spec_of(4, 1, [layer(1, 1, p=1000)], 4, hosts=2)
+    assert math.isclose(
+        Estimator(multi).sync_seconds([SyncGroup(("w0", "w1"), (0,), 0)]),
+        ring_allreduce_seconds(2, 1000, multi.inter_host),
+    )
+
+
+def test_peak_memory_follows_section_5_and_counts_rerouted_streams() -> None:
+    # 4 stages, one layer each: state = 2 p + o, activations a per in-flight micro-batch.
+    layers = [layer(1, 1, p=10, o=20, a=100)] * 4
+    spec = spec_of(8, 4, layers, 16)
+    plan = initial_plan(spec)
+    mem = plan.estimates.peak_memory_bytes
+    for i, w in enumerate(["w0", "w1", "w2", "w3"]):
+        assert mem[w] == 40 + (4 - i) * 100  # N_pp - i in flight (8 micro-batches >= 4)
+    d = decide(spec, plan, ["w5"], mtbf_seconds=1e9, generation=2, force="reroute")
+    assert d.plan is not None and d.selected == "reroute"
+    rerouted = d.plan.estimates.peak_memory_bytes
+    assert "w5" not in rerouted
+    assert rerouted["w1"] == 40 + 3 * 100 + 3 * 100  # its own stream + the one it serves
+
+
+def test_out_of_memory_is_named() -> None:
+    spec = spec_of(2, 2, [layer(1, 1, p=10, o=20, a=100)] * 2, 2)
+    est = Estimator(spec)
+    assert est.over_memory({"w0": 10**12}) is None
+    reason = est.over_memory({"w0": 10**13})
+    assert reason is not None and "w0" in reason and "out of memory" in reason
+
+
+def test_rerouting_bound_is_conservative_against_the_schedule() -> None:
+    assert reroute_bound_seconds(4, 8, 2, [0, 2, 0, 0], 1.0, 2.0) == math.inf
+    spec = spec_of(8, 4, [layer(1.0, 2.0)] * 4, 16)
+    plan = initial_plan(spec)
+    d = decide(spec, plan, ["w1"], mtbf_seconds=1e9, generation=2, force="reroute")
+    assert d.plan is not None
+    bound = reroute_bound_seconds(4, 8, 2, [0, 1, 0, 0], 1.0, 2.0)
+    assert closed_form_seconds(4, 8, 1.0, 2.0) < d.plan.estimates.step_seconds <= bound
