@@ -80,6 +80,7 @@ _GROUP = textwrap.dedent(
     t = torch.full((3,), float(rank + 1))
     pg.allreduce([t]).wait()
     print(t.tolist())
+    del pg  # close before interpreter teardown, like the worker does at a generation's end
     """
 )
 

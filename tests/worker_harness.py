@@ -260,7 +260,10 @@ class Controller:
 class Workers:
     """chameleon-worker subprocesses; logs under `log_dir`."""
 
-    def __init__(self, url: str, job: str, log_dir: Path) -> None:
+    def __init__(
+        self, url: str, job: str, log_dir: Path, *, extra_args: list[str] | None = None
+    ) -> None:
+        self.extra_args = list(extra_args or [])
         self.url = url
         self.job = job
         self.log_dir = log_dir
@@ -293,6 +296,7 @@ class Workers:
                     "10",
                     "--max-steps",
                     str(max_steps),
+                    *self.extra_args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -4,7 +4,8 @@ Events are flat string fields XADDed to `Keys(job).events` (docs/protocol.md). P
 `Keys(job).plan` key, announced on `Keys(job).plans_channel`; the watcher re-reads the key on every
 announcement and once a second anyway, so a missed message or a restart still converges.
 
-Liveness: every Redis connection of a worker carries the name `chameleon-worker:{job}:{id}`. The
+Liveness: every Redis connection of a worker carries the name
+`chameleon-worker:{job}:{id}:{incarnation}` (the incarnation is new for every process). The
 kernel closes a killed process's sockets, so Redis drops its connections at once; a peer without any
 named connection is gone. A survivor names a peer in a fault only on that evidence, never on a
 collective error alone (the error may come from a live peer that itself gave up the step).
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import secrets
 import threading
 import time
 from collections.abc import Iterable, Mapping
@@ -30,8 +33,13 @@ _PLAN_POLL_SECONDS = 1.0
 _STREAM_MAXLEN = 100_000
 
 
-def connection_name(job: str, worker: str) -> str:
-    return f"chameleon-worker:{job}:{worker}"
+def connection_name(job: str, worker: str, incarnation: str) -> str:
+    """`chameleon-worker:{job}:{worker}:{incarnation}`; the incarnation tells processes apart."""
+    return f"chameleon-worker:{job}:{worker}:{incarnation}"
+
+
+def new_incarnation() -> str:
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
 class Reporter:
@@ -150,11 +158,21 @@ class PlanWatcher(threading.Thread):
         self._stop_event.set()
 
 
+def live_incarnations(client: redis.Redis, job: str) -> set[tuple[str, str]]:
+    """(worker, incarnation) of every process of `job` with an open Redis connection."""
+    prefix = f"chameleon-worker:{job}:"
+    out = set()
+    for c in client.client_list():
+        name = str(c.get("name", ""))
+        if name.startswith(prefix):
+            worker, _, incarnation = name[len(prefix) :].rpartition(":")
+            out.add((worker, incarnation))
+    return out
+
+
 def live_workers(client: redis.Redis, job: str) -> set[str]:
     """Workers of `job` with at least one open Redis connection (see the module docstring)."""
-    prefix = connection_name(job, "")
-    names = {c.get("name", "") for c in client.client_list()}
-    return {n[len(prefix) :] for n in names if n.startswith(prefix)}
+    return {w for w, _ in live_incarnations(client, job)}
 
 
 def dead_peers(

@@ -11,7 +11,9 @@ connections so that peers blocked on this worker fail fast instead of waiting fo
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -23,7 +25,8 @@ from chameleond.core.plan import Plan, SyncGroup
 from chameleond.core.schedule import BACKWARD, Op, build_schedule
 from chameleond.protocol import Keys
 from workers.backend import DeviceChoice, new_group
-from workers.store import RedisStore
+from workers.events import live_incarnations
+from workers.store import KEY_TTL_SECONDS, RedisStore
 
 log = logging.getLogger("chameleon.worker")
 
@@ -55,6 +58,8 @@ class Generation:
     device: DeviceChoice
     world: tuple[str, ...]
     ops: list[Op]
+    incarnation: str = ""
+    group_prefix: str = ""  # the generation's store prefix + the members' incarnations
     world_group: Any = None
     sync_groups: dict[int, Any] = field(default_factory=dict)  # index in plan.sync_groups -> group
 
@@ -66,10 +71,10 @@ class Generation:
         return self.world.index(worker)
 
     @classmethod
-    def for_plan(cls, plan: Plan, me: str, device: DeviceChoice) -> Generation:
+    def for_plan(cls, plan: Plan, me: str, device: DeviceChoice, incarnation: str) -> Generation:
         if me not in plan.workers:
             raise ValueError(f"worker {me} has no part in generation {plan.generation}")
-        gen = cls(plan, me, device, plan.workers, op_order(plan).get(me, []))
+        gen = cls(plan, me, device, plan.workers, op_order(plan).get(me, []), incarnation)
         gen.check_ownership()
         return gen
 
@@ -94,8 +99,9 @@ class Generation:
         sync: bool,
     ) -> None:
         """Build the world group (sync=False) or the sync groups (sync=True)."""
-        prefix = Keys(self.plan.job).store(self.plan.generation)
         if not sync:
+            self.group_prefix = self._agree_on_members(client, timeout, abort)
+            prefix = self.group_prefix
             store = RedisStore(client, prefix + "world/", timeout=timeout, abort=abort)
             self.world_group = new_group(
                 store,
@@ -106,6 +112,7 @@ class Generation:
                 timeout=timeout,
             )
             return
+        prefix = self.group_prefix
         for index, group in sync_order(self.plan):
             if self.me not in group.workers or len(group.workers) < 2:
                 continue
@@ -118,6 +125,38 @@ class Generation:
                 bind_address=bind_address,
                 timeout=timeout,
             )
+
+    def _agree_on_members(
+        self, client: redis.Redis, timeout: timedelta, abort: Callable[[], None]
+    ) -> str:
+        """The generation's group prefix, named by the incarnations of its live members.
+
+        A process that restarts under the same worker id must not meet the rendezvous entries
+        its predecessor left (they name a dead address). Each member publishes its incarnation;
+        an entry counts only while a process of that incarnation holds a Redis connection, and the
+        groups live under a prefix derived from all members' incarnations.
+        """
+        base = Keys(self.plan.job).store(self.plan.generation)
+        client.set(f"{base}members/{self.me}", self.incarnation, ex=KEY_TTL_SECONDS)
+        keys = [f"{base}members/{w}" for w in self.world]
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = 0.002
+        while True:
+            raw = client.mget(keys)
+            values = [v.decode() if isinstance(v, bytes) else str(v) for v in raw if v is not None]
+            if len(values) == len(keys):
+                live = live_incarnations(client, self.plan.job)
+                if all((w, v) in live for w, v in zip(self.world, values, strict=True)):
+                    digest = hashlib.sha1("|".join(values).encode()).hexdigest()[:12]
+                    return f"{base}{digest}/"
+            abort()
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"generation {self.plan.generation}: members did not all show up in "
+                    f"{timeout.total_seconds():.0f}s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def close(self) -> None:
         groups = [g for g in [self.world_group, *self.sync_groups.values()] if g is not None]

@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 from datetime import timedelta
+from pathlib import Path
 from types import FrameType
 
 import redis
@@ -26,7 +27,7 @@ from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN
 from workers.backend import BackendUnavailable, check_device, parse_device
 from workers.data import CorpusError
-from workers.events import connection_name
+from workers.events import connection_name, new_incarnation
 from workers.model import ArchError
 from workers.runtime import WorkerConfig, WorkerRuntime
 
@@ -70,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="stop (ack stopped, exit 0) once step N-1 is committed; 0: until fenced (default)",
     )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        default=None,
+        help="directory of this worker's checkpoint ({worker}.pt), loaded at start if present",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="write a checkpoint after every N-th committed step (with --checkpoint-dir; 0: never)",
+    )
     p.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING (default INFO)")
     return p
 
@@ -90,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _valid_id(value):
             log.error("%s %r: expected a printable id without spaces", name, value)
             return EXIT_USAGE
+    if args.checkpoint_every < 0 or (args.checkpoint_every and args.checkpoint_dir is None):
+        log.error("--checkpoint-every must be >= 0 and needs --checkpoint-dir")
+        return EXIT_USAGE
     if args.max_steps < 0:
         log.error("--max-steps must be >= 0")
         return EXIT_USAGE
@@ -109,9 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     # with the same kernels, so a rerouted micro-batch gives the same numbers as on its owner.
     torch.set_num_threads(1)
 
+    incarnation = new_incarnation()
     client = redis.Redis.from_url(
         args.redis_url,
-        client_name=connection_name(args.job, args.worker_id),
+        client_name=connection_name(args.job, args.worker_id, incarnation),
         socket_timeout=30,
         health_check_interval=10,
     )
@@ -121,9 +138,12 @@ def main(argv: list[str] | None = None) -> int:
         worker_id=args.worker_id,
         device=device,
         bind_address=args.bind_address,
+        incarnation=incarnation,
         group_timeout=timedelta(seconds=args.group_timeout),
         kill_at=os.environ.get("CHAMELEON_WORKER_KILL_AT", ""),
         max_steps=args.max_steps,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
     )
     runtime = WorkerRuntime(cfg, client)
 

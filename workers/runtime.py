@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import redis
 import torch
@@ -30,6 +31,7 @@ import torch
 from chameleond.core.plan import Plan
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.protocol import Keys
+from workers import checkpoint
 from workers.backend import DeviceChoice, device_memory_bytes
 from workers.data import Corpus
 from workers.events import Heartbeat, PlanWatcher, Reporter, dead_peers, live_workers
@@ -56,7 +58,10 @@ class WorkerConfig:
     # Test hook (docs/worker.md): "step:N" kills this process (SIGKILL) in the middle of step N,
     # "migration:G" in the middle of generation G's migration.
     kill_at: str = ""
+    incarnation: str = ""  # this process among all processes of worker_id (events.py)
     max_steps: int = 0  # stop after committing step max_steps - 1; 0: train until fenced
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0: none
 
 
 class Fenced(Exception):
@@ -128,8 +133,11 @@ class WorkerRuntime:
         self.reporter.send("profile", {"data": json.dumps(data)})
         log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
         self.watcher.start()
+        state = WorkerState(arch, device)
+        if self.cfg.checkpoint_dir is not None:
+            checkpoint.load(self.cfg.checkpoint_dir, self.cfg.worker_id, state)
         try:
-            return self.follow_plans(WorkerState(arch, device), corpus)
+            return self.follow_plans(state, corpus)
         finally:
             self.heartbeat.stop()
             self.watcher.stop()
@@ -209,7 +217,7 @@ class WorkerRuntime:
     def run_generation(self, plan: Plan, state: WorkerState, corpus: Corpus) -> None:
         cfg, me = self.cfg, self.cfg.worker_id
         t0 = time.perf_counter()
-        gen = Generation.for_plan(plan, me, cfg.device)
+        gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation)
         peers = tuple(w for w in gen.world if w != me)
 
         def abort() -> None:
@@ -287,6 +295,9 @@ class WorkerRuntime:
                     log.info("dropped layers %s: their new owners committed a step", dropped)
                 first = False
             self._report_step(plan, step, loss, seconds)
+            every, directory = self.cfg.checkpoint_every, self.cfg.checkpoint_dir
+            if every and directory is not None and (step + 1) % every == 0:
+                checkpoint.save(directory, gen.me, state, owned)
             step += 1
             if self.cfg.max_steps and step >= self.cfg.max_steps:
                 raise Finished

@@ -1,0 +1,94 @@
+"""Restart from checkpoint (the recovery baseline): kill every worker, restart, reload, resume."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import redis
+from worker_harness import TINY_ARCH, EventReader, Record, Workers, tiny_spec
+
+from chameleond.core.decide import initial_plan
+from chameleond.core.plan import Plan, plan_to_dict
+from chameleond.core.spec import parse_spec
+from chameleond.protocol import Keys
+from chameleond.redis_server import RedisServer
+from workers.model import Arch
+from workers.reference import reference_losses
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_restart_from_checkpoint_resumes_after_the_checkpointed_step(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    spec_dict = tiny_spec("ckpt", workers=2, stages=2, global_batch=8, micro_batch=2)
+    spec = parse_spec(spec_dict)
+    keys = Keys("ckpt")
+    redis_client.set(keys.spec, json.dumps(spec_dict))
+    record = Record()
+    reader = EventReader(redis_server.url, "ckpt", record)
+    reader.start()
+    ids = ["w0", "w1"]
+    args = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4"]
+    first = Workers(redis_server.url, "ckpt", tmp_path, extra_args=args)
+    second = Workers(redis_server.url, "ckpt", tmp_path, extra_args=args)
+
+    def publish(plan: Plan) -> None:
+        redis_client.set(keys.plan, json.dumps(plan_to_dict(plan)))
+        redis_client.publish(keys.plans_channel, str(plan.generation))
+
+    def profiled() -> int:
+        return len(record.of("profile"))
+
+    try:
+        first.start(ids)
+        wait_until(lambda: profiled() == 2, 120, "both workers profiled")
+        plan = initial_plan(spec, generation=1, mtbf_seconds=3600.0)
+        publish(plan)
+        wait_until(lambda: len(record.committed()) >= 10, 60, "10 steps")
+        for w in ids:
+            first.kill(w)
+        killed = time.time()
+        before = dict(record.committed())
+        first_run_steps = len(before)
+        second.start(ids)
+        wait_until(lambda: profiled() == 4, 120, "the restarted workers profiled")
+        # A restarted process may resume on the plan it finds, or on the newer one published here.
+        publish(replace(plan, generation=2))
+        wait_until(
+            lambda: max(int(e["step"]) for e in record.of("step")) >= first_run_steps + 2,
+            60,
+            "steps beyond the first run",
+        )
+    finally:
+        first.stop()
+        second.stop()
+        reader.stop()
+    after = [e for e in record.of("step") if float(e["_received"]) > killed]
+    resumed = min(int(e["step"]) for e in after)
+    # The checkpoint after step 7 (every 4th) or later: the job resumes right after it.
+    assert resumed % 4 == 0 and 8 <= resumed <= first_run_steps
+    ref = reference_losses(
+        Arch.from_mapping(TINY_ARCH), 8, 2, max(int(e["step"]) for e in after) + 1
+    )
+    for e in after:
+        s = int(e["step"])
+        assert abs(float(e["loss"]) - ref[s]) <= 1e-4 * ref[s], (s, e["loss"], ref[s])
+    # Steps after the checkpoint are trained again, with the same samples and the same result.
+    for e in after:
+        s = int(e["step"])
+        if s in before:
+            assert abs(float(e["loss"]) - before[s]) <= 1e-4 * before[s]
