@@ -11,10 +11,12 @@ Both are timed by the same model (core.estimator) and scored by core.selector; t
 wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
 
 1. Reroute first, switch later: when reroute wins but the dynamic plan steps faster, that plan is
-   returned as `follow_up`. It is prepared in the background (its search is then hidden), and
-   switching to it costs its migration + rebuild, t_sw. Over a remaining window R the switch pays
-   when B/t_dyn * (R - t_sw) > B/t_rr * R, i.e. R > t_sw * t_rr / (t_rr - t_dyn):
-   `follow_up_after_seconds`. It is offered only if D exceeds that plus the search time.
+   returned as `follow_up`. It is prepared while the rerouted plan trains: its search and its
+   migration (sources keep serving, receivers stage the state) take prep = search + migration
+   seconds, and the switch itself stops training only for the rebuild, t_sw. Over a remaining
+   window R the switch pays when B/t_dyn * (R - t_sw) > B/t_rr * R, i.e.
+   R > t_sw * t_rr / (t_rr - t_dyn) = `follow_up_after_seconds`. It is offered only if
+   D > prep + that; whoever switches re-checks the remaining window when the plan is ready.
 2. Rejoin: `joined` workers are survivors of the dynamic candidate (a scale-up plan); reroute is
    then "keep the current layout" (the joined workers stay idle), scored the same way.
 3. A fault during a transition: decide works from `current` (the last published plan) and the
@@ -255,7 +257,8 @@ def decide(
     follow_up, after = None, None
     if selected == "reroute" and dyn.feasible and switch is not None:
         after = _switch_pays_after(rr.step_seconds, dyn.step_seconds, switch.estimates)
-        if after is not None and mtbf > after + search_seconds:
+        prep = search_seconds + (dyn.transition_seconds - search_seconds - spec.rebuild_seconds)
+        if after is not None and mtbf > prep + after:
             follow_up = replace(switch, generation=generation + 1)
         else:
             after = None
@@ -353,10 +356,11 @@ def _dynamic_candidate(
     routing = tuple(
         tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
     )
-    switch_seconds = restored.migration_seconds + spec.rebuild_seconds
+    # Chosen now: search, migration and rebuild stop training. As a follow-up: only the rebuild.
+    switch_seconds = spec.rebuild_seconds
     plan, oom = _plan(
         spec, est, "dynamic", generation, pipelines, routing, excluded, restored.migration,
-        search_seconds + switch_seconds, mtbf, cause,
+        search_seconds + restored.migration_seconds + switch_seconds, mtbf, cause,
     )  # fmt: skip
     switch = replace(
         plan,

@@ -1,0 +1,226 @@
+"""decide(): both candidates, the choice, and the invariants of every plan it produces."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chameleond.core import selector
+from chameleond.core.decide import (
+    Candidate,
+    Decision,
+    decide,
+    decision_to_dict,
+    initial_plan,
+    select,
+)
+from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
+from chameleond.core.spec import JobSpec, parse_spec
+
+
+def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**12) -> JobSpec:
+    return parse_spec(
+        {
+            "workers": [
+                {"id": f"w{i}", "host": f"h{i // 4}", "memory_bytes": memory}
+                for i in range(pipes * stages)
+            ],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_second": 1e9, "latency_seconds": 1e-5},
+                "inter_host": {"bandwidth_bytes_per_second": 1e8, "latency_seconds": 1e-4},
+            },
+            "model": {"layers": [{"forward_seconds": 0.01, "backward_seconds": 0.02,
+                                  "param_bytes": 10**6, "optimizer_bytes": 2 * 10**6,
+                                  "activation_bytes": 10**5, "output_bytes": 10**4,
+                                  "count": layers}]},
+            "training": {"global_batch": micro * 2, "micro_batch": 2},
+            "plan": {"stages": stages},
+            "job": {"rebuild_seconds": 0.1},
+        }
+    )  # fmt: skip
+
+
+def violations(spec: JobSpec, plan: Plan) -> list[str]:
+    """Every invariant a plan must hold; empty when it holds them all."""
+    out = []
+    ids = sorted(m for pipe in plan.pipelines for m in pipe.micro_batch_ids)
+    if ids != list(range(spec.training.micro_batches)):
+        out.append("micro-batches do not partition [0, B/mbs)")
+    for p, pipe in enumerate(plan.pipelines):
+        covered = [layer for stage in pipe.stages for layer in stage.layers]
+        if covered != list(range(len(spec.layers))):
+            out.append(f"pipeline {p} does not hold every layer exactly once")
+        for s, stage in enumerate(pipe.stages):
+            if len(plan.routing[p][s]) != pipe.micro_batches:
+                out.append(f"routing[{p}][{s}] does not cover the pipeline's micro-batches")
+            for w in plan.routing[p][s]:
+                if w in plan.excluded:
+                    out.append(f"excluded {w} executes stage {s} of pipeline {p}")
+                if set(stage.layers) - set(plan.owned_layers(w)):
+                    out.append(f"{w} executes layers it does not own")
+    memory = {w.id: w.memory_bytes for w in spec.workers}
+    for w, need in plan.estimates.peak_memory_bytes.items():
+        if need > memory[w]:
+            out.append(f"{w} over memory")
+    for t in plan.migration:
+        if t.src in plan.excluded:
+            out.append(f"migration from excluded {t.src}")
+    return out
+
+
+def plans_of(d: Decision) -> list[Plan]:
+    out = [c.plan for c in d.candidates if c.plan is not None]
+    return out + ([d.follow_up] if d.follow_up is not None else [])
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_every_plan_holds_the_invariants(data: st.DataObject) -> None:
+    pipes, stages = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 4))
+    layers = data.draw(st.integers(stages, 9))
+    spec = job(pipes, stages, layers, pipes * data.draw(st.integers(1, 4)))
+    ids = [w.id for w in spec.workers]
+    current = initial_plan(spec)
+    assert violations(spec, current) == []
+    failed: set[str] = set()
+    generation = current.generation
+    for _ in range(data.draw(st.integers(1, 3))):  # faults, some landing mid-transition
+        failed |= set(data.draw(st.lists(st.sampled_from(ids), min_size=1, max_size=2)))
+        joined = data.draw(st.lists(st.sampled_from(sorted(failed)), max_size=1))
+        failed -= set(joined)
+        d = decide(
+            spec, current, failed, mtbf_seconds=data.draw(st.floats(1.0, 1e6)),
+            generation=generation + 1, joined=joined,
+            force=data.draw(st.sampled_from([None, "reroute", "dynamic"])),
+        )  # fmt: skip
+        for plan in plans_of(d):
+            assert violations(spec, plan) == []
+            assert plan.generation > current.generation
+            assert set(failed) <= set(plan.excluded)
+            assert plan_from_dict(json.loads(json.dumps(plan_to_dict(plan)))) == plan
+        json.dumps(decision_to_dict(d))
+        if d.plan is None:
+            assert d.selected is None and d.unrecoverable
+            break
+        current, generation = d.plan, d.plan.generation
+        failed |= set(current.excluded)
+
+
+def candidate(policy: str, step: float, transition: float, mtbf: float) -> Candidate:
+    return Candidate(
+        policy, True, "", step, transition, selector.score(10, step, transition, mtbf), 0, None
+    )
+
+
+def test_published_score_example() -> None:
+    for mtbf, expected in ((15.0, "reroute"), (40.0, "dynamic")):
+        rr = candidate("reroute", 2.0, 0.0, mtbf)
+        dyn = candidate("dynamic", 1.0, 10.0, mtbf)
+        assert select(rr, dyn) == (expected, "")
+    rr, dyn = candidate("reroute", 2.0, 0.0, 15.0), candidate("dynamic", 1.0, 10.0, 15.0)
+    assert math.isclose(rr.score, 5.0) and math.isclose(dyn.score, 10 / 3)
+
+
+def test_force_falls_back_with_a_note_when_infeasible() -> None:
+    # Asymmetric pipelines: w1 holds layers 3-5, which no other slot holds as one range, yet
+    # every layer survives on w3 and w4.
+    spec = job(1, 5, 6, 6)
+    spec = parse_spec(
+        {
+            "workers": [{"id": w.id, "memory_bytes": 10**12} for w in spec.workers],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_second": 1e9, "latency_seconds": 0.0},
+                "inter_host": {"bandwidth_bytes_per_second": 1e8, "latency_seconds": 0.0},
+            },
+            "model": {"layers": [{"forward_seconds": 0.01, "backward_seconds": 0.02,
+                                  "param_bytes": 10, "optimizer_bytes": 20,
+                                  "activation_bytes": 1, "output_bytes": 1, "count": 6}]},
+            "training": {"global_batch": 6, "micro_batch": 1},
+            "plan": {"pipelines": [["w0", "w1"], ["w2", "w3", "w4"]]},
+        }
+    )  # fmt: skip
+    d = decide(spec, initial_plan(spec), ["w1"], mtbf_seconds=1e5, generation=2, force="reroute")
+    assert d.selected == "dynamic"
+    assert "forced reroute is infeasible" in d.note
+    assert "no surviving replica" in d.candidates[0].reason
+
+
+def test_unrecoverable_names_the_lost_layers_without_raising() -> None:
+    spec = job(2, 2, 8, 4)
+    d = decide(spec, initial_plan(spec), ["w0", "w2"], mtbf_seconds=100.0, generation=2)
+    assert d.selected is None and d.plan is None
+    assert d.unrecoverable == "layers 0-3 lost every replica (workers w0, w2 failed)"
+    assert not any(c.feasible for c in d.candidates)
+    assert decision_to_dict(d)["unrecoverable"] == d.unrecoverable
+
+
+def test_rejoin_takes_the_worker_back_with_a_scale_up_plan() -> None:
+    spec = job(4, 2, 8, 16)
+    start = initial_plan(spec)
+    first = decide(spec, start, ["w3"], mtbf_seconds=1e6, generation=2, force="dynamic")
+    assert first.plan is not None and "w3" not in first.plan.workers
+    back = decide(spec, first.plan, [], mtbf_seconds=1e6, generation=3, joined=["w3"])
+    dyn = back.candidates[1]
+    assert dyn.feasible and dyn.plan is not None and "w3" in dyn.plan.workers
+    assert dyn.step_seconds < first.plan.estimates.step_seconds  # one more worker helps
+    assert back.selected == "dynamic"
+    assert back.candidates[0].plan is not None and "w3" in back.candidates[0].plan.excluded
+
+
+def test_fault_during_a_transition_plans_from_the_published_plan() -> None:
+    spec = job(4, 2, 8, 16)
+    d1 = decide(spec, initial_plan(spec), ["w0"], mtbf_seconds=1e6, generation=2, force="dynamic")
+    assert d1.plan is not None
+    # A second fault before the migration finished: cumulative set, plan of generation 2.
+    d2 = decide(spec, d1.plan, ["w0", "w5"], mtbf_seconds=1e6, generation=3)
+    assert d2.plan is not None and d2.plan.generation == 3
+    assert {"w0", "w5"} <= set(d2.plan.excluded)
+    assert violations(spec, d2.plan) == []
+
+
+def test_reroute_now_and_switch_later_when_it_pays() -> None:
+    spec = job(2, 4, 8, 16)
+    current = initial_plan(spec)
+    rr, dyn = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
+    assert rr.feasible and dyn.feasible and dyn.step_seconds < rr.step_seconds
+    direct = selector.break_even_seconds(
+        rr.step_seconds, rr.transition_seconds, dyn.step_seconds, dyn.transition_seconds
+    )
+    assert direct is not None
+    # Switching later stops training only for the rebuild; staging takes the migration time.
+    after = spec.rebuild_seconds * rr.step_seconds / (rr.step_seconds - dyn.step_seconds)
+    prep = dyn.transition_seconds - spec.rebuild_seconds
+    assert prep + after < direct
+    d = decide(spec, current, ["w1"], mtbf_seconds=(prep + after + direct) / 2, generation=2)
+    assert d.selected == "reroute" and d.follow_up is not None
+    assert d.follow_up_after_seconds is not None
+    assert math.isclose(d.follow_up_after_seconds, after, rel_tol=1e-9)
+    assert d.follow_up.generation == 3 and d.follow_up.policy == "dynamic"
+    assert d.follow_up.estimates.transition_seconds == spec.rebuild_seconds
+    assert violations(spec, d.follow_up) == []
+    # Too short a window for the switch to pay: no follow-up.
+    short = decide(spec, current, ["w1"], mtbf_seconds=prep * 0.9, generation=2)
+    assert short.selected == "reroute" and short.follow_up is None
+    # Long enough for the direct switch: dynamic now, nothing to follow.
+    long = decide(spec, current, ["w1"], mtbf_seconds=direct * 2, generation=2)
+    assert long.selected == "dynamic" and long.follow_up is None
+
+
+def test_bad_requests_are_errors_not_results() -> None:
+    spec = job(2, 2, 4, 4)
+    plan = initial_plan(spec)
+    for kwargs in (
+        {"failed": ["nope"], "generation": 2},
+        {"failed": ["w0"], "generation": 1},
+        {"failed": ["w0"], "generation": 2, "force": "restart"},
+    ):
+        try:
+            decide(spec, plan, kwargs["failed"], mtbf_seconds=10.0,  # type: ignore[arg-type]
+                   generation=kwargs["generation"], force=kwargs.get("force"))  # type: ignore[arg-type]  # fmt: skip
+        except ValueError as e:
+            assert str(e)
+        else:
+            raise AssertionError(f"{kwargs} was accepted")
