@@ -116,8 +116,7 @@ def finish(job: Job, steps: int, timeout: float = 150.0) -> None:
 def step_workers(job: Job) -> dict[int, set[str]]:
     out: dict[int, set[str]] = {}
     for e in job.record.of("step"):
-        if e.get("late") != "1":
-            out.setdefault(int(e["step"]), set()).add(e["worker"])
+        out.setdefault(int(e["step"]), set()).add(e["worker"])
     return out
 
 
@@ -136,11 +135,7 @@ def recovery_figures(job: Job, victim: str, killed_at: float, generation: int) -
         if e["phase"] == "ready" and int(e["generation"]) == generation
     ]
     build = max(float(e["build_seconds"]) for e in acks)
-    first = min(
-        float(e["at"])
-        for e in job.record.of("step")
-        if int(e["generation"]) == generation and e.get("late") != "1"
-    )
+    first = min(float(e["at"]) for e in job.record.of("step") if int(e["generation"]) == generation)
     figures = {"detect_s": detect, "rebuild_s": build, "recovery_s": first - killed_at}
     print(f"\nrecovery generation {generation}: {figures}")
     return figures

@@ -2,11 +2,12 @@
 
 With `--checkpoint-dir DIR --checkpoint-every N`, a worker writes the layers it owns (parameters
 and AdamW state, the same flat buffers a migration sends) after every N-th committed step,
-atomically, to `DIR/{worker}.pt`. A worker started with the same directory loads its file: its
-layers come back at the checkpoint's step, and the generation's reconciliation (workers.migrate)
-treats them like any other copy: the job resumes after the newest committed step any worker holds,
-and copies behind it are replaced from current holders. No sample is repeated or skipped: the next
-step follows the step the job resumes from.
+atomically, to `DIR/{worker}-{step}.pt`, keeping its two newest. A kill can interrupt one round of
+checkpoints, leaving workers at different steps; so a worker started with the same directory loads
+the newest step that every worker in the directory has written (the directory must be shared by
+the job's workers, as on one machine or a shared filesystem). Its layers come back at that step and
+the generation's reconciliation (workers.migrate) treats them like any other copy. No sample is
+repeated or skipped: the next step follows the step the job resumes from.
 """
 
 from __future__ import annotations
@@ -24,13 +25,26 @@ from workers.state import WorkerState
 log = logging.getLogger("chameleon.worker")
 
 
-def checkpoint_path(directory: Path, worker: str) -> Path:
-    return directory / f"{worker}.pt"
+KEEP = 2
+
+
+def checkpoint_path(directory: Path, worker: str, step: int) -> Path:
+    return directory / f"{worker}-{step:09d}.pt"
+
+
+def written(directory: Path) -> dict[str, set[int]]:
+    """worker -> steps with a complete checkpoint file in `directory`."""
+    out: dict[str, set[int]] = {}
+    for path in directory.glob("*-*.pt"):
+        worker, _, step = path.stem.rpartition("-")
+        if step.isdigit():
+            out.setdefault(worker, set()).add(int(step))
+    return out
 
 
 def save(directory: Path, worker: str, state: WorkerState, owned: tuple[int, ...]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_path(directory, worker)
+    path = checkpoint_path(directory, worker, state.committed_step)
     tmp = path.with_suffix(".tmp")
     torch.save(
         {
@@ -40,15 +54,23 @@ def save(directory: Path, worker: str, state: WorkerState, owned: tuple[int, ...
         },
         tmp,
     )
-    os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint intact
+    os.replace(tmp, path)  # a crash mid-write leaves no partial checkpoint under a final name
+    for old in sorted(written(directory).get(worker, set()))[:-KEEP]:
+        checkpoint_path(directory, worker, old).unlink(missing_ok=True)
     return path
 
 
 def load(directory: Path, worker: str, state: WorkerState) -> int | None:
-    """Fill `state` from the worker's checkpoint; the step it holds, or None when there is none."""
-    path = checkpoint_path(directory, worker)
-    if not path.exists():
+    """Fill `state` from the newest step every worker checkpointed; that step, or None."""
+    steps = written(directory) if directory.is_dir() else {}
+    if worker not in steps:
         return None
+    common = set.intersection(*steps.values())
+    if not common:
+        log.warning("checkpoints in %s share no step: starting without one", directory)
+        return None
+    step = max(common)
+    path = checkpoint_path(directory, worker, step)
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError) as e:
@@ -57,7 +79,6 @@ def load(directory: Path, worker: str, state: WorkerState) -> int | None:
     if data.get("arch") != asdict(state.arch):
         log.warning("ignoring checkpoint %s: written for another model %s", path, data.get("arch"))
         return None
-    step = int(data["step"])
     for i, buf in data["layers"].items():
         layer = LayerState(state.arch, int(i), state.device)
         layer.load_buffer(buf.to(state.device), step)

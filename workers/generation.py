@@ -11,9 +11,7 @@ connections so that peers blocked on this worker fail fast instead of waiting fo
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,8 +23,8 @@ from chameleond.core.plan import Plan, SyncGroup
 from chameleond.core.schedule import BACKWARD, Op, build_schedule
 from chameleond.protocol import Keys
 from workers.backend import DeviceChoice, new_group
-from workers.events import live_incarnations
-from workers.store import KEY_TTL_SECONDS, RedisStore
+from workers.rendezvous import join_generation
+from workers.store import RedisStore
 
 log = logging.getLogger("chameleon.worker")
 
@@ -96,11 +94,20 @@ class Generation:
         bind_address: str,
         timeout: timedelta,
         abort: Callable[[], None],
+        give_up: Callable[[], str | None],
         sync: bool,
     ) -> None:
-        """Build the world group (sync=False) or the sync groups (sync=True)."""
+        """Build the world group (sync=False) or the sync groups (sync=True).
+
+        `give_up` may end the generation before every member has joined (workers.rendezvous);
+        once all have, only `abort` (a member is gone) cuts the store waits short.
+        """
         if not sync:
-            self.group_prefix = self._agree_on_members(client, timeout, abort)
+            base = Keys(self.plan.job).store(self.plan.generation)
+            self.group_prefix = join_generation(
+                client, base, self.me, self.incarnation, self.world,
+                timeout=timeout, give_up=give_up,
+            )  # fmt: skip
             prefix = self.group_prefix
             store = RedisStore(client, prefix + "world/", timeout=timeout, abort=abort)
             self.world_group = new_group(
@@ -125,38 +132,6 @@ class Generation:
                 bind_address=bind_address,
                 timeout=timeout,
             )
-
-    def _agree_on_members(
-        self, client: redis.Redis, timeout: timedelta, abort: Callable[[], None]
-    ) -> str:
-        """The generation's group prefix, named by the incarnations of its live members.
-
-        A process that restarts under the same worker id must not meet the rendezvous entries
-        its predecessor left (they name a dead address). Each member publishes its incarnation;
-        an entry counts only while a process of that incarnation holds a Redis connection, and the
-        groups live under a prefix derived from all members' incarnations.
-        """
-        base = Keys(self.plan.job).store(self.plan.generation)
-        client.set(f"{base}members/{self.me}", self.incarnation, ex=KEY_TTL_SECONDS)
-        keys = [f"{base}members/{w}" for w in self.world]
-        deadline = time.monotonic() + timeout.total_seconds()
-        pause = 0.002
-        while True:
-            raw = client.mget(keys)
-            values = [v.decode() if isinstance(v, bytes) else str(v) for v in raw if v is not None]
-            if len(values) == len(keys):
-                live = live_incarnations(client, self.plan.job)
-                if all((w, v) in live for w, v in zip(self.world, values, strict=True)):
-                    digest = hashlib.sha1("|".join(values).encode()).hexdigest()[:12]
-                    return f"{base}{digest}/"
-            abort()
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"generation {self.plan.generation}: members did not all show up in "
-                    f"{timeout.total_seconds():.0f}s"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
 
     def close(self) -> None:
         groups = [g for g in [self.world_group, *self.sync_groups.values()] if g is not None]

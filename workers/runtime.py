@@ -39,6 +39,7 @@ from workers.generation import Generation
 from workers.migrate import StateLost, reconcile
 from workers.model import Arch
 from workers.profile import profile_model
+from workers.rendezvous import GenerationAbandoned
 from workers.state import WorkerState
 from workers.step import StepRunner
 from workers.store import StoreAborted
@@ -70,10 +71,6 @@ class Fenced(Exception):
 
 class Finished(Exception):
     """The configured number of steps is committed."""
-
-
-class Superseded(Exception):
-    """A newer plan arrived while this generation was being built."""
 
 
 class WorkerRuntime:
@@ -170,10 +167,11 @@ class WorkerRuntime:
                 self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
                 log.info("step %d committed: finished", state.committed_step)
                 return 0
-            except Superseded as e:
-                log.info("%s", e)
-                if state.pending_step is None:
-                    state.discard_step()
+            except GenerationAbandoned as e:
+                if self.watcher.newest_generation > plan.generation:
+                    log.info("generation %d: %s", plan.generation, e)
+                else:
+                    self.on_fault(plan, state, e)
             except StateLost as e:
                 log.error("generation %d cannot start: %s", plan.generation, e)
             except (RuntimeError, ValueError) as e:
@@ -200,19 +198,14 @@ class WorkerRuntime:
         if not dead:
             log.warning("no dead peer found; waiting for the next plan")
 
-    def _abort_check(self, generation: int, peers: tuple[str, ...]) -> None:
-        """Called while waiting on the store: give up the rendezvous early when it cannot finish."""
-        newest = self.watcher.newest_generation
-        if newest > generation:
-            raise Superseded(f"generation {generation} superseded by {newest} during rendezvous")
+    def _gone(self, peers: tuple[str, ...]) -> list[str]:
+        """Peers without a live process, checked at most every 0.1 s (one CLIENT LIST)."""
         now = time.monotonic()
         if now - self._last_liveness_check < 0.1:
-            return
+            return []
         self._last_liveness_check = now
         alive = live_workers(self.redis, self.cfg.job)
-        gone = [w for w in peers if w not in alive]
-        if gone:
-            raise StoreAborted(f"peer(s) {', '.join(gone)} gone during rendezvous")
+        return [w for w in peers if w not in alive]
 
     def run_generation(self, plan: Plan, state: WorkerState, corpus: Corpus) -> None:
         cfg, me = self.cfg, self.cfg.worker_id
@@ -221,7 +214,16 @@ class WorkerRuntime:
         peers = tuple(w for w in gen.world if w != me)
 
         def abort() -> None:
-            self._abort_check(plan.generation, peers)
+            gone = self._gone(peers)
+            if gone:
+                raise StoreAborted(f"peer(s) {', '.join(gone)} gone during rendezvous")
+
+        def give_up() -> str | None:
+            newest = self.watcher.newest_generation
+            if newest > plan.generation:
+                return f"superseded by generation {newest}"
+            gone = self._gone(peers)
+            return f"peer(s) {', '.join(gone)} gone" if gone else None
 
         try:
             gen.connect(
@@ -229,18 +231,24 @@ class WorkerRuntime:
                 bind_address=cfg.bind_address,
                 timeout=cfg.group_timeout,
                 abort=abort,
+                give_up=give_up,
                 sync=False,
             )
             t_world = time.perf_counter()
             rec = reconcile(gen, state, on_round=self._kill_hook_migration(plan.generation))
             if rec.applied_pending is not None:
-                self._report_step(plan, rec.applied_pending, state.pending_loss, 0.0, late=True)
+                # No step event: the step's loss is known only to the workers whose vote
+                # completed, and they reported it.
+                log.info(
+                    "step %d committed late (generation %d)", rec.applied_pending, plan.generation
+                )
             t_migrated = time.perf_counter()
             gen.connect(
                 self.redis,
                 bind_address=cfg.bind_address,
                 timeout=cfg.group_timeout,
                 abort=abort,
+                give_up=give_up,
                 sync=True,
             )
             build = time.perf_counter() - t0
@@ -279,14 +287,13 @@ class WorkerRuntime:
         while not self.stopping:
             t0 = time.perf_counter()
             result = runner.run(step, on_op=self._kill_hook_step())
-            state.mark_pending(step, result.layers, 0.0)
+            state.mark_pending(step, result.layers)
             vote = torch.zeros((len(gen.world), 3), dtype=torch.float64)
             vote[gen.rank] = torch.tensor(
                 [result.loss_sum, 1.0, float(self.watcher.newest_generation)], dtype=torch.float64
             )
             gen.world_group.allreduce([vote]).wait()
             loss = float(vote[:, 0].sum().item()) / plan.global_batch
-            state.pending_loss = loss
             state.apply_pending(plan.global_batch)
             seconds = time.perf_counter() - t0
             if first:
@@ -304,9 +311,7 @@ class WorkerRuntime:
             if int(vote[:, 2].max().item()) > plan.generation:
                 return
 
-    def _report_step(
-        self, plan: Plan, step: int, loss: float, seconds: float, *, late: bool = False
-    ) -> None:
+    def _report_step(self, plan: Plan, step: int, loss: float, seconds: float) -> None:
         fields: dict[str, object] = {
             "generation": plan.generation,
             "step": step,
@@ -315,8 +320,6 @@ class WorkerRuntime:
             "loss": repr(loss),
             "at": f"{time.time():.3f}",
         }
-        if late:
-            fields["late"] = 1
         self.reporter.send("step", fields)
 
     # test hooks ---------------------------------------------------------------------------------

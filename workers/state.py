@@ -19,7 +19,6 @@ class WorkerState:
         self.committed_step = -1  # the last step this worker applied; -1: none yet
         self.pending_step: int | None = None
         self.pending_layers: tuple[int, ...] = ()
-        self.pending_loss = 0.0
 
     def layer(self, index: int) -> LayerState:
         try:
@@ -33,10 +32,9 @@ class WorkerState:
         self.layers[index] = st
         return st
 
-    def mark_pending(self, step: int, layers: Iterable[int], loss: float) -> None:
+    def mark_pending(self, step: int, layers: Iterable[int]) -> None:
         self.pending_step = step
         self.pending_layers = tuple(layers)
-        self.pending_loss = loss
 
     def apply_pending(self, global_batch: int) -> int:
         """Apply the pending update (the step committed); returns the step."""

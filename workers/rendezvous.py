@@ -1,0 +1,91 @@
+"""Who builds a generation's groups: an all-or-nothing agreement among the plan's workers.
+
+Each worker of a plan joins the generation in Redis; the generation becomes `complete` when every
+worker has joined, or `abandoned` when any worker gives it up first (a newer plan appeared, a member
+is gone, or time ran out). Both transitions are atomic Lua scripts, so every worker sees the same
+outcome: either all of them build the groups, or none does. Without this, a worker that moved on
+to a newer plan in the middle of a rendezvous would leave the others stuck in a half-connected
+group until its timeout.
+
+The group prefix is derived from the members' incarnations, so a process restarted under the same
+worker id never meets entries its dead predecessor left behind; a generation that completed with a
+predecessor cannot be joined by the successor (it waits for a newer plan).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import redis
+
+from workers.store import KEY_TTL_SECONDS
+
+_JOIN = """
+local state = redis.call('GET', KEYS[1])
+if state then return state end
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+if redis.call('HLEN', KEYS[2]) >= tonumber(ARGV[3]) then
+  redis.call('SET', KEYS[1], 'complete', 'EX', ARGV[4])
+  return 'complete'
+end
+return 'open'
+"""
+
+_ABANDON = """
+local state = redis.call('GET', KEYS[1])
+if state then return state end
+redis.call('SET', KEYS[1], 'abandoned', 'EX', ARGV[1])
+return 'abandoned'
+"""
+
+
+class GenerationAbandoned(RuntimeError):
+    """The generation will not be built (the message says why)."""
+
+
+def _text(v: object) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def join_generation(
+    client: redis.Redis,
+    base: str,
+    me: str,
+    incarnation: str,
+    members: tuple[str, ...],
+    *,
+    timeout: timedelta,
+    give_up: Callable[[], str | None],
+) -> str:
+    """Join; return the group prefix once complete. `give_up()` returns a reason to abandon."""
+    state_key, members_key = f"{base}state", f"{base}members"
+    state = _text(
+        client.eval(
+            _JOIN, 2, state_key, members_key, me, incarnation, len(members), KEY_TTL_SECONDS
+        )
+    )
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.002
+    reason = ""
+    while state == "open":
+        why = give_up()
+        if why is None and time.monotonic() > deadline:
+            why = f"not every member joined within {timeout.total_seconds():.0f}s"
+        if why is not None:
+            reason = why
+            state = _text(client.eval(_ABANDON, 1, state_key, KEY_TTL_SECONDS))
+            break
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)
+        state = _text(client.get(state_key) or "open")
+    if state == "abandoned":
+        raise GenerationAbandoned(f"generation abandoned: {reason or 'by another member'}")
+    joined = {_text(k): _text(v) for k, v in client.hgetall(members_key).items()}
+    if joined.get(me) != incarnation:
+        raise GenerationAbandoned("the generation was built by an earlier process of this worker")
+    digest = hashlib.sha1("|".join(joined[w] for w in members).encode()).hexdigest()[:12]
+    return f"{base}{digest}/"
