@@ -9,6 +9,8 @@ differ only in the order gradient sums are added (docs/worker.md has the figures
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,6 +56,8 @@ def start_job(redis_server: RedisServer, tmp_path: Path) -> Iterator[object]:
         env: dict[str, dict[str, str]] | None = None,
         memory_bytes: int = 8 << 30,
         measured: bool = True,
+        group_timeout: float = 10.0,
+        heartbeat_lapse: float = 3.0,
     ) -> Job:
         spec = tiny_spec(
             f"t{len(jobs)}",
@@ -61,11 +65,14 @@ def start_job(redis_server: RedisServer, tmp_path: Path) -> Iterator[object]:
             micro_batch=MICRO_BATCH,
             memory_bytes=memory_bytes,
         )
-        controller = Controller(redis_server.url, spec, policy=policy, measured=measured).start()
+        controller = Controller(
+            redis_server.url, spec, policy=policy, measured=measured,
+            heartbeat_lapse=heartbeat_lapse,
+        ).start()  # fmt: skip
         workers = Workers(redis_server.url, spec["job"]["name"], tmp_path)
         job = Job(controller, workers)
         jobs.append(job)
-        workers.start(IDS, env, max_steps=max_steps)
+        workers.start(IDS, env, max_steps=max_steps, group_timeout=group_timeout)
         return job
 
     yield start
@@ -225,6 +232,33 @@ def test_failure_during_migration(start_job) -> None:
 
 def has_committed(job: Job, generation: int) -> bool:
     return any(int(e["generation"]) == generation for e in job.record.of("step"))
+
+
+def test_hung_peer_is_bounded_then_fenced(start_job) -> None:
+    """SIGSTOP w3: survivors give the step up after --group-timeout (nobody is named: w3's process
+    still exists); the heartbeat lapse declares it failed; after SIGCONT it finds itself excluded,
+    acks `stopped` and exits 0."""
+    steps = 16
+    job = start_job("reroute", max_steps=steps, group_timeout=1.5, heartbeat_lapse=3.0)
+    job.controller.wait_steps(4)
+    w3 = job.workers.procs["w3"]
+    os.kill(w3.pid, signal.SIGSTOP)
+    stopped = time.time()
+    try:
+        job.controller.wait_for("a plan without w3", lambda: len(job.record.plans) >= 2, 30)
+    finally:
+        os.kill(w3.pid, signal.SIGCONT)
+    finish(job, steps)
+    assert w3.wait(timeout=30) == 0, job.workers.log("w3")[-2000:]
+    acks = [e for e in job.record.of("ack") if e["worker"] == "w3" and e["phase"] == "stopped"]
+    assert acks and int(acks[-1]["generation"]) >= 2
+    assert not [f for f in job.record.of("fault") if f["worker"] != "w3"]
+    assert_matches_reference(job, steps)
+    # The survivors gave generation 1 up on the timeout, before the plan without w3 existed.
+    for w in ("w0", "w2", "w4"):
+        assert "generation 1 failed" in job.workers.log(w)
+    first_new = min(float(e["at"]) for e in job.record.of("step") if e["generation"] == "2")
+    print(f"\nhung peer: first step of the new plan {first_new - stopped:.2f}s after SIGSTOP")
 
 
 def test_adaptive_daemon_chooses(redis_server: RedisServer, tmp_path: Path) -> None:

@@ -276,6 +276,7 @@ class Workers:
         env: dict[str, dict[str, str]] | None = None,
         *,
         max_steps: int = 0,
+        group_timeout: float = 10.0,
     ) -> None:
         for w in ids:
             penv = dict(os.environ)
@@ -293,7 +294,7 @@ class Workers:
                     "--worker-id",
                     w,
                     "--group-timeout",
-                    "10",
+                    str(group_timeout),
                     "--max-steps",
                     str(max_steps),
                     *self.extra_args,
