@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import cast
 
 import pytest
@@ -61,25 +63,80 @@ def test_malformed_spec(redis_server: RedisServer, redis_client: redis.Redis) ->
     assert "workers: expected a non-empty list" in r.stderr
 
 
+def _events(client: redis.Redis, keys: Keys) -> list[dict[str, str]]:
+    entries = cast(list[tuple[str, dict[str, str]]], client.xrange(keys.events))
+    return [f for _, f in entries]
+
+
+def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
 def test_fenced_worker_acks_stopped_and_exits_0(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    spec = tiny_spec("fence")
+    """A one-worker job trains; a plan excluding the worker fences it: ack stopped, exit 0."""
+    spec = tiny_spec("fence", workers=1, stages=1, global_batch=4, micro_batch=2)
     keys = Keys("fence")
     redis_client.set(keys.spec, json.dumps(spec))
     plan = initial_plan(parse_spec(spec), generation=1, mtbf_seconds=3600.0)
-    fenced = plan_to_dict(plan)
-    fenced["excluded"] = ["w5"]
-    redis_client.set(keys.plan, json.dumps(fenced))
-    t0 = time.monotonic()
-    r = worker(redis_server.url, "--job", "fence", "--worker-id", "w5")
-    assert r.returncode == 0, r.stderr
-    entries = cast(list[tuple[str, dict[str, str]]], redis_client.xrange(keys.events))
-    events = [f for _, f in entries]
+    redis_client.set(keys.plan, json.dumps(plan_to_dict(plan)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.main", "--redis-url", redis_server.url, "--job", "fence",
+         "--worker-id", "w0"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait(lambda: any(e["type"] == "step" for e in _events(redis_client, keys)), 90, "a step")
+        fenced = plan_to_dict(plan)
+        fenced["generation"], fenced["excluded"] = 2, ["w0"]
+        redis_client.set(keys.plan, json.dumps(fenced))
+        redis_client.publish(keys.plans_channel, "2")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate()
+    events = _events(redis_client, keys)
     kinds = [e["type"] for e in events]
     assert kinds[0] == "register" and "profile" in kinds
-    assert events[-1] == {"type": "ack", "worker": "w5", "generation": "1", "phase": "stopped"}
+    assert events[-1] == {"type": "ack", "worker": "w0", "generation": "2", "phase": "stopped"}
+    assert "fenced by generation 2" in err
     profile = json.loads(next(e["data"] for e in events if e["type"] == "profile"))
     assert len(profile["layers"]) == spec["model"]["arch"]["blocks"] + 2
     assert all(layer["forward_seconds"] > 0 for layer in profile["layers"])
-    assert time.monotonic() - t0 < 90
+
+
+def test_a_new_process_excluded_by_the_plan_waits_to_rejoin(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A restarted worker finds itself excluded (it was declared failed): it registers and waits
+    to be taken back instead of stopping; SIGTERM ends it with 0."""
+    spec = tiny_spec("back")
+    keys = Keys("back")
+    redis_client.set(keys.spec, json.dumps(spec))
+    plan = plan_to_dict(initial_plan(parse_spec(spec), generation=1, mtbf_seconds=3600.0))
+    plan["excluded"] = ["w5"]
+    redis_client.set(keys.plan, json.dumps(plan))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.main", "--redis-url", redis_server.url, "--job", "back",
+         "--worker-id", "w5"],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _wait(
+            lambda: any(e["type"] == "profile" for e in _events(redis_client, keys)), 90, "profile"
+        )
+        time.sleep(1.5)  # several plan polls
+        assert proc.poll() is None, "an excluded new process must wait, not stop"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert not [e for e in _events(redis_client, keys) if e["type"] == "ack"]

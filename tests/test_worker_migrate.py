@@ -118,3 +118,11 @@ def test_a_layer_without_any_current_copy_is_lost(plans: tuple[Plan, Plan]) -> N
         held[w].pop(0, None)
     with pytest.raises(StateLost, match="layer 0 has no copy at step 4"):
         plan_moves(first, rows_for(world, held, dict.fromkeys(world, 4)), world)
+
+
+def test_a_trained_job_never_restarts_from_the_seed(plans: tuple[Plan, Plan]) -> None:
+    """Nobody in the world holds committed state, but the job has trained: the state is lost."""
+    first, _ = plans
+    rows = rows_for(first.workers, {}, {})
+    with pytest.raises(StateLost, match="holds committed state"):
+        plan_moves(first, rows, first.workers, job_trained=True)

@@ -261,6 +261,40 @@ def test_hung_peer_is_bounded_then_fenced(start_job) -> None:
     print(f"\nhung peer: first step of the new plan {first_new - stopped:.2f}s after SIGSTOP")
 
 
+def test_restarted_worker_rejoins_and_receives_state(start_job) -> None:
+    """A new w3 process starts (warm, waiting), the old one is killed -9 (reroute); an operator's
+    `rejoin` brings w3 back by a dynamic plan: it receives its layers by migration and trains on."""
+    # No step limit: the job must still be training when the new process is ready, however long
+    # its start takes on a loaded machine.
+    job = start_job(["reroute", "dynamic"], max_steps=0)
+    job.controller.wait_steps(2)
+    old = job.workers.procs["w3"]
+    job.workers.start(["w3"])
+    job.controller.wait_for(
+        "the new w3 process to profile",
+        lambda: sum(e["worker"] == "w3" for e in job.record.of("profile")) == 2,
+        120,
+    )
+    os.kill(old.pid, signal.SIGKILL)
+    old.wait()
+    job.controller.wait_for("the rerouted plan to commit steps", lambda: has_committed(job, 2), 60)
+    job.controller.client.xadd(
+        Keys(job.controller.spec.name).events, {"type": "rejoin", "worker": "w3"}
+    )
+    job.controller.wait_for("a plan with w3 back", lambda: len(job.record.plans) >= 3, 60)
+    job.controller.wait_for("steps with w3 back", lambda: has_committed(job, 3), 60)
+    plans = list(job.record.plans)  # stopping the workers below makes more plans: not of interest
+    job.workers.stop()
+    steps = len(job.record.committed())
+    assert [p.policy for p in plans] == ["initial", "reroute", "dynamic"]
+    assert "w3" in plans[2].workers and plans[2].owned_layers("w3")
+    ready = [e for e in job.record.of("ack") if e["worker"] == "w3" and e["generation"] == "3"]
+    assert ready and int(ready[0]["moves"]) > 0
+    assert any(e["worker"] == "w3" for e in job.record.of("step") if e["generation"] == "3")
+    worst = assert_matches_reference(job, steps)
+    print(f"\nrejoin: max rel loss error {worst:.2e}")
+
+
 def test_adaptive_daemon_chooses(redis_server: RedisServer, tmp_path: Path) -> None:
     """The real chameleond (adaptive policy) plans; the selector picks the policy for the fault."""
     from daemon_harness import Daemon

@@ -81,9 +81,9 @@ class Record:
     plans: list[Plan] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def of(self, kind: str) -> list[dict[str, str]]:
+    def of(self, *kinds: str) -> list[dict[str, str]]:
         with self.lock:
-            return [e for e in self.events if e.get("type") == kind]
+            return [e for e in self.events if e.get("type") in kinds]
 
     def committed(self) -> dict[int, float]:
         """step -> loss, from every step event (all workers of a step report the same loss)."""
@@ -202,12 +202,19 @@ class Controller:
             self.spec = self.spec.with_layers([LayerProfile(**d) for d in profile])
         self.publish(initial_plan(self.spec, generation=1, mtbf_seconds=3600.0))
         seen_faults = 0
+        seen_registers = len(self.record.of("register", "rejoin"))
         while not self._stop.is_set():
             time.sleep(0.02)
             faults = self.record.of("fault")
             new = {f["worker"] for f in faults[seen_faults:]} - self.failed
             seen_faults = len(faults)
             new |= self._lapsed() - self.failed
+            # A failed worker is back when a new process registers, or an operator sends `rejoin`.
+            registers = [e for e in self.record.of("register", "rejoin")]
+            back = {r["worker"] for r in registers[seen_registers:]} & self.failed
+            seen_registers = len(registers)
+            if back:
+                self._rejoin(back)
             if not new:
                 continue
             self.failed |= new
@@ -226,6 +233,23 @@ class Controller:
                 self.errors.append(f"no plan: {d.unrecoverable}")
                 return
             self.publish(d.plan)
+
+    def _rejoin(self, back: set[str]) -> None:
+        """A failed worker registered again (a restarted process): plan with it taken back."""
+        from chameleond.core.decide import decide
+
+        assert self.current is not None
+        self.failed -= back
+        policy = self.policies[min(len(self.record.plans) - 1, len(self.policies) - 1)]
+        d = decide(
+            self.spec, self.current, sorted(self.failed), mtbf_seconds=3600.0,
+            generation=self.current.generation + 1, joined=sorted(back), force=policy,
+            cause=f"rejoined: {', '.join(sorted(back))}",
+        )  # fmt: skip
+        if d.plan is None:
+            self.errors.append(f"no plan on rejoin: {d.unrecoverable}")
+            return
+        self.publish(d.plan)
 
     def _lapsed(self) -> set[str]:
         if self.current is None:

@@ -19,7 +19,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 
 import redis
 
@@ -170,24 +170,29 @@ def live_incarnations(client: redis.Redis, job: str) -> set[tuple[str, str]]:
     return out
 
 
-def live_workers(client: redis.Redis, job: str) -> set[str]:
-    """Workers of `job` with at least one open Redis connection (see the module docstring)."""
-    return {w for w, _ in live_incarnations(client, job)}
+def gone(live: set[tuple[str, str]], peers: Mapping[str, str | None]) -> list[str]:
+    """Peers whose process is gone. A peer known by incarnation is gone when that process has no
+    connection (a new process under the same id does not keep it alive); one known by id only is
+    gone when no process of that id has one."""
+    ids = {w for w, _ in live}
+    return sorted(w for w, inc in peers.items() if ((w, inc) not in live if inc else w not in ids))
 
 
 def dead_peers(
-    client: redis.Redis, job: str, peers: Iterable[str], *, settle_seconds: float = 0.3
+    client: redis.Redis,
+    job: str,
+    peers: Mapping[str, str | None],
+    *,
+    settle_seconds: float = 0.3,
 ) -> list[str]:
-    """Peers with no open connection, polled briefly so that Redis has seen a fresh death."""
-    peers = list(peers)
+    """Peers whose process is gone, polled briefly so that Redis has seen a fresh death."""
     deadline = time.monotonic() + settle_seconds
     while True:
         try:
-            alive = live_workers(client, job)
+            dead = gone(live_incarnations(client, job), peers)
         except redis.RedisError as e:  # CLIENT LIST may be denied by an ACL
             log.warning("cannot list connections to find the failed peer: %s", e)
             return []
-        dead = sorted(p for p in peers if p not in alive)
         if dead or time.monotonic() > deadline:
             return dead
         time.sleep(0.02)

@@ -58,6 +58,7 @@ class Generation:
     ops: list[Op]
     incarnation: str = ""
     group_prefix: str = ""  # the generation's store prefix + the members' incarnations
+    members: dict[str, str] = field(default_factory=dict)  # worker -> incarnation, once joined
     world_group: Any = None
     sync_groups: dict[int, Any] = field(default_factory=dict)  # index in plan.sync_groups -> group
 
@@ -67,6 +68,10 @@ class Generation:
 
     def rank_of(self, worker: str) -> int:
         return self.world.index(worker)
+
+    def peers(self) -> dict[str, str | None]:
+        """The other members, by incarnation once the rendezvous completed, else by id."""
+        return {w: self.members.get(w) for w in self.world if w != self.me}
 
     @classmethod
     def for_plan(cls, plan: Plan, me: str, device: DeviceChoice, incarnation: str) -> Generation:
@@ -104,7 +109,7 @@ class Generation:
         """
         if not sync:
             base = Keys(self.plan.job).store(self.plan.generation)
-            self.group_prefix = join_generation(
+            self.group_prefix, self.members = join_generation(
                 client, base, self.me, self.incarnation, self.world,
                 timeout=timeout, give_up=give_up,
             )  # fmt: skip

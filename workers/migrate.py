@@ -67,8 +67,15 @@ def _rows(gen: Generation, state: WorkerState) -> torch.Tensor:
     return rows
 
 
-def plan_moves(plan: Plan, rows: torch.Tensor, world: tuple[str, ...]) -> Reconciled:
-    """Pure: from the gathered rows, the committed step and the moves every worker agrees on."""
+def plan_moves(
+    plan: Plan, rows: torch.Tensor, world: tuple[str, ...], *, job_trained: bool = False
+) -> Reconciled:
+    """Pure: from the gathered rows, the committed step and the moves every worker agrees on.
+
+    `job_trained`: some step of the job has committed before (workers.runtime keeps the mark in
+    Redis). Then a world in which nobody holds any committed state has lost it, and starting again
+    from the seed would silently throw the training away: that is StateLost, not a fresh start.
+    """
     committed = int(rows[:, 0, 0].max().item())
     n = rows.shape[2] - 2
     current: dict[str, set[int]] = {}
@@ -89,14 +96,18 @@ def plan_moves(plan: Plan, rows: torch.Tensor, world: tuple[str, ...]) -> Reconc
         for layer in plan.owned_layers(w):
             if layer in current[w]:
                 continue
-            if committed < 0:
+            if committed < 0 and not job_trained:
                 moves.append(Move(None, w, layer, 0))
                 continue
             t = planned.get((w, layer))
             if t is not None and t.src in current and layer in current[t.src]:
                 moves.append(Move(t.src, w, layer, t.round))
                 continue
-            holders = [h for h in world if layer in current[h]]
+            holders = [h for h in world if layer in current[h]] if committed >= 0 else []
+            if not holders and committed < 0:
+                raise StateLost(
+                    f"the job has trained, but none of {', '.join(world)} holds committed state"
+                )
             if not holders:
                 raise StateLost(
                     f"layer {layer} has no copy at step {committed} among {', '.join(world)}"
@@ -109,13 +120,14 @@ def reconcile(
     gen: Generation,
     state: WorkerState,
     *,
+    job_trained: bool = False,
     on_round: Callable[[int], None] | None = None,
 ) -> Reconciled:
     """Run steps 1 and 2 of the module docstring over the world group."""
     rows = _rows(gen, state)
     gen.world_group.allreduce([rows]).wait()
     plan = gen.plan
-    result = plan_moves(plan, rows, gen.world)
+    result = plan_moves(plan, rows, gen.world, job_trained=job_trained)
     applied: int | None = None
     if state.pending_step is not None:
         if state.pending_step == result.committed_step:

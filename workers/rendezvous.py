@@ -47,6 +47,11 @@ class GenerationAbandoned(RuntimeError):
     """The generation will not be built (the message says why)."""
 
 
+class BuiltWithoutMe(GenerationAbandoned):
+    """The generation was built by an earlier process of this worker: this one waits for a plan
+    made after it registered."""
+
+
 def _text(v: object) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -60,8 +65,9 @@ def join_generation(
     *,
     timeout: timedelta,
     give_up: Callable[[], str | None],
-) -> str:
-    """Join; return the group prefix once complete. `give_up()` returns a reason to abandon."""
+) -> tuple[str, dict[str, str]]:
+    """Join; once complete, return the group prefix and each member's incarnation.
+    `give_up()` returns a reason to abandon, or None."""
     state_key, members_key = f"{base}state", f"{base}members"
     state = _text(
         client.eval(
@@ -86,6 +92,6 @@ def join_generation(
         raise GenerationAbandoned(f"generation abandoned: {reason or 'by another member'}")
     joined = {_text(k): _text(v) for k, v in client.hgetall(members_key).items()}
     if joined.get(me) != incarnation:
-        raise GenerationAbandoned("the generation was built by an earlier process of this worker")
+        raise BuiltWithoutMe("the generation was built by an earlier process of this worker")
     digest = hashlib.sha1("|".join(joined[w] for w in members).encode()).hexdigest()[:12]
-    return f"{base}{digest}/"
+    return f"{base}{digest}/", {w: joined[w] for w in members}

@@ -34,12 +34,19 @@ from chameleond.protocol import Keys
 from workers import checkpoint
 from workers.backend import DeviceChoice, device_memory_bytes
 from workers.data import Corpus
-from workers.events import Heartbeat, PlanWatcher, Reporter, dead_peers, live_workers
+from workers.events import (
+    Heartbeat,
+    PlanWatcher,
+    Reporter,
+    dead_peers,
+    gone,
+    live_incarnations,
+)
 from workers.generation import Generation
 from workers.migrate import StateLost, reconcile
 from workers.model import Arch
 from workers.profile import profile_model
-from workers.rendezvous import GenerationAbandoned
+from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned
 from workers.state import WorkerState
 from workers.step import StepRunner
 from workers.store import StoreAborted
@@ -84,6 +91,11 @@ class WorkerRuntime:
         self.stopping = False
         self._last_liveness_check = 0.0
         self._failed_at = 0.0
+        self._took_part = False  # some generation's rendezvous completed with this process
+        self._peers: dict[str, str | None] = {}  # the current generation's members (incarnations)
+        # Set at this process's first commit: the job has trained (see migrate.plan_moves).
+        self.trained_key = self.keys.prefix + "workers:trained"
+        self._marked_trained = False
 
     # start-up -----------------------------------------------------------------------------------
 
@@ -147,20 +159,21 @@ class WorkerRuntime:
     def follow_plans(self, state: WorkerState, corpus: Corpus) -> int:
         me = self.cfg.worker_id
         seen = 0
-        member = False
         while not self.stopping:
             plan = self.watcher.wait_newer(seen, timeout=0.5)
             if plan is None:
                 continue
             seen = plan.generation
-            if me in plan.excluded or (member and me not in plan.workers):
+            # Fencing applies to a process that took part in an earlier generation. A new process
+            # (a restart) finding itself excluded is a rejoin: its registration asks the daemon
+            # to take it back, so it waits for a plan that includes it.
+            if self._took_part and (me in plan.excluded or me not in plan.workers):
                 self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
                 log.info("fenced by generation %d: stopping", plan.generation)
                 return 0
             if me not in plan.workers:
                 log.info("generation %d does not include %s: waiting", plan.generation, me)
                 continue
-            member = True
             try:
                 self.run_generation(plan, state, corpus)
             except Finished:
@@ -168,7 +181,10 @@ class WorkerRuntime:
                 log.info("step %d committed: finished", state.committed_step)
                 return 0
             except GenerationAbandoned as e:
-                if self.watcher.newest_generation > plan.generation:
+                if (
+                    isinstance(e, BuiltWithoutMe)
+                    or self.watcher.newest_generation > plan.generation
+                ):
                     log.info("generation %d: %s", plan.generation, e)
                 else:
                     self.on_fault(plan, state, e)
@@ -183,7 +199,7 @@ class WorkerRuntime:
         self._failed_at = 0.0
         if state.pending_step is None:
             state.discard_step()
-        peers = [w for w in plan.workers if w != self.cfg.worker_id]
+        peers = self._peers or {w: None for w in plan.workers if w != self.cfg.worker_id}
         t_close = time.time()
         dead = dead_peers(self.redis, self.cfg.job, peers)
         log.info(
@@ -198,32 +214,31 @@ class WorkerRuntime:
         if not dead:
             log.warning("no dead peer found; waiting for the next plan")
 
-    def _gone(self, peers: tuple[str, ...]) -> list[str]:
-        """Peers without a live process, checked at most every 0.1 s (one CLIENT LIST)."""
+    def _gone(self, gen: Generation) -> list[str]:
+        """Members without a live process, checked at most every 0.1 s (one CLIENT LIST)."""
         now = time.monotonic()
         if now - self._last_liveness_check < 0.1:
             return []
         self._last_liveness_check = now
-        alive = live_workers(self.redis, self.cfg.job)
-        return [w for w in peers if w not in alive]
+        return gone(live_incarnations(self.redis, self.cfg.job), gen.peers())
 
     def run_generation(self, plan: Plan, state: WorkerState, corpus: Corpus) -> None:
         cfg, me = self.cfg, self.cfg.worker_id
         t0 = time.perf_counter()
         gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation)
-        peers = tuple(w for w in gen.world if w != me)
+        self._peers = {}
 
         def abort() -> None:
-            gone = self._gone(peers)
-            if gone:
-                raise StoreAborted(f"peer(s) {', '.join(gone)} gone during rendezvous")
+            gone_now = self._gone(gen)
+            if gone_now:
+                raise StoreAborted(f"peer(s) {', '.join(gone_now)} gone during rendezvous")
 
         def give_up() -> str | None:
             newest = self.watcher.newest_generation
             if newest > plan.generation:
                 return f"superseded by generation {newest}"
-            gone = self._gone(peers)
-            return f"peer(s) {', '.join(gone)} gone" if gone else None
+            gone_now = self._gone(gen)
+            return f"peer(s) {', '.join(gone_now)} gone" if gone_now else None
 
         try:
             gen.connect(
@@ -234,8 +249,14 @@ class WorkerRuntime:
                 give_up=give_up,
                 sync=False,
             )
+            self._took_part = True
             t_world = time.perf_counter()
-            rec = reconcile(gen, state, on_round=self._kill_hook_migration(plan.generation))
+            rec = reconcile(
+                gen,
+                state,
+                job_trained=bool(self.redis.exists(self.trained_key)),
+                on_round=self._kill_hook_migration(plan.generation),
+            )
             if rec.applied_pending is not None:
                 # No step event: the step's loss is known only to the workers whose vote
                 # completed, and they reported it.
@@ -275,6 +296,7 @@ class WorkerRuntime:
             self._train(gen, state, corpus, rec.committed_step + 1)
         except (RuntimeError, ValueError):
             self._failed_at = time.time()  # before the groups are torn down
+            self._peers = gen.peers()
             raise
         finally:
             gen.close()
@@ -302,6 +324,9 @@ class WorkerRuntime:
                     log.info("dropped layers %s: their new owners committed a step", dropped)
                 first = False
             self._report_step(plan, step, loss, seconds)
+            if not self._marked_trained:
+                self.redis.set(self.trained_key, "1")
+                self._marked_trained = True
             every, directory = self.cfg.checkpoint_every, self.cfg.checkpoint_dir
             if every and directory is not None and (step + 1) % every == 0:
                 checkpoint.save(directory, gen.me, state, owned)
