@@ -1,7 +1,7 @@
-"""The worker's life: wait for the spec, register, profile, then follow the plans generation by
+"""The worker's life: wait for the spec, profile, register, then follow the plans generation by
 generation.
 
-    spec -> register -> profile -> (heartbeat, plan watch) -> for each plan including this worker:
+    spec -> profile -> register -> (heartbeat, plan watch) -> for each plan including this worker:
       world group -> reconcile + migrate -> sync groups -> ack ready -> steps until a newer plan
     a fault in a generation -> discard the step, report the dead peer, wait for a newer plan
     fenced (excluded, or dropped from the plans) -> ack stopped, exit 0
@@ -135,12 +135,15 @@ class WorkerRuntime:
         arch = Arch.from_mapping(spec.arch)
         corpus = Corpus()
         device = self.cfg.device.torch_device
-        self.register(spec, corpus)
-        self.heartbeat.start()
+        # Profile first, then register: a registered worker is ready to train, so the daemon's
+        # initial plan (published once every worker registered) never waits in a rendezvous on a
+        # worker that is still measuring.
         t0 = time.perf_counter()
         data = profile_model(arch, spec.training.micro_batch, device)
-        self.reporter.send("profile", {"data": json.dumps(data)})
         log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
+        self.register(spec, corpus)
+        self.reporter.send("profile", {"data": json.dumps(data)})
+        self.heartbeat.start()
         self.watcher.start()
         state = WorkerState(arch, device)
         if self.cfg.checkpoint_dir is not None:
