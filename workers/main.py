@@ -46,7 +46,7 @@ class _Stop(BaseException):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chameleon-worker",
-        description="Train one slot of a chameleond job: register, profile, follow the plans.",
+        description="Train one slot of a chameleond job: profile, register, follow the plans.",
     )
     p.add_argument(
         "--redis-url", required=True, help="Redis holding the job (redis:// or rediss://)"
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         type=Path,
         default=None,
-        help="directory of this worker's checkpoint ({worker}.pt), loaded at start if present",
+        help="checkpoint directory shared by the job's workers ({worker}-{step}.pt), read at start",
     )
     p.add_argument(
         "--checkpoint-every",
