@@ -5,7 +5,8 @@ deadline still means something after a restart). The daemon feeds it events; it 
 `Transition`s to record and `DecisionRequest`s to hand to the planner. Phases:
 
     waiting -> transitioning -> training -> fault_detected -> planning -> transitioning -> training
-                                                                       -> unrecoverable
+       |                                                               -> unrecoverable
+       +-> unrecoverable (the initial layout does not fit)
 
 Faults that arrive while a decision is under way are folded: they wait in `pending_faults` and
 the running decision, if its plan still uses one of those workers, is superseded instead of
@@ -85,6 +86,7 @@ class PolicyMachine:
     failed: set[str] = field(default_factory=set)  # committed: excluded from the current plan
     plan_workers: tuple[str, ...] = ()
     awaiting_ready: set[str] = field(default_factory=set)
+    awaiting_step: set[str] = field(default_factory=set)  # no step committed in this generation
     ready_deadline: float = 0.0
     pending_faults: dict[str, str] = field(default_factory=dict)
     pending_joins: set[str] = field(default_factory=set)
@@ -100,6 +102,13 @@ class PolicyMachine:
         t = Transition(self.phase, target, self.generation, cause, now)
         self.phase = target
         return [t]
+
+    def _adopt(self, workers: Iterable[str], now: float) -> None:
+        """A new plan is published: its workers owe an acknowledgement and a first step."""
+        self.plan_workers = tuple(sorted(workers))
+        self.awaiting_ready = set(self.plan_workers)
+        self.awaiting_step = set(self.plan_workers)
+        self.ready_deadline = now + self.ready_timeout_seconds
 
     # ---- inputs ------------------------------------------------------------------------------
 
@@ -138,10 +147,12 @@ class PolicyMachine:
     def initial(self, generation: int, workers: Iterable[str], now: float) -> list[Transition]:
         """Generation `generation` (the spec's layout) is published."""
         self.generation = generation
-        self.plan_workers = tuple(sorted(workers))
-        self.awaiting_ready = set(self.plan_workers)
-        self.ready_deadline = now + self.ready_timeout_seconds
+        self._adopt(workers, now)
         return self._move(Phase.TRANSITIONING, "initial plan", now)
+
+    def unrecoverable(self, cause: str, now: float) -> list[Transition]:
+        """No plan can run at all (the initial layout does not fit): the job waits for a person."""
+        return self._move(Phase.UNRECOVERABLE, cause, now)
 
     def switch(
         self, generation: int, workers: Iterable[str], now: float, cause: str
@@ -153,15 +164,14 @@ class PolicyMachine:
         if generation <= self.generation:
             raise ValueError(f"generation {generation} does not follow {self.generation}")
         self.generation = generation
-        self.plan_workers = tuple(sorted(workers))
+        self._adopt(workers, now)
         self.failed -= set(self.plan_workers)
-        self.awaiting_ready = set(self.plan_workers)
-        self.ready_deadline = now + self.ready_timeout_seconds
         return self._move(Phase.TRANSITIONING, cause, now)
 
     def next_request(self, now: float) -> tuple[DecisionRequest | None, list[Transition]]:
-        """Start a decision when one is due and none is running."""
-        if self.in_flight is not None or self.phase is Phase.WAITING:
+        """Start a decision when one is due and none is running (and there is a plan to start
+        from: a job whose initial plan failed has none)."""
+        if self.in_flight is not None or self.phase is Phase.WAITING or self.generation == 0:
             return None, []
         faults = dict(self.pending_faults)
         # Joins wait until the job trains again: taking a worker back mid-transition helps nobody.
@@ -207,10 +217,8 @@ class PolicyMachine:
         if result.generation <= self.generation:
             raise ValueError(f"generation {result.generation} does not follow {self.generation}")
         self.generation = result.generation
-        self.plan_workers = tuple(sorted(result.workers))
+        self._adopt(result.workers, now)
         self.failed -= set(self.plan_workers)
-        self.awaiting_ready = set(self.plan_workers)
-        self.ready_deadline = now + self.ready_timeout_seconds
         if request.faults:
             self.recovery = _RecoveryWatch(
                 result.generation, result.policy, request.first_event_at, set(self.plan_workers)
@@ -235,6 +243,8 @@ class PolicyMachine:
         transitions: list[Transition] = []
         if worker in self.awaiting_ready:
             transitions = self.ready(worker, generation, now)[1]
+        if generation == self.generation:
+            self.awaiting_step.discard(worker)
         watch = self.recovery
         if watch is None or generation != watch.generation:
             return None, transitions
@@ -253,6 +263,17 @@ class PolicyMachine:
     def busy(self) -> bool:
         return self.in_flight is not None
 
+    def running(self) -> bool:
+        """Every worker of the current plan acknowledged it and committed a step, and nothing
+        waits for a decision: the plan demonstrably trains."""
+        return (
+            self.phase is Phase.TRAINING
+            and not self.awaiting_step
+            and self.in_flight is None
+            and not self.pending_faults
+            and not self.pending_joins
+        )
+
     # ---- persistence -------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
@@ -268,6 +289,7 @@ class PolicyMachine:
             "failed": sorted(self.failed),
             "plan_workers": list(self.plan_workers),
             "awaiting_ready": sorted(self.awaiting_ready),
+            "awaiting_step": sorted(self.awaiting_step),
             "ready_deadline": self.ready_deadline,
             "recovery": None
             if rec is None
@@ -289,6 +311,7 @@ class PolicyMachine:
             failed=set(d["failed"]),
             plan_workers=tuple(d["plan_workers"]),
             awaiting_ready=set(d["awaiting_ready"]),
+            awaiting_step=set(d.get("awaiting_step", ())),
             ready_deadline=float(d["ready_deadline"]),
             recovery=None
             if not rec

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from chameleond.core import selector
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recovery, Transition
-from chameleond.core.plan import Plan
+from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
 from chameleond.daemon.jobspec import measured_layers, profile_from_json, profile_to_json
 
@@ -71,6 +72,29 @@ class StepMeter:
         self.finished = True
 
 
+@dataclass(frozen=True)
+class FollowUp:
+    """The dynamic plan prepared beside a reroute (`Decision.follow_up`), published as the next
+    generation once the reroute plan of `after_generation` runs. Persisted in the snapshot: the
+    commit that publishes the reroute stores it and the commit that publishes the switch (or any
+    other plan) drops it, so a restart neither loses nor repeats the switch."""
+
+    after_generation: int
+    plan: Plan
+    after_seconds: float  # the switch pays when more than this remains of the window D
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "after_generation": self.after_generation,
+            "after_seconds": self.after_seconds,
+            "plan": plan_to_dict(self.plan),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> FollowUp:
+        return cls(int(d["after_generation"]), plan_from_dict(d["plan"]), float(d["after_seconds"]))
+
+
 class Job:
     def __init__(self, name: str, spec: JobSpec, *, policy: str, machine: PolicyMachine) -> None:
         self.name = name
@@ -83,11 +107,13 @@ class Job:
         self.started = 0.0  # when the initial plan was made: start of the MTBF exposure window
         self.fault_times: list[float] = []
         self.last_decision: dict[str, Any] | None = None
+        self.follow_up: FollowUp | None = None
         self.owed: dict[str, list[str]] = {}  # worker -> entry ids acked when its decision commits
         self.records: list[dict[str, str]] = []  # transitions awaiting a durable write
         self.dirty = False  # snapshot changed since the last commit
         self.meter = StepMeter()
         self.recoveries: list[Recovery] = []  # completed recoveries, drained into the metrics
+        self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
 
     # ---- the spec the planner sees -----------------------------------------------------------
@@ -112,6 +138,7 @@ class Job:
 
     def spec_changed(self) -> None:
         self._spec_cache = None
+        self.spec_version += 1
         self.dirty = True
 
     def knows(self, worker: str) -> bool:
@@ -165,6 +192,25 @@ class Job:
     def force(self) -> str | None:
         return None if self.policy == "adaptive" else self.policy
 
+    def mtbf(self, now: float) -> float:
+        """D: the expected time to the next fault, from this job's faults since its initial plan."""
+        started = self.started or now
+        return selector.estimate_mtbf(
+            self.fault_times, max(now, started), started, self.spec.mtbf_prior_seconds
+        )
+
+    def switch_due(self) -> FollowUp | None:
+        """The prepared follow-up, once the reroute plan it follows demonstrably trains. A plan of
+        another generation (a later fault) makes it stale: it is dropped."""
+        fu = self.follow_up
+        if fu is None:
+            return None
+        if fu.after_generation != self.machine.generation:
+            self.follow_up = None
+            self.dirty = True
+            return None
+        return fu if self.machine.running() else None
+
     def acks_for(self, request: DecisionRequest | None) -> list[str]:
         """Entry ids a committed decision answers (its faults and joins, with their duplicates)."""
         workers = set(request.faults) | set(request.joined) if request else set()
@@ -185,6 +231,7 @@ class Job:
             "started": self.started,
             "fault_times": self.fault_times[-1000:],
             "last_decision": self.last_decision,
+            "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
             "extra_workers": [
                 {"id": w.id, "host": w.host, "memory_bytes": w.memory_bytes, "device": w.device}
                 for w in self.extra_workers.values()
@@ -208,6 +255,8 @@ class Job:
         self.started = float(snap.get("started", 0.0))
         self.fault_times = [float(t) for t in snap.get("fault_times", [])]
         self.last_decision = snap.get("last_decision")
+        fu = snap.get("follow_up")
+        self.follow_up = FollowUp.from_json(fu) if fu else None
         for w in snap.get("extra_workers", []):
             self.extra_workers[w["id"]] = WorkerSpec(
                 str(w["id"]), str(w["host"]), int(w["memory_bytes"]), str(w["device"])
@@ -260,8 +309,13 @@ class Job:
         """Returns False for a stale or repeated step report."""
         expected = len(self.machine.plan_workers) or 1
         fresh = self.meter.report(generation, step, samples, seconds, loss, expected)
+        # A worker's first step of the generation is durable state (it gates the follow-up switch);
+        # later steps are soft state, persisted with the progress.
+        first = worker in self.machine.awaiting_step and generation == self.machine.generation
         recovery, transitions = self.machine.step(worker, generation, now)
         self.record(transitions)
+        if first:
+            self.dirty = True
         if recovery is not None:
             self.recoveries.append(recovery)
         return fresh

@@ -1,0 +1,155 @@
+"""What goes into each durable commit of the job, and retrying it until Redis takes it.
+
+Every commit is one atomic script (daemon/broadcast.py). A batch commit carries the job's
+snapshot when it changed, the buffered transition records, dead letters, the XACK of the batch's
+entries and, every `persist_interval_seconds`, the progress. A decision commit adds its decision
+record and the entries it answers, and a plan commit adds the plan, the generation and the
+PUBLISH. `lock` orders them: the decision flow holds it from the moment it moves the machine's
+generation until the plan is committed, so no snapshot ever gets ahead of the published plan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from chameleond.core.plan import Plan, plan_to_dict
+from chameleond.daemon.broadcast import Broadcaster, Commit
+from chameleond.daemon.job import Job
+from chameleond.daemon.jobspec import spec_document
+from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.views import progress
+from chameleond.protocol import Keys
+
+log = logging.getLogger("chameleond")
+decisions_log = logging.getLogger("chameleond.decisions")
+
+Record = Mapping[str, Any]
+
+
+class Committer:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        job: Job,
+        metrics: Metrics,
+        *,
+        persist_interval_seconds: float,
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.job = job
+        self.metrics = metrics
+        self.persist_interval_seconds = persist_interval_seconds
+        self.broadcaster = Broadcaster(client, keys)
+        self.lock = asyncio.Lock()
+        self.spec_written = job.spec_version  # the version stored under chameleon:{job}:spec
+        self._last_progress = 0.0
+
+    async def batch(
+        self, acks: Sequence[str], dead: list[list[str | bytes]], *, force_progress: bool = False
+    ) -> None:
+        """The job's changes since the last commit, with this batch's dead letters and acks."""
+        job = self.job
+        now = time.time()
+        progress_doc = None
+        if force_progress or now - self._last_progress >= self.persist_interval_seconds:
+            progress_doc = progress(job)
+            self._last_progress = now
+        async with self.lock:
+            await self._job_commit(acks, dead=dead, progress=progress_doc)
+        if job.spec_version != self.spec_written:
+            version = job.spec_version
+            await self.client.set(self.keys.spec, json.dumps(spec_document(job.spec)))
+            self.spec_written = version
+        for r in _drain(job.recoveries):
+            self.metrics.recovery_seconds.labels(r.policy).observe(r.seconds)
+            decisions_log.info("recovered generation=%d policy=%s seconds=%.3f",
+                               r.generation, r.policy, r.seconds)  # fmt: skip
+
+    async def record(self, records: Sequence[Record], acks: Sequence[str]) -> None:
+        """A decision without a new plan: snapshot, records and the entries it answers. The caller
+        holds `lock`."""
+        assert self.lock.locked()
+        await self._job_commit(acks, records=records)
+
+    async def publish(self, plan: Plan, record: Record, acks: Sequence[str]) -> Plan:
+        """SET the plan, bump the generation, snapshot, record, acknowledge and PUBLISH at once.
+        Returns the plan as published (every failed worker fenced through `excluded`). The caller
+        holds `lock`."""
+        assert self.lock.locked()
+        job = self.job
+        published = job.adopt(plan, job.machine.failed)
+        c = Commit(
+            expected_generation=job.plan.generation if job.plan is not None else 0,
+            generation=published.generation,
+            plan_json=json.dumps(plan_to_dict(published), separators=(",", ":")),
+            snapshot=job.snapshot(),
+            records=[*_drain(job.records), record],
+            acks=acks,
+        )
+        await self._retry(c)
+        job.plan = published
+        job.dirty = False
+        return published
+
+    async def _job_commit(
+        self,
+        acks: Sequence[str],
+        *,
+        dead: list[list[str | bytes]] | None = None,
+        records: Sequence[Record] = (),
+        progress: dict[str, Any] | None = None,
+    ) -> None:
+        job = self.job
+        c = Commit(
+            expected_generation=job.machine.generation,
+            generation=job.machine.generation,
+            snapshot=job.snapshot() if job.dirty else None,
+            progress=progress,
+            records=[*_drain(job.records), *records],
+            dead_letters=dead or [],
+            acks=acks,
+        )
+        if c.empty():
+            return
+        await self._retry(c)
+        job.dirty = False
+
+    async def _retry(self, c: Commit) -> None:
+        """Retry until Redis takes it: what is in memory is ahead of Redis until then. A
+        generation conflict (a second daemon on the job) is not retried."""
+        delay, retried = 0.1, False
+        while True:
+            try:
+                await self.broadcaster.commit(c)
+                return
+            except (RedisError, OSError) as e:
+                if "generation conflict" in str(e):
+                    if retried and await self._landed(c):
+                        return  # the connection broke after Redis ran it: the reply was lost
+                    raise
+                log.warning("commit failed (%s); retrying in %.1f s", e, delay)
+                await asyncio.sleep(delay)
+                delay, retried = min(delay * 2, 5.0), True
+
+    async def _landed(self, c: Commit) -> bool:
+        if not c.plan_json:
+            return False
+        stored = await self.client.hget(self.keys.state, "generation")
+        plan = await self.client.get(self.keys.plan)
+        return stored is not None and int(stored) == c.generation and plan == c.plan_json.encode()
+
+
+def _drain(items: list[Any]) -> list[Any]:
+    out = list(items)
+    items.clear()
+    return out

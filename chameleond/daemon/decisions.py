@@ -1,0 +1,278 @@
+"""The decision flow: state machine -> planner -> plan -> one atomic commit.
+
+`Decisions.maybe_decide()` is called after every batch of events and every housekeeping tick; it
+starts at most one task at a time: the initial plan (every worker registered), a decision (the
+machine has faults or joins to answer), or the switch to a prepared follow-up (the reroute plan
+it follows trains). The planner runs in a thread; everything that moves the machine's generation
+happens under the commit lock together with the commit that publishes it, so no other commit
+ever sees a generation Redis does not hold yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+from chameleond.core.decide import Decision, DecisionError, decide, decision_to_dict, initial_plan
+from chameleond.core.machine import DecisionRequest, DecisionResult
+from chameleond.core.plan import Plan
+from chameleond.daemon.commits import Committer
+from chameleond.daemon.config import Config
+from chameleond.daemon.job import FollowUp, Job
+from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.views import refresh_gauges
+
+log = logging.getLogger("chameleond")
+decisions_log = logging.getLogger("chameleond.decisions")
+
+
+class Decisions:
+    def __init__(self, job: Job, cfg: Config, committer: Committer, metrics: Metrics) -> None:
+        self.job = job
+        self.cfg = cfg
+        self.committer = committer
+        self.metrics = metrics
+        self.task: asyncio.Task[None] | None = None
+        self.closed = False  # draining: no new decision starts
+
+    def maybe_decide(self) -> None:
+        """Start the decision that is due, unless one is running. Raises if the last one failed
+        (a bug or a second daemon on the job): the service then stops."""
+        task = self.task
+        if self.closed or (task is not None and not task.done()):
+            return
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            raise RuntimeError("a decision failed") from task.exception()
+        job = self.job
+        if job.initial_due(self.cfg.min_workers):
+            self.task = asyncio.create_task(self._initial(), name="initial")
+            return
+        request, transitions = job.machine.next_request(time.time())
+        job.record(transitions)
+        if request is not None:
+            self.task = asyncio.create_task(self._decide(request), name="decide")
+            return
+        follow_up = job.switch_due()
+        if follow_up is not None:
+            self.task = asyncio.create_task(self._switch(follow_up), name="switch")
+
+    async def drain(self, timeout: float) -> None:
+        """Let a running decision commit (bounded), and start no other."""
+        self.closed = True
+        if self.task is not None and not self.task.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.task), timeout=timeout)
+            except (TimeoutError, asyncio.CancelledError):
+                log.warning("a decision did not commit within %.0f s: dropped", timeout)
+                self.task.cancel()
+
+    def _soon(self) -> None:
+        # Runs once the current task has ended, so maybe_decide sees it done.
+        asyncio.get_running_loop().call_soon(self.maybe_decide)
+
+    # ---- the initial plan ----------------------------------------------------------------------
+
+    async def _initial(self) -> None:
+        job, now = self.job, time.time()
+        spec, generation, mtbf = job.spec, job.machine.generation + 1, job.mtbf(now)
+        loop = asyncio.get_running_loop()
+        try:
+            plan = await loop.run_in_executor(
+                None, lambda: initial_plan(spec, generation, mtbf_seconds=mtbf)
+            )
+        except DecisionError as e:
+            await self._no_initial_plan(str(e))
+            return
+        async with self.committer.lock:
+            now = time.time()
+            job.started = now
+            job.follow_up = None
+            job.record(job.machine.initial(generation, plan.workers, now))
+            for w in spec.workers:
+                if w.id in plan.workers and not job.workers[w.id].registered:
+                    job.machine.fault(w.id, "not registered when the initial plan was made", now)
+                elif w.id not in plan.workers and job.workers[w.id].registered:
+                    job.machine.join(w.id, now)
+            record = _record(generation, "initial", "initial plan", now)
+            published = await self.committer.publish(plan, record, [])
+        self._published(published, "initial plan", None)
+
+    async def _no_initial_plan(self, error: str) -> None:
+        """The spec's layout does not fit: a recorded transition to unrecoverable, no plan."""
+        job = self.job
+        reason = f"no initial plan: {error}"
+        log.error("%s", reason)
+        async with self.committer.lock:
+            now = time.time()
+            job.record(job.machine.unrecoverable(reason, now))
+            job.last_decision = {"cause": "initial plan", "at": now, "unrecoverable": reason,
+                                 "selected": None, "candidates": []}  # fmt: skip
+            job.dirty = True
+            record = _record(0, "", "initial plan", now, unrecoverable=reason)
+            await self.committer.record([record], [])
+
+    # ---- a decision ----------------------------------------------------------------------------
+
+    async def _decide(self, request: DecisionRequest) -> None:
+        job = self.job
+        spec, current, force = job.spec, job.plan, job.force()
+        assert current is not None  # next_request asks only once a plan exists
+        mtbf = job.mtbf(time.time())
+        loop = asyncio.get_running_loop()
+        decision: Decision | None = None
+        error = None
+        try:
+            decision = await loop.run_in_executor(
+                None,
+                lambda: decide(
+                    spec, current, request.failed, mtbf_seconds=mtbf,
+                    generation=request.generation, joined=request.joined,
+                    force=force, cause=request.cause,
+                ),
+            )  # fmt: skip
+        except DecisionError as e:
+            error = f"decision failed: {e}"
+        if self.cfg.decision_delay_seconds:
+            await asyncio.sleep(self.cfg.decision_delay_seconds)
+        published: Plan | None = None
+        async with self.committer.lock:
+            now = time.time()
+            plan = decision.plan if decision is not None else None
+            if plan is not None and not request.faults and _same_layout(plan, current):
+                plan = None  # a join the planner does not take: keep the current plan
+            result = DecisionResult(
+                generation=plan.generation if plan is not None else None,
+                policy=decision.selected if plan is not None and decision is not None else None,
+                workers=plan.workers if plan is not None else (),
+                unrecoverable=error or (decision.unrecoverable if decision is not None else None),
+            )
+            commit, transitions = job.machine.decided(request, result, now)
+            job.record(transitions)
+            if not commit:
+                decisions_log.info("superseded generation=%d cause=%s", request.generation,
+                                   request.cause)  # fmt: skip
+            else:
+                record = self._record(request, decision, plan, result, error, mtbf, now)
+                acks = job.acks_for(request)
+                if plan is None:
+                    if result.unrecoverable is not None:
+                        job.follow_up = None
+                    job.dirty = True
+                    await self.committer.record([record], acks)
+                    decisions_log.warning("no new plan cause=%s reason=%s", request.cause,
+                                          result.unrecoverable or "current plan kept")  # fmt: skip
+                else:
+                    job.follow_up = _follow_up(decision, plan, force)
+                    published = await self.committer.publish(plan, record, acks)
+        if published is not None:
+            seconds = time.time() - request.first_event_at if request.faults else None
+            self._published(published, request.cause, seconds)
+        self._soon()
+
+    def _record(
+        self,
+        request: DecisionRequest,
+        decision: Decision | None,
+        plan: Plan | None,
+        result: DecisionResult,
+        error: str | None,
+        mtbf: float,
+        now: float,
+    ) -> dict[str, str]:
+        """The decision record (both candidates, D) and the status's last decision."""
+        job = self.job
+        summary: dict[str, Any] = decision_to_dict(decision) if decision is not None else {}
+        summary.update(
+            cause=request.cause, at=now, failed=sorted(request.failed),
+            joined=sorted(request.joined), error=error,
+            decision_seconds=now - request.first_event_at,
+        )  # fmt: skip
+        job.last_decision = summary
+        record = {
+            "kind": "decision",
+            "generation": str(request.generation if plan is not None else job.machine.generation),
+            "selected": (decision.selected or "") if plan is not None and decision else "",
+            "cause": request.cause,
+            "unrecoverable": result.unrecoverable or "",
+            "mtbf_seconds": f"{mtbf:.3f}",
+            "failed": json.dumps(sorted(request.failed)),
+            "joined": json.dumps(sorted(request.joined)),
+            "candidates": json.dumps(summary.get("candidates", [])),
+            "search_seconds": f"{summary.get('search_seconds', 0.0):.6f}",
+            "decision_seconds": f"{now - request.first_event_at:.6f}",
+            "at": f"{now:.6f}",
+        }
+        if decision is not None and decision.note:
+            record["note"] = decision.note
+        return record
+
+    # ---- reroute first, switch later -----------------------------------------------------------
+
+    async def _switch(self, follow_up: FollowUp) -> None:
+        """Publish the prepared plan once the reroute plan trains, if the switch still pays: under
+        the Poisson model the expected remaining window is D itself, re-estimated now."""
+        job, m = self.job, self.job.machine
+        async with self.committer.lock:
+            if job.switch_due() is not follow_up:
+                return  # a fault arrived meanwhile: a decision answers it instead
+            now = time.time()
+            mtbf = job.mtbf(now)
+            job.follow_up = None
+            job.dirty = True
+            if mtbf <= follow_up.after_seconds:
+                cause = (
+                    f"switch to the prepared {follow_up.plan.policy} plan dropped: "
+                    f"D {mtbf:.0f} s no longer exceeds {follow_up.after_seconds:.0f} s"
+                )
+                record = _record(m.generation, "", cause, now, mtbf_seconds=f"{mtbf:.3f}")
+                await self.committer.record([record], [])
+                decisions_log.info("%s", cause)
+                return
+            generation = m.generation + 1
+            why = f"switch pays after {follow_up.after_seconds:.1f} s (D {mtbf:.0f} s)"
+            plan = replace(follow_up.plan, generation=generation,
+                           cause=f"switch to the prepared plan: {why}")  # fmt: skip
+            job.record(m.switch(generation, plan.workers, now, plan.cause))
+            record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{mtbf:.3f}")
+            published = await self.committer.publish(plan, record, [])
+        self._published(published, published.cause, None)
+
+    # ---- after a publication -------------------------------------------------------------------
+
+    def _published(self, plan: Plan, cause: str, decision_seconds: float | None) -> None:
+        job, now = self.job, time.time()
+        for w in plan.workers:  # the heartbeat clock of a worker new to the plan starts now
+            rec = job.worker(w)
+            rec.last_heartbeat = max(rec.last_heartbeat, now)
+        self.metrics.policy_decisions.labels(plan.policy).inc()
+        if decision_seconds is not None:
+            self.metrics.decision_seconds.observe(decision_seconds)
+        refresh_gauges(job, self.metrics, self.cfg)
+        decisions_log.info(
+            "published generation=%d policy=%s workers=%d excluded=%s cause=%s",
+            plan.generation, plan.policy, len(plan.workers),
+            ",".join(plan.excluded) or "-", plan.cause or cause,
+        )  # fmt: skip
+        self._soon()
+
+
+def _follow_up(decision: Decision | None, plan: Plan, force: str | None) -> FollowUp | None:
+    """The prepared dynamic plan to switch to once `plan` (a reroute) trains; None when the
+    planner offered none or the policy is forced."""
+    if decision is None or decision.follow_up is None or force is not None:
+        return None
+    return FollowUp(plan.generation, decision.follow_up, decision.follow_up_after_seconds or 0.0)
+
+
+def _record(generation: int, selected: str, cause: str, now: float, **more: str) -> dict[str, str]:
+    """A decision record without candidates (the initial plan, a switch, no initial plan)."""
+    head = {"kind": "decision", "generation": str(generation), "selected": selected}
+    return {**head, "cause": cause, **more, "at": f"{now:.6f}"}
+
+
+def _same_layout(a: Plan, b: Plan) -> bool:
+    return a.pipelines == b.pipelines and a.routing == b.routing and a.excluded == b.excluded

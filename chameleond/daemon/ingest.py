@@ -1,0 +1,141 @@
+"""Event ingestion: stream entries -> handlers -> one batch commit -> the decision flow.
+
+Each batch is validated and handled entry by entry, then its durable effects and the
+acknowledgements it earned are committed at once (daemon/commits.py). Entries a pending decision
+answers are not acknowledged here: that decision's commit does it. A malformed entry, or one
+delivered more than `max_deliveries` times, is dead-lettered with a reason; a handler that raises
+leaves its entry pending, so it comes back (and eventually dies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from redis.exceptions import RedisError
+
+import handlers
+from chameleond.daemon.commits import Committer
+from chameleond.daemon.consumer import Entry, StreamConsumer
+from chameleond.daemon.decisions import Decisions
+from chameleond.daemon.job import Job
+from chameleond.daemon.metrics import Metrics
+from chameleond.protocol import EVENT_TYPES, Event, EventError, parse_event
+
+log = logging.getLogger("chameleond")
+
+# Called with each handled event and the time its handling finished (benchmarks measure latency).
+EventObserver = Callable[[Event, float], None]
+
+
+class Ingest:
+    def __init__(
+        self,
+        job: Job,
+        consumer: StreamConsumer,
+        committer: Committer,
+        decisions: Decisions,
+        metrics: Metrics,
+        *,
+        max_deliveries: int,
+        observer: EventObserver | None = None,
+    ) -> None:
+        self.job = job
+        self.consumer = consumer
+        self.committer = committer
+        self.decisions = decisions
+        self.metrics = metrics
+        self.max_deliveries = max_deliveries
+        self.observer = observer
+        self.last_loop = time.monotonic()  # the read loop's last turn (liveness, /healthz)
+
+    async def replay_own_pending(self) -> None:
+        """Entries this consumer name read before a restart and never acknowledged."""
+        after = "0"
+        while True:
+            page = await self.consumer.own_pending(after)
+            if not page:
+                return
+            log.info("re-reading %d pending entries from before a restart", len(page))
+            await self.process(page)
+            after = page[-1].id
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Read and handle batches until `stop`; a Redis error is retried (Redis restarts)."""
+        while not stop.is_set():
+            self.last_loop = time.monotonic()
+            try:
+                entries = await self.consumer.read()
+            except (RedisError, OSError) as e:
+                log.warning("XREADGROUP failed (%s); retrying", e)
+                await asyncio.sleep(0.5)
+                continue
+            if entries:
+                await self.process(entries)
+
+    async def claim_and_trim(self) -> None:
+        """Take over entries left idle by any consumer name, then trim the stream."""
+        owed = {i for ids in self.job.owed.values() for i in ids}
+        claimed = await self.consumer.claim_stale(keep=owed)
+        if claimed:
+            log.info("claimed %d stale entries", len(claimed))
+            await self.process(claimed)
+        await self.consumer.trim()
+
+    async def process(self, entries: list[Entry]) -> None:
+        """Handle one batch, then commit its durable effects and acknowledgements at once."""
+        job, m = self.job, self.metrics
+        now = time.time()
+        owed = {i for ids in job.owed.values() for i in ids}
+        acks: list[str] = []
+        dead: list[list[str | bytes]] = []
+        for e in entries:
+            if e.id in owed:
+                continue  # redelivered while its decision runs: acknowledged by that decision
+            if e.fields is None:
+                dead.append(_dead(e, {}, "the entry was deleted from the stream before handling"))
+                acks.append(e.id)
+                m.count_event("unknown", "invalid")
+                continue
+            kind = _kind(e.fields)
+            if e.deliveries > self.max_deliveries:
+                reason = f"delivered {e.deliveries} times without being handled"
+                dead.append(_dead(e, e.fields, reason))
+                acks.append(e.id)
+                m.count_event(kind, "invalid")
+                continue
+            try:
+                event = parse_event(e.fields)
+                outcome = handlers.dispatch(job, event, e.id, now)
+            except EventError as err:
+                dead.append(_dead(e, e.fields, str(err)))
+                acks.append(e.id)
+                m.count_event(kind, "invalid")
+                continue
+            except Exception:  # a handler bug: leave the entry pending; it comes back, then dies
+                log.exception("handler for entry %s failed; it stays pending", e.id)
+                continue
+            m.count_event(event.type, outcome.label)
+            if not outcome.owed:
+                acks.append(e.id)
+            if self.observer is not None:
+                self.observer(event, time.time())
+        await self.committer.batch(acks, dead)
+        self.decisions.maybe_decide()
+
+
+def _kind(fields: dict[bytes, bytes]) -> str:
+    raw = fields.get(b"type", b"")
+    kind = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+    return kind if kind in EVENT_TYPES else "unknown"
+
+
+def _dead(e: Entry, fields: dict[bytes, bytes] | dict[str, str], reason: str) -> list[str | bytes]:
+    out: list[str | bytes] = []
+    for k, v in fields.items():
+        if k in (b"error", "error", b"entry", "entry"):
+            continue
+        out += [k, v]
+    return [*out, "entry", e.id, "error", reason]

@@ -1,0 +1,75 @@
+"""What the daemon shows: /api/v1/status, the progress record and the Prometheus gauges.
+
+Read-only views of the job: nothing here changes it, so the HTTP handlers and the periodic gauge
+refresh can call them at any time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from chameleond.daemon.config import Config
+from chameleond.daemon.job import Job
+from chameleond.daemon.metrics import Metrics
+
+
+def progress(job: Job) -> dict[str, Any]:
+    """The last step the job committed and its measured throughput (persisted every second)."""
+    meter = job.meter
+    return {
+        "at": time.time(),
+        "generation": meter.generation,
+        "step": meter.step,
+        "samples_per_second": meter.samples_per_second,
+        "loss": meter.last_loss if meter.last_loss == meter.last_loss else None,
+    }
+
+
+def status(job: Job, cfg: Config) -> dict[str, Any]:
+    now = time.time()
+    m = job.machine
+    states = job.worker_states(now, cfg.heartbeat_timeout_seconds)
+    workers = {}
+    for wid, state in sorted(states.items()):
+        rec = job.workers[wid]
+        age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
+        workers[wid] = {
+            "state": state,
+            "host": rec.host,
+            "device": rec.device,
+            "memory_bytes": rec.memory_bytes,
+            "heartbeat_age_seconds": age,
+        }
+    fu = job.follow_up
+    return {
+        "job": cfg.job,
+        "state": m.phase.value,
+        "generation": m.generation,
+        "policy": cfg.policy,
+        "plan_policy": job.plan.policy if job.plan else None,
+        "workers": workers,
+        "failed": sorted(m.failed),
+        "pending_faults": dict(sorted(m.pending_faults.items())),
+        "awaiting_ready": sorted(m.awaiting_ready),
+        "last_decision": job.last_decision,
+        "follow_up": None
+        if fu is None
+        else {
+            "after_generation": fu.after_generation,
+            "policy": fu.plan.policy,
+            "after_seconds": fu.after_seconds,
+            "waiting_for_step": sorted(m.awaiting_step),
+        },
+        "mtbf_seconds": job.mtbf(now),
+        "progress": progress(job),
+        "estimated_samples_per_second": job.plan.samples_per_second if job.plan else None,
+    }
+
+
+def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
+    metrics.set_phase(job.machine.phase)
+    metrics.generation.set(job.machine.generation)
+    metrics.set_workers(job.worker_states(time.time(), cfg.heartbeat_timeout_seconds))
+    metrics.training_throughput.set(job.meter.samples_per_second)
+    metrics.estimated_throughput.set(job.plan.samples_per_second if job.plan else 0.0)
