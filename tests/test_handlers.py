@@ -115,3 +115,30 @@ def test_ack_stopped_and_rejoin() -> None:
     assert joined.owed and "w3" in j.machine.pending_joins
     with pytest.raises(EventError, match="never registered"):
         send(j, type="rejoin", worker="w42")
+
+
+def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worker() -> None:
+    from chameleond.core.decide import decide, initial_plan
+    from chameleond.daemon.job import FollowUp
+
+    j = training_job()
+    plan = initial_plan(SPEC)
+    prepared = decide(SPEC, plan, ["w1"], mtbf_seconds=1e6, generation=2, force="dynamic").plan
+    assert prepared is not None
+    j.follow_up = FollowUp(1, prepared, 12.5)
+    snap = json.loads(json.dumps(j.snapshot()))
+    k = job()
+    k.restore(snap, plan, ready_timeout=30.0)
+    assert k.follow_up == j.follow_up
+    assert j.switch_due() is None  # acknowledged, no step yet
+    j.dirty = False
+    for w in WORKERS:
+        send(j, type="step", worker=w, generation=1, step=0, samples=12, seconds=0.1, loss=5)
+    assert j.dirty  # the first steps are durable: they gate the switch
+    assert j.switch_due() == j.follow_up
+    # A later plan (another fault) makes the prepared plan stale: dropped, not switched to.
+    send(j, "9-0", type="fault", worker="w3", cause="x")
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
+    assert j.switch_due() is None and j.follow_up is None

@@ -151,6 +151,39 @@ def test_snapshot_restores_the_committed_state_only() -> None:
     assert restored.recovery is not None and restored.recovery.policy == "reroute"
 
 
+def test_running_means_every_worker_acknowledged_and_committed_a_step() -> None:
+    m = training()
+    assert not m.running()  # acknowledged, but no step committed yet
+    for w in WORKERS[:-1]:
+        m.step(w, 1, 2.0)
+    m.step(WORKERS[-1], 0, 2.0)  # a stale generation's step proves nothing
+    assert not m.running() and m.awaiting_step == {WORKERS[-1]}
+    restored = PolicyMachine.restore(m.snapshot(), ready_timeout_seconds=30.0)
+    assert restored.awaiting_step == {WORKERS[-1]}  # persisted: gates the follow-up switch
+    m.step(WORKERS[-1], 1, 2.1)
+    assert m.running()
+    m.fault("w2", "x", 3.0)
+    assert not m.running()  # a fault waits for a decision
+
+
+def test_no_initial_plan_is_a_recorded_transition_and_answers_the_faults() -> None:
+    m = PolicyMachine()
+    assert m.fault("w1", "before any plan", 1.0)[0] and m.pending_faults
+    transitions = m.unrecoverable("no initial plan: pipeline 0 does not fit", 2.0)
+    assert [(t.source, t.target, t.generation) for t in transitions] == [
+        (Phase.WAITING, Phase.UNRECOVERABLE, 0)
+    ]
+    assert transitions[0].cause.startswith("no initial plan")
+    assert m.failed == {"w1"} and not m.pending_faults
+    # Without any plan there is nothing to decide from: joins and faults start no decision.
+    assert m.join("w1", 3.0) == (False, [])
+    assert m.fault("w2", "x", 3.0) == (True, []) and "w2" in m.failed
+    assert m.next_request(3.1) == (None, [])
+    assert PolicyMachine.restore(m.snapshot(), ready_timeout_seconds=30.0).phase is (
+        Phase.UNRECOVERABLE
+    )
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["fault", "decide", "supersede", "ready"]),
                           st.sampled_from(WORKERS)), max_size=40))  # fmt: skip

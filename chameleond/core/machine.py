@@ -131,8 +131,9 @@ class PolicyMachine:
         return True, []
 
     def join(self, worker: str, now: float) -> tuple[bool, list[Transition]]:
-        """A worker outside the current plan is available (repaired, restarted or new)."""
-        if self.phase is Phase.WAITING:
+        """A worker outside the current plan is available (repaired, restarted or new). Before
+        any plan (waiting, or no initial plan could be made) there is nothing to take it into."""
+        if self.phase is Phase.WAITING or self.generation == 0:
             return False, []
         in_plan = worker in self.plan_workers and worker not in self.failed
         in_flight = self.in_flight.joined if self.in_flight else frozenset()
@@ -151,7 +152,12 @@ class PolicyMachine:
         return self._move(Phase.TRANSITIONING, "initial plan", now)
 
     def unrecoverable(self, cause: str, now: float) -> list[Transition]:
-        """No plan can run at all (the initial layout does not fit): the job waits for a person."""
+        """No plan can run at all (the initial layout does not fit): the job waits for a person.
+        The faults reported so far are answered by it: those workers are out."""
+        self.failed |= set(self.pending_faults)
+        self.pending_faults.clear()
+        self.pending_joins.clear()
+        self.pending_since = None
         return self._move(Phase.UNRECOVERABLE, cause, now)
 
     def switch(

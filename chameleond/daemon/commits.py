@@ -125,8 +125,8 @@ class Committer:
         job.dirty = False
 
     async def _retry(self, c: Commit) -> None:
-        """Retry until Redis takes it: what is in memory is ahead of Redis until then. A
-        generation conflict (a second daemon on the job) is not retried."""
+        """Retry, at least once a second, until Redis takes it: what is in memory is ahead of
+        Redis until then. A generation conflict (a second daemon on the job) is not retried."""
         delay, retried = 0.1, False
         while True:
             try:
@@ -139,7 +139,7 @@ class Committer:
                     raise
                 log.warning("commit failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
-                delay, retried = min(delay * 2, 5.0), True
+                delay, retried = min(delay * 2, 1.0), True
 
     async def _landed(self, c: Commit) -> bool:
         if not c.plan_json:

@@ -113,7 +113,7 @@ class Decisions:
                                  "selected": None, "candidates": []}  # fmt: skip
             job.dirty = True
             record = _record(0, "", "initial plan", now, unrecoverable=reason)
-            await self.committer.record([record], [])
+            await self.committer.record([record], job.acks_for(None))
 
     # ---- a decision ----------------------------------------------------------------------------
 

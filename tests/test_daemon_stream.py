@@ -1,0 +1,130 @@
+"""The stream consumer against a real redis-server: stale entries of a consumer that read and died
+are claimed and handled; entries waiting for their decision are not re-claimed (no creep towards
+the dead-letter limit); trimming keeps the stream bounded but never cuts an entry the group has
+not acknowledged, pending or not yet delivered."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import redis
+import redis.asyncio as aioredis
+from daemon_harness import WORKERS, Daemon, Workers, wait_for
+
+from chameleond.daemon.consumer import StreamConsumer
+from chameleond.protocol import CONSUMER_GROUP, Keys
+from chameleond.redis_server import RedisServer
+
+EVENTS = "chameleon:default:events"
+
+
+def delivered(client: redis.Redis, entry: str) -> int:
+    rows = client.xpending_range(EVENTS, CONSUMER_GROUP, entry, entry, 1)
+    return int(rows[0]["times_delivered"]) if rows else 0
+
+
+def pending_of(client: redis.Redis, consumer: str) -> int:
+    found = [c for c in client.xinfo_consumers(EVENTS, CONSUMER_GROUP) if c["name"] == consumer]
+    return int(found[0]["pending"]) if found else 0
+
+
+def test_entries_of_a_consumer_that_died_are_claimed_and_owed_ones_are_left_alone(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    workers = Workers(redis_client)
+    first = Daemon(redis_server.url, tmp_path).start()
+    try:
+        first.wait_ready()
+        workers.register()
+        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
+        workers.ready(1, WORKERS)
+        wait_for(lambda: first.status()["state"] == "training", 15, "training")
+        assert first.terminate() == 0
+    finally:
+        first.stop()
+
+    # Another daemon (another consumer name, another host) reads two entries and dies.
+    fault = workers.send(type="fault", worker="w2", cause="NIC down")
+    beat = workers.send(type="heartbeat", worker="w3")
+    got = redis_client.xreadgroup(CONSUMER_GROUP, "dead-host", {EVENTS: ">"})
+    assert [i for _, entries in got for i, _ in entries] == [fault, beat]
+    assert pending_of(redis_client, "dead-host") == 2
+
+    daemon = Daemon(redis_server.url, tmp_path, "--claim-idle-seconds", "1",
+                    "--decision-delay-seconds", "4").start()  # fmt: skip
+    try:
+        daemon.wait_ready()
+        # Claimed (XAUTOCLAIM) once idle for a second, then handled: the fault starts a decision.
+        wait_for(lambda: daemon.status()["state"] == "planning", 10, "the claimed fault decided")
+        assert pending_of(redis_client, "dead-host") == 0
+        assert delivered(redis_client, fault) == 2  # once to dead-host, once claimed
+        # While its decision is held, claim rounds pass every second; the fault waits for the
+        # decision's commit and is not claimed again, so its delivery count stays put.
+        time.sleep(2.5)
+        assert daemon.status()["state"] == "planning"
+        assert delivered(redis_client, fault) == 2
+        wait_for(lambda: workers.generation() == 2, 10, "generation 2")
+        plan = workers.plan()
+        assert plan is not None and plan["excluded"] == ["w2"]
+        wait_for(lambda: redis_client.xpending(EVENTS, CONSUMER_GROUP)["pending"] == 0, 5, "acks")
+        assert redis_client.xlen("chameleon:default:dead") == 0
+    finally:
+        daemon.stop()
+
+
+async def _trim_scenario(url: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    keys = Keys("trim")
+    consumer = StreamConsumer(client, keys, "me", block_ms=100, count=10_000,
+                              claim_idle_ms=60_000, maxlen=200)  # fmt: skip
+    try:
+        await consumer.ensure_group()
+        # Ids one millisecond apart, so the maxlen point the trim estimates from them is known.
+        pipe = client.pipeline(transaction=False)
+        for i in range(1000):
+            pipe.xadd(keys.events, {"type": "heartbeat", "worker": "w1"}, id=f"{1000 + i}-1")
+        ids = [i.decode() for i in await pipe.execute()]
+
+        async def present() -> set[str]:
+            return {i.decode() for i, _ in await client.xrange(keys.events)}
+
+        # Nothing delivered yet: 1000 entries over maxlen 200, and not one may go.
+        await consumer.trim()
+        assert await present() == set(ids)
+
+        # 600 delivered, the first 500 acknowledged: entries 500..599 are pending, 600.. are not
+        # delivered. Everything before the first pending entry may go, nothing after it.
+        await client.xreadgroup(CONSUMER_GROUP, "me", {keys.events: ">"}, count=600)
+        await client.xack(keys.events, CONSUMER_GROUP, *ids[:500])
+        await consumer.trim()
+        left = await present()
+        assert set(ids[500:]) <= left and len(left) < 1000
+
+        # The group is far behind (100 delivered, all acknowledged, 900 waiting): same rule.
+        await client.delete(keys.events)
+        await consumer.ensure_group()
+        pipe = client.pipeline(transaction=False)
+        for i in range(1000):
+            pipe.xadd(keys.events, {"type": "heartbeat", "worker": "w1"}, id=f"{5000 + i}-1")
+        ids = [i.decode() for i in await pipe.execute()]
+        await client.xreadgroup(CONSUMER_GROUP, "me", {keys.events: ">"}, count=100)
+        await client.xack(keys.events, CONSUMER_GROUP, *ids[:100])
+        await consumer.trim()
+        assert set(ids[100:]) <= await present()
+
+        # Everything acknowledged: the stream is cut to about maxlen (whole 100-entry nodes).
+        await client.xreadgroup(CONSUMER_GROUP, "me", {keys.events: ">"}, count=10_000)
+        await client.xack(keys.events, CONSUMER_GROUP, *ids[100:])
+        await consumer.trim()
+        assert 200 <= await client.xlen(keys.events) < 900
+        assert set(ids[-200:]) <= await present()
+    finally:
+        await client.aclose()
+
+
+def test_trimming_keeps_the_stream_bounded_and_never_cuts_an_unacknowledged_entry(
+    redis_server: RedisServer,
+) -> None:
+    asyncio.run(_trim_scenario(redis_server.url))
