@@ -10,6 +10,7 @@ from pathlib import Path
 import redis
 from daemon_harness import WORKERS, Daemon, Workers, wait_for
 
+from chameleond.daemon.jobspec import spec_document
 from chameleond.jobs import load_default_spec
 from chameleond.redis_server import RedisServer
 
@@ -76,9 +77,12 @@ def test_a_stage_without_replicas_is_unrecoverable_and_the_daemon_keeps_serving(
 def test_no_initial_plan_that_fits_is_a_recorded_transition(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    small = tmp_path / "small.toml"
-    text = (Path(load_default_spec.__code__.co_filename).parent / "cpu-small.toml").read_text()
-    small.write_text(text.replace("memory_bytes = 2_147_483_648", "memory_bytes = 1_000"))
+    # The packaged job on workers with 1 kB of memory each: no split of it fits.
+    doc = spec_document(load_default_spec())
+    for w in doc["workers"]:
+        w["memory_bytes"] = 1_000
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(doc))
     daemon = Daemon(redis_server.url, tmp_path, "--spec", str(small)).start()
     workers = Workers(redis_client)
     try:
