@@ -19,6 +19,7 @@ from chameleond.core.estimator import (
 from chameleond.core.plan import SyncGroup
 from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.spec import JobSpec, LinkSpec, parse_spec
+from chameleond.daemon.jobspec import spec_document
 
 
 def spec_of(
@@ -176,3 +177,34 @@ def test_rerouting_bound_is_conservative_against_the_schedule() -> None:
     assert d.plan is not None
     bound = reroute_bound_seconds(4, 8, 2, [0, 1, 0, 0], 1.0, 2.0)
     assert closed_form_seconds(4, 8, 1.0, 2.0) < d.plan.estimates.step_seconds <= bound
+
+
+def test_updates_add_the_slowest_owner_and_a_shared_host_bounds_the_step() -> None:
+    layers = [{**layer(1.0, 2.0), "update_seconds": 0.5}] * 2
+    spec = spec_of(4, 2, layers, 4)  # 2 pipelines x 2 stages, 2 micro-batches each, one host
+    plan = initial_plan(spec)
+    critical = closed_form_seconds(2, 2, 1.0, 2.0) + 0.5  # + one layer's update
+    assert math.isclose(plan.estimates.step_seconds, critical)
+    # The four workers on one core: every op (8 x 3 s), update (4 x 0.5 s) and per-step CPU
+    # (4 x 0.25 s) runs on it in turn.
+    one_core = parse_spec(
+        {**spec_document(spec), "hosts": {"h0": {"cpu_cores": 1, "step_cpu_seconds": 0.25}}}
+    )
+    shared = initial_plan(one_core).estimates.step_seconds
+    assert math.isclose(shared, 8 * 3.0 + 4 * 0.5 + 4 * 0.25)
+    assert math.isclose(Estimator(one_core).host_seconds(plan.pipelines, plan.routing), shared)
+    # Enough cores: the critical path is the step again.
+    many = parse_spec({**spec_document(spec), "hosts": {"h0": {"cpu_cores": 64}}})
+    assert math.isclose(initial_plan(many).estimates.step_seconds, critical)
+
+
+def test_a_rerouted_plan_moves_the_failed_workers_cpu_work_to_its_peers() -> None:
+    layers = [layer(1.0, 2.0)] * 2
+    base = spec_of(4, 2, layers, 4)
+    spec = parse_spec({**spec_document(base), "hosts": {"h0": {"cpu_cores": 1}}})
+    plan = initial_plan(spec)
+    d = decide(spec, plan, {"w0"}, mtbf_seconds=1e6, generation=2, force="reroute")
+    assert d.plan is not None
+    # The same ops on three workers: the host's work does not change, only who does it.
+    est = Estimator(spec)
+    assert math.isclose(est.host_seconds(d.plan.pipelines, d.plan.routing), 8 * 3.0)

@@ -270,9 +270,10 @@ def test_restarted_worker_rejoins_and_receives_state(start_job) -> None:
     job.controller.wait_steps(2)
     old = job.workers.procs["w3"]
     job.workers.start(["w3"])
+    # A process registers once, after its start-up profile (profiles also come from training).
     job.controller.wait_for(
-        "the new w3 process to profile",
-        lambda: sum(e["worker"] == "w3" for e in job.record.of("profile")) == 2,
+        "the new w3 process to profile and register",
+        lambda: sum(e["worker"] == "w3" for e in job.record.of("register")) == 2,
         120,
     )
     os.kill(old.pid, signal.SIGKILL)

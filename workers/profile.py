@@ -1,16 +1,30 @@
 """Measure every layer's cost on this worker's device, for the planner's performance model.
 
-Per layer, for one micro-batch: forward and backward seconds (median of a few timed repetitions
-after a warm-up), parameter bytes, AdamW state bytes (after one real optimizer step), activation
-bytes (the tensors autograd saves for backward, parameters excluded) and output bytes (what the
-layer would send to the next stage; zero for the head, whose output is the loss). Layers are built
-one at a time, so profiling needs the memory of one layer, not of the model.
+Two measurements, both sent as `profile` events:
+
+* At start-up (`profile_model`), each layer alone, for one micro-batch: forward, backward and
+  optimizer-update seconds (median of a few timed repetitions after a warm-up), parameter bytes,
+  AdamW state bytes, activation bytes (the tensors autograd saves for backward, parameters
+  excluded) and output bytes (what the layer sends to the next stage; zero for the head). Layers
+  are built one at a time, so profiling needs the memory of one layer, not of the model.
+* In training (`TrainingMeter`), the same seconds measured on the real steps of the running plan,
+  reported every few steps, so the planner's later decisions use what a step really costs here.
+
+On the CPU, seconds are CPU time, not wall time: the workers of a local job share the host's cores,
+so an op's wall time includes the time it waited for a core while its peers ran. The estimator
+models that sharing itself (the host's CPU work over its cores), which needs each op's CPU cost.
+A CPU worker also reports its host: the cores it may use, how many of them the job's workers there
+keep busy (see `host_report`), and, from training, the CPU a step costs it beyond its layers'
+forward, backward and update (sends, receives, gradient all-reduce, the commit vote: mostly on
+gloo's threads), which the estimator adds per worker.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,11 +32,43 @@ import torch
 from workers.model import Arch, LayerState, sample_loss_sum
 
 REPEATS = 3
+# In training: a profile every REPORT_STEPS steps, and not more often than REPORT_SECONDS.
+REPORT_STEPS = 10
+REPORT_SECONDS = 1.0
+
+Clock = Callable[[], float]
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def op_clock(device: torch.device) -> Clock:
+    """CPU time of this thread on the CPU (see the module docstring); wall time on accelerators."""
+    return time.thread_time if device.type == "cpu" else time.perf_counter
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def host_report(host: str, cpu_share: float, workers_on_host: int) -> dict[str, Any]:
+    """The `host` object of a profile: {"name", "cores", "busy_cores"} (TrainingMeter adds
+    "step_cpu_seconds").
+
+    busy_cores = this process's CPU seconds per wall second x the job's workers on the host,
+    measured while they all compete for the cores: with more workers than cores, that is what the
+    job gets of the host (other processes take the rest). With no more workers than cores they do
+    not compete and the job may use every core.
+    """
+    cores = host_cores()
+    busy = cpu_share * workers_on_host if workers_on_host > cores else float(cores)
+    return {"name": host, "cores": cores, "busy_cores": round(max(busy, 1e-3), 4)}
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -37,6 +83,7 @@ def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device
     gen = torch.Generator().manual_seed(index)
     tokens = torch.randint(0, arch.vocab, (micro_batch, arch.seq_len), generator=gen).to(device)
     hidden = torch.randn((micro_batch, arch.seq_len, arch.d_model), generator=gen).to(device)
+    clock = op_clock(device)
 
     saved: list[int] = []
 
@@ -47,29 +94,33 @@ def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device
 
     fwd: list[float] = []
     bwd: list[float] = []
+    upd: list[float] = []
     out_bytes = 0
     for rep in range(REPEATS + 1):
         x = tokens if index == 0 else hidden.clone().requires_grad_()
         saved.clear()
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = layer.module(x)
             loss = sample_loss_sum(out, tokens) if last else None
         _sync(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         if loss is not None:
             loss.backward()
         else:
             out.backward(torch.ones_like(out))
         _sync(device)
-        t2 = time.perf_counter()
-        if rep:  # the first repetition warms up allocator and kernels
+        t2 = clock()
+        layer.apply_update(micro_batch, rep)  # a real AdamW step (the first creates its state)
+        _sync(device)
+        t3 = clock()
+        if rep:  # the first repetition warms up allocator, kernels and the optimizer state
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
+            upd.append(t3 - t2)
         out_bytes = 0 if last else _tensor_bytes(out)
     activation_bytes = sum(saved)
-    layer.apply_update(micro_batch, 0)  # one real AdamW step creates the optimizer state
     optimizer_bytes = sum(
         _tensor_bytes(v)
         for st in layer.optimizer.state.values()
@@ -81,6 +132,7 @@ def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device
         "name": name,
         "forward_seconds": statistics.median(fwd),
         "backward_seconds": statistics.median(bwd),
+        "update_seconds": statistics.median(upd),
         "param_bytes": sum(_tensor_bytes(p) for p in params),
         "optimizer_bytes": optimizer_bytes,
         "activation_bytes": activation_bytes,
@@ -88,10 +140,121 @@ def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device
     }
 
 
-def profile_model(arch: Arch, micro_batch: int, device: torch.device) -> dict[str, Any]:
-    """The `profile` event's JSON data: {"layers": [...]} in layer order."""
-    return {
-        "layers": [profile_layer(arch, i, micro_batch, device) for i in range(arch.n_layers)],
-        "micro_batch": micro_batch,
-        "device": str(device),
-    }
+def profile_model(
+    arch: Arch, micro_batch: int, device: torch.device, host: str = "", workers_on_host: int = 1
+) -> dict[str, Any]:
+    """The `profile` event's JSON data: {"layers": [...]} in layer order (+ "host" on the CPU).
+
+    The job's workers start together and profile at the same time, so the CPU share measured
+    here is the one they get while competing, as in training.
+    """
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    layers = [profile_layer(arch, i, micro_batch, device) for i in range(arch.n_layers)]
+    data: dict[str, Any] = {"layers": layers, "micro_batch": micro_batch, "device": str(device)}
+    if device.type == "cpu" and host:
+        share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)
+        data["host"] = host_report(host, share, workers_on_host)
+    return data
+
+
+class TrainingMeter:
+    """Per-layer seconds measured on the real steps of one plan generation.
+
+    The step runner reports each op (`op`) and the commit its optimizer update (`update`); an op's
+    seconds are split among its layers in proportion to their start-up profile. `step_done`
+    returns a profile event's data every REPORT_STEPS steps (REPORT_SECONDS at least), then starts
+    a new window, so each report describes the recent steps of the running plan only.
+    """
+
+    def __init__(
+        self,
+        startup: Sequence[dict[str, Any]],
+        device: torch.device,
+        micro_batch: int,
+        host: str,
+        workers_on_host: int,
+    ) -> None:
+        self.startup = startup
+        self.device = device
+        self.micro_batch = micro_batch
+        self.host = host
+        self.workers_on_host = workers_on_host
+        self.clock = op_clock(device)
+        self.restart()
+
+    def restart(self) -> None:
+        """A new window (after a generation's first step, which pays for its warm-up)."""
+        n = len(self.startup)
+        self.forward = [0.0] * n
+        self.backward = [0.0] * n
+        self.micro_batches = [0] * n  # forward/backward executions per layer
+        self.updated = [0.0] * n
+        self.steps = 0
+        self.op_seconds = 0.0
+        self.update_seconds = 0.0
+        self.wall0 = time.perf_counter()
+        self.cpu0 = time.process_time()
+
+    def _split(self, layers: Sequence[int], seconds: float, key: str) -> list[tuple[int, float]]:
+        weights = [max(float(self.startup[i][key]), 1e-12) for i in layers]
+        total = sum(weights)
+        return [(i, seconds * w / total) for i, w in zip(layers, weights, strict=True)]
+
+    def op(self, forward: bool, layers: Sequence[int], started: float, waited: float) -> None:
+        """One forward or backward of a stage's layers, begun at clock() == `started`; `waited`
+        wall seconds of it were spent blocked on a receive (not a cost on a wall clock)."""
+        seconds = self.clock() - started
+        if self.device.type != "cpu":  # a wall clock: blocked receives are not the op's cost
+            seconds = max(seconds - waited, 0.0)
+        self.op_seconds += seconds
+        sums = self.forward if forward else self.backward
+        key = "forward_seconds" if forward else "backward_seconds"
+        for i, s in self._split(layers, seconds, key):
+            sums[i] += s
+            if forward:
+                self.micro_batches[i] += 1
+
+    def update(self, layers: Sequence[int], started: float) -> None:
+        seconds = self.clock() - started
+        self.update_seconds += seconds
+        for i, s in self._split(layers, seconds, "update_seconds"):
+            self.updated[i] += s
+
+    def step_done(self) -> dict[str, Any] | None:
+        """Count a committed step; the profile data when one is due, else None."""
+        self.steps += 1
+        wall = time.perf_counter() - self.wall0
+        if self.steps < REPORT_STEPS or wall < REPORT_SECONDS or self.op_seconds <= 0:
+            return None
+        cpu = time.process_time() - self.cpu0
+        layers = []
+        for i, base in enumerate(self.startup):
+            n = self.micro_batches[i]
+            if not n:
+                continue
+            layers.append(
+                {
+                    **base,
+                    "index": i,
+                    "forward_seconds": self.forward[i] / n,
+                    "backward_seconds": self.backward[i] / n,
+                    "update_seconds": self.updated[i] / self.steps,
+                }
+            )
+        data: dict[str, Any] = {
+            "layers": layers,
+            "micro_batch": self.micro_batch,
+            "device": str(self.device),
+            "source": "training",
+            "steps": self.steps,
+            "seconds_per_step": wall / self.steps,
+        }
+        if self.device.type == "cpu" and self.host:
+            host = host_report(self.host, cpu / wall, self.workers_on_host)
+            # What the process spent beyond its layers: messages and collectives, which run on
+            # gloo's threads, the commit vote, the step loop.
+            beyond = cpu - self.op_seconds - self.update_seconds
+            host["step_cpu_seconds"] = round(max(beyond, 0.0) / self.steps, 6)
+            data["host"] = host
+        self.restart()
+        return data

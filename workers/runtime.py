@@ -20,7 +20,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -45,7 +45,7 @@ from workers.events import (
 from workers.generation import Generation
 from workers.migrate import StateLost, reconcile
 from workers.model import Arch
-from workers.profile import profile_model
+from workers.profile import TrainingMeter, profile_model
 from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned
 from workers.state import WorkerState
 from workers.step import StepRunner
@@ -96,6 +96,11 @@ class WorkerRuntime:
         # Set at this process's first commit: the job has trained (see migrate.plan_moves).
         self.trained_key = self.keys.prefix + "workers:trained"
         self._marked_trained = False
+        self._startup_profile: list[dict[str, object]] = []  # per layer, for TrainingMeter
+        self._hosts: dict[str, str] = {}  # worker -> host, from the spec
+
+    def host(self) -> str:
+        return self._hosts.get(self.cfg.worker_id) or socket.gethostname()
 
     # start-up -----------------------------------------------------------------------------------
 
@@ -112,16 +117,11 @@ class WorkerRuntime:
                 raise TimeoutError(f"no job spec under {self.keys.spec}")
             time.sleep(0.1)
 
-    def register(self, spec: JobSpec, corpus: Corpus) -> None:
-        me = self.cfg.worker_id
-        try:
-            host = spec.worker(me).host
-        except KeyError:
-            host = socket.gethostname()
+    def register(self, corpus: Corpus) -> None:
         self.reporter.send(
             "register",
             {
-                "host": host,
+                "host": self.host(),
                 "device": str(self.cfg.device),
                 "memory_bytes": device_memory_bytes(self.cfg.device),
                 "pid": os.getpid(),
@@ -138,10 +138,14 @@ class WorkerRuntime:
         # Profile first, then register: a registered worker is ready to train, so the daemon's
         # initial plan (published once every worker registered) never waits in a rendezvous on a
         # worker that is still measuring.
+        self._hosts = {w.id: w.host for w in spec.workers}
         t0 = time.perf_counter()
-        data = profile_model(arch, spec.training.micro_batch, device)
+        data = profile_model(
+            arch, spec.training.micro_batch, device, self.host(), self._on_my_host(self._hosts)
+        )
         log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
-        self.register(spec, corpus)
+        self._startup_profile = data["layers"]
+        self.register(corpus)
         self.reporter.send("profile", {"data": json.dumps(data)})
         self.heartbeat.start()
         self.watcher.start()
@@ -304,9 +308,19 @@ class WorkerRuntime:
         finally:
             gen.close()
 
+    def _on_my_host(self, workers: Iterable[str]) -> int:
+        return sum(1 for w in workers if self._hosts.get(w) == self.host())
+
     def _train(self, gen: Generation, state: WorkerState, corpus: Corpus, step: int) -> None:
         plan = gen.plan
-        runner = StepRunner(gen, state, corpus)
+        meter = TrainingMeter(
+            self._startup_profile,
+            state.device,
+            plan.micro_batch,
+            self.host(),
+            self._on_my_host(plan.workers),
+        )
+        runner = StepRunner(gen, state, corpus, meter)
         owned = plan.owned_layers(gen.me)
         first = True
         while not self.stopping:
@@ -319,14 +333,20 @@ class WorkerRuntime:
             )
             gen.world_group.allreduce([vote]).wait()
             loss = float(vote[:, 0].sum().item()) / plan.global_batch
+            started = meter.clock()
             state.apply_pending(plan.global_batch)
+            meter.update(result.layers, started)
             seconds = time.perf_counter() - t0
             if first:
                 dropped = state.drop_except(owned)
                 if dropped:
                     log.info("dropped layers %s: their new owners committed a step", dropped)
-                first = False
             self._report_step(plan, step, loss, seconds)
+            if first:
+                meter.restart()  # the first step pays for the generation's warm-up
+                first = False
+            elif (profile := meter.step_done()) is not None:
+                self.reporter.send("profile", {"data": json.dumps(profile)})
             if not self._marked_trained:
                 self.redis.set(self.trained_key, "1")
                 self._marked_trained = True

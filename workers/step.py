@@ -14,6 +14,7 @@ division by B happens once, at commit (LayerState.apply_update).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from chameleond.core.schedule import BACKWARD, FORWARD, Op
 from workers.data import Corpus
 from workers.generation import Generation, sync_order
 from workers.model import run_layers, sample_loss_sum
+from workers.profile import TrainingMeter
 from workers.state import WorkerState
 
 _MAX_BOUNDARY = 256
@@ -48,10 +50,18 @@ class StepResult:
 
 
 class StepRunner:
-    def __init__(self, gen: Generation, state: WorkerState, corpus: Corpus) -> None:
+    def __init__(
+        self,
+        gen: Generation,
+        state: WorkerState,
+        corpus: Corpus,
+        meter: TrainingMeter | None = None,
+    ) -> None:
         self.gen = gen
         self.state = state
         self.corpus = corpus
+        self.meter = meter  # measures each op for the in-training profile
+        self._waited = 0.0  # wall seconds the current op spent blocked on a receive
         plan = gen.plan
         arch = state.arch
         self.shape = (plan.micro_batch, arch.seq_len, arch.d_model)
@@ -72,7 +82,9 @@ class StepRunner:
         if peer == self.gen.me:
             return self._local.pop(tag)
         buf = torch.empty(self.shape, device=self.state.device)
+        t0 = time.perf_counter()
         self.gen.world_group.recv([buf], self.gen.rank_of(peer), tag).wait()
+        self._waited += time.perf_counter() - t0
         return buf
 
     # the step ---------------------------------------------------------------------------------
@@ -93,6 +105,8 @@ class StepRunner:
         for i, op in enumerate(self.gen.ops):
             if on_op is not None:
                 on_op(step, i, len(self.gen.ops))
+            started = self.meter.clock() if self.meter is not None else 0.0
+            self._waited = 0.0
             stages = plan.pipelines[op.pipeline].stages
             layers = [st.layer(j) for j in stages[op.stage].layers]
             last = op.stage == len(stages) - 1
@@ -122,6 +136,9 @@ class StepRunner:
                     assert op.upstream is not None and x.grad is not None
                     tag = p2p_tag(BACKWARD, op.pipeline, op.stage - 1, op.micro_batch)
                     self._send(x.grad, op.upstream, tag)
+            if self.meter is not None:
+                layer_ids = stages[op.stage].layers
+                self.meter.op(op.kind == FORWARD, layer_ids, started, self._waited)
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()

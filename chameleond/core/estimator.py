@@ -1,6 +1,8 @@
 """The performance model: step time, gradient sync time and peak memory of a plan (PAPER.md 4-5).
 
-Step time = the 1F1B makespan of the plan's routed schedule + the gradient sync of its groups.
+Step time = the 1F1B makespan of the plan's routed schedule + the gradient sync of its groups +
+the slowest worker's optimizer update; on a host whose CPU cores the workers share
+(`spec.hosts`), never less than the host's CPU work per step divided by its cores.
 
 * Makespan: `schedule.build_schedule(...).makespan`, the exact longest path over the dependency
   graph, with stage durations summed from the per-layer profile (embedding and head are layers) and
@@ -11,10 +13,13 @@ Step time = the 1F1B makespan of the plan's routed schedule + the gradient sync 
 * Sync: a ring all-reduce per sync group, 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency, on the
   slower link when the group spans hosts; groups of one colouring round run concurrently (the round
   lasts as long as its slowest group), rounds run one after another.
-
-Rerouting is estimated by the same schedule (the rerouted micro-batches are merged into the peers'
-queues and partly fill their bubbles); `reroute_bound_seconds` is the paper's conservative formula,
-kept for comparison (docs/planner.md says why the schedule is the one used).
+* Update: each executing owner steps its layers' optimizer once per step, after the commit vote;
+  the next step's pipelines wait for the slowest.
+* Shared host: workers whose device is the host's CPU compete for its cores, so the step cannot be
+  shorter than the sum of every op and update that the host's workers execute, plus each worker's
+  per-step CPU beyond its layers (messages, collectives, the commit vote), divided by its cores.
+  With more workers than cores (a local CPU job) this bound, not the critical path, is the step
+  time: the pipeline bubbles of one worker are filled by the others' work.
 """
 
 from __future__ import annotations
@@ -46,12 +51,16 @@ class LayerTable:
         self._grad = [0, *accumulate(lp.param_bytes for lp in layers)]
         self._act = [0, *accumulate(lp.activation_bytes for lp in layers)]
         self._out = [lp.output_bytes for lp in layers]
+        self._upd = [0.0, *accumulate(lp.update_seconds for lp in layers)]
 
     def forward_seconds(self, first: int, end: int) -> float:
         return self._fwd[end] - self._fwd[first]
 
     def backward_seconds(self, first: int, end: int) -> float:
         return self._bwd[end] - self._bwd[first]
+
+    def update_seconds(self, first: int, end: int) -> float:
+        return self._upd[end] - self._upd[first]
 
     def state_bytes(self, first: int, end: int) -> int:
         return self._state[end] - self._state[first]
@@ -276,10 +285,60 @@ class Estimator:
             by_round[g.round] = max(by_round.get(g.round, 0.0), seconds)
         return sum(by_round.values())
 
+    def update_seconds(self, pipelines: Sequence[Pipeline], routing: Routing) -> float:
+        """The slowest optimizer update: each owner that executes steps its own layers."""
+        per = self._update_per_worker(pipelines, routing)
+        return max(per.values(), default=0.0)
+
+    def _update_per_worker(
+        self, pipelines: Sequence[Pipeline], routing: Routing
+    ) -> dict[str, float]:
+        executors = {w for rt in routing for stage in rt for w in stage}
+        out: dict[str, float] = {}
+        for pipe in pipelines:
+            for st in pipe.stages:
+                if st.worker in executors:
+                    u = self.table.update_seconds(st.first_layer, st.end_layer)
+                    out[st.worker] = out.get(st.worker, 0.0) + u
+        return out
+
+    def host_seconds(self, pipelines: Sequence[Pipeline], routing: Routing) -> float:
+        """The busiest shared host's CPU work per step over its cores (0 where none is listed).
+
+        Work = every forward and backward its workers execute (own and rerouted micro-batches),
+        their optimizer updates, and `step_cpu_seconds` per executing worker.
+        """
+        hosts = self.spec.hosts
+        if not hosts:
+            return 0.0
+        t = self.table
+        work: dict[str, float] = {}
+        for pipe, rt in zip(pipelines, routing, strict=True):
+            for st, executors in zip(pipe.stages, rt, strict=True):
+                a, b = st.first_layer, st.end_layer
+                op = t.forward_seconds(a, b) + t.backward_seconds(a, b)
+                for w in executors:
+                    host = self._host[w]
+                    if host in hosts:
+                        work[host] = work.get(host, 0.0) + op
+        executing = {w for rt in routing for stage in rt for w in stage}
+        updates = self._update_per_worker(pipelines, routing)
+        for w in executing:
+            host = self._host[w]
+            if host in hosts:
+                extra = updates.get(w, 0.0) + hosts[host].step_cpu_seconds
+                work[host] = work.get(host, 0.0) + extra
+        return max((seconds / hosts[h].cpu_cores for h, seconds in work.items()), default=0.0)
+
     def step_seconds(
         self, pipelines: Sequence[Pipeline], routing: Routing, groups: Sequence[SyncGroup]
     ) -> float:
-        return self.makespan(pipelines, routing) + self.sync_seconds(groups)
+        critical = (
+            self.makespan(pipelines, routing)
+            + self.sync_seconds(groups)
+            + self.update_seconds(pipelines, routing)
+        )
+        return max(critical, self.host_seconds(pipelines, routing))
 
     # -- memory ----------------------------------------------------------------------------
 

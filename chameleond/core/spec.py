@@ -49,6 +49,15 @@ class LayerProfile:
     optimizer_bytes: int
     activation_bytes: int  # stashed per in-flight micro-batch
     output_bytes: int  # the activation sent to the next stage per micro-batch
+    update_seconds: float = 0.0  # the optimizer step of the layer, once per training step
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """A host whose CPU cores the job's workers share (a CPU job: workers are processes)."""
+
+    cpu_cores: float  # cores the job gets there (measured by its workers where they compete)
+    step_cpu_seconds: float = 0.0  # CPU per worker per step beyond its layers: messages, votes
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,9 @@ class JobSpec:
     # The model's architecture for the workers (d_model, heads, blocks, seq_len, vocab, seed, lr);
     # opaque to the planner, which only sees `layers`.
     arch: Mapping[str, Any] = field(default_factory=dict)
+    # Hosts whose CPU cores the workers share (`[hosts.NAME]`; measured by CPU workers). Where a
+    # host is listed, its workers' summed CPU work per step bounds the step from below.
+    hosts: Mapping[str, HostSpec] = field(default_factory=dict)
 
     def worker(self, worker_id: str) -> WorkerSpec:
         for w in self.workers:
@@ -141,6 +153,9 @@ def _layer(d: Mapping[str, Any], i: int) -> LayerProfile:
         optimizer_bytes=int(_num(d, "optimizer_bytes", where, positive=False)),
         activation_bytes=int(_num(d, "activation_bytes", where, positive=False)),
         output_bytes=int(_num(d, "output_bytes", where, positive=False)),
+        update_seconds=_num(d, "update_seconds", where, positive=False)
+        if "update_seconds" in d
+        else 0.0,
     )
 
 
@@ -195,6 +210,19 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
             f"training: {training.micro_batches} micro-batches cannot feed {len(layout)} pipelines"
         )
     lim = d.get("search", {})
+    hosts = d.get("hosts", {})
+    if not isinstance(hosts, Mapping):
+        raise SpecError("hosts: expected a table of host names")
+    host_specs: dict[str, HostSpec] = {}
+    for h, v in hosts.items():
+        if not isinstance(v, Mapping):
+            raise SpecError(f"hosts.{h}: expected a table")
+        host_specs[str(h)] = HostSpec(
+            cpu_cores=_num(v, "cpu_cores", f"hosts.{h}"),
+            step_cpu_seconds=_num(v, "step_cpu_seconds", f"hosts.{h}", positive=False)
+            if "step_cpu_seconds" in v
+            else 0.0,
+        )
     return JobSpec(
         name=str(job.get("name", "default")),
         workers=tuple(workers),
@@ -209,6 +237,7 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
         ),
         rebuild_seconds=float(job.get("rebuild_seconds", 0.05)),
         arch=dict(model.get("arch", {})),
+        hosts=host_specs,
     )
 
 

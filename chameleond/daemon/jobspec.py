@@ -1,18 +1,25 @@
 """The job description as the daemon keeps it: the spec document stored in Redis for the workers,
-and measured layer profiles folded into the spec the planner sees."""
+and measured layer profiles and host capacities folded into the spec the planner sees.
+
+Workers send `profile` events at start-up (each layer alone) and then periodically from training
+(docs/worker.md, "Profile"); each worker's newest profile replaces its previous one, so the planner
+always sees the mean of the newest measurements.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from chameleond.core.spec import JobSpec, LayerProfile
+from chameleond.core.spec import HostSpec, JobSpec, LayerProfile
 from chameleond.protocol import EventError
 
 LAYER_FIELDS = tuple(f.name for f in fields(LayerProfile))
 _NUMERIC = tuple(n for n in LAYER_FIELDS if n != "name")
+# Fields a profile may leave out (older workers): the LayerProfile default applies.
+_OPTIONAL = frozenset({"update_seconds"})
 
 
 def spec_document(spec: JobSpec) -> dict[str, Any]:
@@ -31,6 +38,7 @@ def spec_document(spec: JobSpec) -> dict[str, Any]:
         "training": asdict(spec.training),
         "plan": {"pipelines": pipelines},
         "search": asdict(spec.search),
+        "hosts": {h: asdict(v) for h, v in sorted(spec.hosts.items())},
     }
 
 
@@ -52,6 +60,8 @@ def parse_profile(data: Mapping[str, Any], n_layers: int) -> dict[int, LayerProf
             raise EventError(f"profile: layers[{pos}].index {index!r} is not in 0..{n_layers - 1}")
         values: dict[str, Any] = {"name": str(item.get("name", f"layer{index}"))}
         for name in _NUMERIC:
+            if name in _OPTIONAL and name not in item:
+                continue
             v: Any = item.get(name)
             number = isinstance(v, int | float) and not isinstance(v, bool)
             if not number or not math.isfinite(v) or v < 0:
@@ -81,6 +91,7 @@ def measured_layers(
                 optimizer_bytes=round(sum(s.optimizer_bytes for s in seen) / n),
                 activation_bytes=round(sum(s.activation_bytes for s in seen) / n),
                 output_bytes=round(sum(s.output_bytes for s in seen) / n),
+                update_seconds=sum(s.update_seconds for s in seen) / n,
             )
         )
     return tuple(out)
@@ -91,4 +102,61 @@ def profile_to_json(profile: Mapping[int, LayerProfile]) -> list[dict[str, Any]]
 
 
 def profile_from_json(items: Sequence[Mapping[str, Any]]) -> dict[int, LayerProfile]:
-    return {int(d["index"]): LayerProfile(**{k: d[k] for k in LAYER_FIELDS}) for d in items}
+    return {
+        int(d["index"]): LayerProfile(**{k: d[k] for k in LAYER_FIELDS if k in d}) for d in items
+    }
+
+
+@dataclass(frozen=True)
+class HostReport:
+    """A CPU worker's view of its host: the cores it may use, the cores the job's workers on it
+    keep busy (its own CPU share times the number of them, measured while they compete), and,
+    from training, its CPU per step beyond its layers."""
+
+    host: str
+    cores: float
+    busy_cores: float
+    step_cpu_seconds: float | None = None
+
+
+def _positive(raw: Mapping[str, Any], key: str, *, zero: bool = False) -> float:
+    v: Any = raw.get(key)
+    number = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not number or v < 0 or (v == 0 and not zero):
+        bound = ">= 0" if zero else "> 0"
+        raise EventError(f"profile: host.{key} must be a number {bound}, got {v!r}")
+    return float(v)
+
+
+def parse_host_report(data: Mapping[str, Any]) -> HostReport | None:
+    """The optional `host` object of a `profile` event: {"name", "cores", "busy_cores",
+    optional "step_cpu_seconds"}."""
+    raw = data.get("host")
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
+        raise EventError("profile: 'host' must be an object with a 'name'")
+    step = _positive(raw, "step_cpu_seconds", zero=True) if "step_cpu_seconds" in raw else None
+    return HostReport(raw["name"], _positive(raw, "cores"), _positive(raw, "busy_cores"), step)
+
+
+def fold_host_report(spec: JobSpec, report: HostReport, reporters: int) -> JobSpec:
+    """The spec with the host's figures moved toward this report.
+
+    A report says how many cores the job's workers on the host got, at most the host's cores:
+    while more workers than cores compete, that is the capacity left to the job by everything
+    else running there. Each of the host's `reporters` workers reports in turn, so a weight of
+    1/reporters keeps a running mean over the newest round. `step_cpu_seconds` is folded the same
+    way when the report has it (from training); until then the spec's value stands.
+    """
+    weight = 1.0 / max(1, reporters)
+    cores = min(report.cores, report.busy_cores)
+    old = spec.hosts.get(report.host)
+    if old is None:
+        new = HostSpec(cores, report.step_cpu_seconds or 0.0)
+    else:
+        step = old.step_cpu_seconds
+        if report.step_cpu_seconds is not None:
+            step += (report.step_cpu_seconds - step) * weight
+        new = HostSpec(old.cpu_cores + (cores - old.cpu_cores) * weight, step)
+    return replace(spec, hosts={**spec.hosts, report.host: new})

@@ -97,6 +97,7 @@ class LocalCluster:
         bind_addresses: dict[str, str] | None = None,
         daemon_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        worker_args: Sequence[str] = (),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.job = job
@@ -105,6 +106,7 @@ class LocalCluster:
         self.policy = policy
         self.bind_addresses = bind_addresses or {}
         self.daemon_args = list(daemon_args)
+        self.worker_args = list(worker_args)  # appended to every chameleon-worker command line
         self.env = {**os.environ, **(env or {})}
         # Keep each process to one thread: six workers on a 2-core machine must not oversubscribe.
         self.env.setdefault("OMP_NUM_THREADS", "1")
@@ -215,6 +217,7 @@ class LocalCluster:
         ]
         if worker in self.bind_addresses:
             argv += ["--bind-address", self.bind_addresses[worker]]
+        argv += self.worker_args
         n = self._incarnation[worker] = self._incarnation.get(worker, 0) + 1
         child = self._spawn(worker if n == 1 else f"{worker}.{n}", argv)
         self.workers[worker] = child

@@ -1,0 +1,64 @@
+"""`profile` events with a host report: measured cores and per-step CPU folded into the spec."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import pytest
+
+import handlers
+from chameleond.core.machine import PolicyMachine
+from chameleond.core.spec import parse_spec
+from chameleond.daemon.job import Job
+from chameleond.daemon.jobspec import spec_document
+from chameleond.jobs import load_default_spec
+from chameleond.protocol import EventError, parse_event
+
+SPEC = load_default_spec()
+LAYERS = [asdict(layer) for layer in SPEC.layers]
+
+
+def send(j: Job, data: object, worker: str = "w0") -> handlers.Outcome:
+    fields = {"type": "profile", "worker": worker, "data": json.dumps(data)}
+    return handlers.dispatch(j, parse_event(fields), "1-0", 1.0)
+
+
+def test_host_reports_move_the_cores_and_step_cpu_toward_the_measurements() -> None:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    declared = SPEC.hosts["localhost"]
+    host: dict[str, object] = {"name": "localhost", "cores": 2, "busy_cores": 1.4}
+    assert send(j, {"layers": LAYERS, "host": host}).label == "handled"
+    after_one = j.spec.hosts["localhost"]
+    # Six workers share the host: one report moves the value a sixth of the way.
+    assert after_one.cpu_cores == pytest.approx(declared.cpu_cores + (1.4 - 2) / 6)
+    assert after_one.step_cpu_seconds == declared.step_cpu_seconds  # a start-up report has none
+    for w in ("w0", "w1", "w2", "w3", "w4", "w5") * 20:
+        report: dict[str, object] = {**host, "step_cpu_seconds": 0.01}
+        send(j, {"layers": LAYERS, "host": report}, worker=w)
+    assert j.spec.hosts["localhost"].cpu_cores == pytest.approx(1.4, rel=1e-3)
+    assert j.spec.hosts["localhost"].step_cpu_seconds == pytest.approx(0.01, rel=1e-3)
+    # The spec stored for the workers round-trips the measured host.
+    assert parse_spec(spec_document(j.spec)).hosts == j.spec.hosts
+
+
+def test_busy_cores_are_capped_by_the_host_cores() -> None:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    for _ in range(50):
+        send(j, {"layers": LAYERS, "host": {"name": "h9", "cores": 4, "busy_cores": 7.5}})
+    assert j.spec.hosts["h9"].cpu_cores == 4
+
+
+@pytest.mark.parametrize(
+    ("host", "reason"),
+    [
+        ({"cores": 2, "busy_cores": 1}, "'name'"),
+        ({"name": "localhost", "cores": 0, "busy_cores": 1}, "host.cores"),
+        ({"name": "localhost", "cores": 2, "busy_cores": "lots"}, "host.busy_cores"),
+        ({"name": "localhost", "cores": 2, "busy_cores": 1, "step_cpu_seconds": -1}, "step_cpu"),
+    ],
+)
+def test_bad_host_reports_are_rejected_with_a_reason(host: dict[str, object], reason: str) -> None:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    with pytest.raises(EventError, match=reason):
+        send(j, {"layers": LAYERS, "host": host})

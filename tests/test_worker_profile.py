@@ -1,0 +1,72 @@
+"""Profiles: the start-up measurement and the in-training meter (in process, no peers)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from chameleond.daemon.jobspec import parse_host_report, parse_profile
+from workers import profile
+from workers.model import Arch
+from workers.profile import TrainingMeter, profile_model
+
+ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
+CPU = torch.device("cpu")
+
+
+def test_startup_profile_measures_every_layer_and_the_host() -> None:
+    data = profile_model(ARCH, 2, CPU, host="h0", workers_on_host=64)
+    layers = parse_profile(data, ARCH.n_layers)
+    assert len(layers) == ARCH.n_layers
+    assert all(p.forward_seconds > 0 and p.backward_seconds > 0 for p in layers.values())
+    assert all(p.update_seconds > 0 for p in layers.values())
+    assert all(p.optimizer_bytes >= 2 * p.param_bytes for p in layers.values())
+    assert layers[ARCH.n_layers - 1].output_bytes == 0
+    host = parse_host_report(data)
+    assert host is not None and host.host == "h0" and host.step_cpu_seconds is None
+    # 64 workers compete for the cores: the job gets this process's share times 64.
+    assert host.busy_cores > 0 and host.cores == profile.host_cores()
+
+
+def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(profile, "REPORT_STEPS", 2)
+    monkeypatch.setattr(profile, "REPORT_SECONDS", 0.0)
+    startup = [
+        {"name": f"l{i}", "forward_seconds": f, "backward_seconds": 2 * f, "update_seconds": 1.0,
+         "param_bytes": 4, "optimizer_bytes": 8, "activation_bytes": 0, "output_bytes": 4}
+        for i, f in enumerate((1.0, 3.0, 5.0))
+    ]  # fmt: skip
+    meter = TrainingMeter(startup, CPU, micro_batch=2, host="h0", workers_on_host=1)
+    ticks = iter(float(t) for t in range(100))
+    meter.clock = lambda: next(ticks)  # each call one "second" later
+    for _ in range(2):  # two steps, each: 2 forwards, 2 backwards of layers 0-1, one update
+        for forward in (True, True, False, False):
+            meter.op(forward, range(2), meter.clock(), waited=0.0)
+        meter.update((0, 1), meter.clock())
+        data = meter.step_done()
+    assert data is not None and data["steps"] == 2 and data["source"] == "training"
+    got = {d["index"]: d for d in data["layers"]}
+    assert set(got) == {0, 1}  # layer 2 never ran here
+    # Each op took 1 s, split 1:3 between the layers; per micro-batch.
+    assert got[0]["forward_seconds"] == pytest.approx(0.25)
+    assert got[1]["backward_seconds"] == pytest.approx(0.75)
+    assert got[0]["update_seconds"] == pytest.approx(0.5)  # 1 s per step, split evenly
+    assert data["host"]["busy_cores"] == profile.host_cores()  # one worker: no competition
+    assert data["host"]["step_cpu_seconds"] >= 0
+    assert meter.steps == 0  # a new window after each report
+
+
+def test_meter_waits_for_enough_steps_and_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(profile, "REPORT_STEPS", 3)
+    monkeypatch.setattr(profile, "REPORT_SECONDS", 0.05)
+    startup = profile_model(ARCH, 2, CPU)["layers"]
+    meter = TrainingMeter(startup, CPU, micro_batch=2, host="", workers_on_host=1)
+    meter.op(True, range(2), meter.clock() - 0.01, waited=0.0)
+    assert meter.step_done() is None and meter.step_done() is None
+    time.sleep(0.06)
+    data = meter.step_done()
+    assert data is not None and "host" not in data  # no host name: no host report
