@@ -23,7 +23,10 @@ from chameleond.local.run import LocalRun, RunOptions
 from chameleond.local.trace import ReplayStep, TraceError, load_trace, plan_replay
 
 # The default schedule (docs/local.md, "Why the two default faults end differently").
-DEFAULT_FAULTS = "kill:w0@step=40,kill:w2@step=100"
+# w0 has a replica of its stage (w2): rerouting keeps the layout and wins. w5 then holds a layer
+# range no surviving stage holds: rerouting is infeasible and the job re-partitions (docs/local.md).
+UP_SPEC = "cpu-mixed.toml"
+DEFAULT_FAULTS = "kill:w0@step=40,kill:w5@step=100"
 DEFAULT_STEPS = 160
 
 
@@ -76,9 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _default_spec() -> JobSpec:
-    from chameleond.jobs import load_default_spec
+    from chameleond.jobs import load_spec_named
 
-    return load_default_spec()
+    return load_spec_named(UP_SPEC)
 
 
 def build_spec_document(
@@ -97,25 +100,21 @@ def build_spec_document(
     doc["job"]["name"] = job
     if mtbf_prior_seconds is not None:
         doc["job"]["mtbf_prior_seconds"] = mtbf_prior_seconds
-    n = workers if workers is not None else len(base.workers)
-    stages = pp if pp is not None else len(base.layout[0])
-    if n <= 0 or stages <= 0:
-        raise SpecError("--workers and --pp must be positive")
-    if n % stages:
-        raise SpecError(f"--pp {stages} does not divide --workers {n}")
-    if workers is not None or pp is not None or bind_addresses:
+    if workers is not None or pp is not None:
+        n = workers if workers is not None else len(base.workers)
+        stages = pp if pp is not None else len(base.layout[0])
+        if n <= 0 or stages <= 0:
+            raise SpecError("--workers and --pp must be positive")
+        if n % stages:
+            raise SpecError(f"--pp {stages} does not divide --workers {n}")
         template = base.workers[0]
-        hosts = bind_addresses or [template.host]
         doc["workers"] = [
-            {
-                "id": f"w{i}",
-                "host": hosts[i % len(hosts)],
-                "memory_bytes": template.memory_bytes,
-                "device": "cpu",
-            }
+            {"id": f"w{i}", "host": template.host, "memory_bytes": template.memory_bytes}
             for i in range(n)
         ]
         doc["plan"] = {"stages": stages}
+    for i, w in enumerate(doc["workers"] if bind_addresses else ()):
+        w["host"] = bind_addresses[i % len(bind_addresses)]
     parse_spec(doc)  # every layout problem surfaces here, as a SpecError naming the field
     return doc
 

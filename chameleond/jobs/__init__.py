@@ -19,4 +19,9 @@ def load_default_spec() -> JobSpec:
     return load_spec(default_spec_path())
 
 
-__all__ = ["DEFAULT_SPEC", "default_spec_path", "load_default_spec"]
+def load_spec_named(name: str) -> JobSpec:
+    """A packaged job by file name, e.g. "cpu-mixed.toml" (the default of `chameleonctl up`)."""
+    return load_spec(Path(str(resources.files(__package__).joinpath(name))))
+
+
+__all__ = ["DEFAULT_SPEC", "default_spec_path", "load_default_spec", "load_spec_named"]
