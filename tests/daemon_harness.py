@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -150,3 +151,28 @@ class Workers:
 
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
+
+
+class Generations:
+    """Every generation published on the plans channel, across daemon restarts."""
+
+    def __init__(self, url: str) -> None:
+        self.client = redis.Redis.from_url(url, decode_responses=True)
+        self.pubsub = self.client.pubsub()
+        self.pubsub.subscribe("chameleon:default:plans")
+        self.seen: list[int] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            m = self.pubsub.get_message(timeout=0.1)
+            if m and m["type"] == "message":
+                self.seen.append(int(m["data"]))
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.pubsub.close()
+        self.client.close()

@@ -11,36 +11,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import WORKERS, Daemon, Generations, Workers, wait_for
 
 from chameleond.redis_server import RedisServer
 
 EVENTS = "chameleon:default:events"
-
-
-class Generations:
-    """Every generation published on the plans channel, across daemon restarts."""
-
-    def __init__(self, url: str) -> None:
-        self.client = redis.Redis.from_url(url, decode_responses=True)
-        self.pubsub = self.client.pubsub()
-        self.pubsub.subscribe("chameleon:default:plans")
-        self.seen: list[int] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            m = self.pubsub.get_message(timeout=0.1)
-            if m and m["type"] == "message":
-                self.seen.append(int(m["data"]))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.pubsub.close()
-        self.client.close()
 
 
 @pytest.fixture

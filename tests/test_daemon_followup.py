@@ -6,13 +6,12 @@ the daemon in between neither loses nor repeats the switch (the follow-up is per
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import redis
-from daemon_harness import Daemon, Workers, wait_for
+from daemon_harness import Daemon, Generations, Workers, wait_for
 
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.spec import parse_spec
@@ -54,31 +53,6 @@ def test_the_planner_offers_a_follow_up_for_this_job() -> None:
         assert d.follow_up_after_seconds is not None and d.follow_up_after_seconds < d_seconds
 
 
-class Published:
-    """Every generation published on the plans channel, across daemon restarts."""
-
-    def __init__(self, url: str) -> None:
-        self.client = redis.Redis.from_url(url, decode_responses=True)
-        self.pubsub = self.client.pubsub()
-        self.pubsub.subscribe("chameleon:default:plans")
-        self.seen: list[int] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            m = self.pubsub.get_message(timeout=0.1)
-            if m and m["type"] == "message":
-                self.seen.append(int(m["data"]))
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join()
-        self.pubsub.close()
-        self.client.close()
-
-
 def snapshot(client: redis.Redis) -> dict[str, Any]:
     return dict(json.loads(client.hget("chameleon:default:state", "snapshot") or "{}"))
 
@@ -95,7 +69,7 @@ def test_reroute_then_switch_survives_kill_9_without_loss_or_repeat(
     spec_file = tmp_path / "followup.json"
     spec_file.write_text(json.dumps(spec_document()))
     workers = Workers(redis_client)
-    published = Published(redis_server.url)
+    published = Generations(redis_server.url)
     daemons: list[Daemon] = []
 
     def start() -> Daemon:
