@@ -78,5 +78,6 @@ def test_bad_fault_spec_is_one_clear_line(tmp_path: Path) -> None:
     proc = chameleonctl("up", "--faults", "kill:w9@step=3", "--report", str(tmp_path), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "chameleonctl up: kill:w9@step=3: no worker 'w9' (the cluster runs w0, w1, w2, w3, w4, w5, w6)"
+        "chameleonctl up: kill:w9@step=3: no worker 'w9'"
+        " (the cluster runs w0, w1, w2, w3, w4, w5, w6)"
     )
