@@ -30,6 +30,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -144,41 +146,48 @@ def plan_rows(mon: StreamMonitor, run: str) -> list[dict[str, Any]]:
     return rows
 
 
+@contextmanager
+def _warmed_up(cluster: LocalCluster, args: argparse.Namespace) -> Iterator[StreamMonitor]:
+    """Start the daemon and workers; yield the stream monitor once `--warmup` steps commit."""
+    cluster.start_daemon()
+    cluster.start_workers()
+    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    try:
+        mon = StreamMonitor(client, "bench")
+        _wait_steps(mon, cluster, args.warmup, None, args.timeout)
+        yield mon
+    finally:
+        client.close()
+
+
 def _kill_and_recover(
     args: argparse.Namespace, spec: Path, tmp: Path, policy: str
 ) -> dict[str, Any]:
-    with LocalCluster(
-        tmp / policy, job="bench", workers=_worker_ids(spec), spec_path=spec, policy=policy
-    ) as cluster:
-        cluster.start_daemon()
-        cluster.start_workers()
-        client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-        try:
-            mon = StreamMonitor(client, "bench")
-            _wait_steps(mon, cluster, args.warmup, None, args.timeout)
-            old_gen = mon.last_commit.generation if mon.last_commit else 0
-            killed_at = cluster.kill_worker(args.victim)
+    with (
+        LocalCluster(
+            tmp / policy, job="bench", workers=_worker_ids(spec), spec_path=spec, policy=policy
+        ) as cluster,
+        _warmed_up(cluster, args) as mon,
+    ):
+        old_gen = mon.last_commit.generation if mon.last_commit else 0
+        killed_at = cluster.kill_worker(args.victim)
 
-            def recovered() -> bool:
-                mon.poll(block_ms=20)
-                cluster.check_daemon()
-                return any(c.generation > old_gen for c in mon.commits)
+        def recovered() -> bool:
+            mon.poll(block_ms=20)
+            cluster.check_daemon()
+            return any(c.generation > old_gen for c in mon.commits)
 
-            wait_for(
-                recovered, args.timeout, f"a step on a new plan after killing {args.victim}", 0
-            )
-            first = next(c for c in mon.commits if c.generation > old_gen)
-            _wait_steps(mon, cluster, args.after, first.generation, args.timeout)
-            mon.read_all()
-            chosen = mon.plans.get(first.generation, {}).get("policy", policy)
-            return {
-                "seconds": round(first.at - killed_at, 3),
-                "generation": first.generation,
-                "policy": chosen,
-                "plans": plan_rows(mon, policy),
-            }
-        finally:
-            client.close()
+        wait_for(recovered, args.timeout, f"a step on a new plan after killing {args.victim}", 0)
+        first = next(c for c in mon.commits if c.generation > old_gen)
+        _wait_steps(mon, cluster, args.after, first.generation, args.timeout)
+        mon.read_all()
+        chosen = mon.plans.get(first.generation, {}).get("policy", policy)
+        return {
+            "seconds": round(first.at - killed_at, 3),
+            "generation": first.generation,
+            "policy": chosen,
+            "plans": plan_rows(mon, policy),
+        }
 
 
 def _restart(args: argparse.Namespace, spec: Path, tmp: Path) -> dict[str, Any]:
@@ -186,46 +195,41 @@ def _restart(args: argparse.Namespace, spec: Path, tmp: Path) -> dict[str, Any]:
     ckpt = tmp / "checkpoints"
     flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(args.checkpoint_every)]
     workers = _worker_ids(spec)
-    with LocalCluster(
-        tmp / "restart", job="bench", workers=workers, spec_path=spec, worker_args=flags
-    ) as cluster:
+    with (
+        LocalCluster(
+            tmp / "restart", job="bench", workers=workers, spec_path=spec, worker_args=flags
+        ) as cluster,
+        _warmed_up(cluster, args) as mon,
+    ):
+        client = mon.client
+        killed_at = cluster.kill_worker(args.victim)
+        mon.poll(block_ms=1)
+        before = mon.last_commit
+        last_step = before.step if before else -1
+        step_seconds = plan_rows(mon, "restart")
+        # Restart the world: every process stops; the job starts again from its checkpoints,
+        # with a fresh daemon (the job's keys removed: nothing survives but the files).
+        cluster.stop_workers()
+        cluster.stop_daemon()
+        stopped_at = time.time()
+        client.delete(*client.keys("chameleon:bench:*"))
+        mon = StreamMonitor(client, "bench")
         cluster.start_daemon()
         cluster.start_workers()
-        client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-        try:
-            mon = StreamMonitor(client, "bench")
-            _wait_steps(mon, cluster, args.warmup, None, args.timeout)
-            killed_at = cluster.kill_worker(args.victim)
-            mon.poll(block_ms=1)
-            before = mon.last_commit
-            last_step = before.step if before else -1
-            step_seconds = plan_rows(mon, "restart")
-            # Restart the world: every process stops; the job starts again from its checkpoints,
-            # with a fresh daemon (the job's keys removed: nothing survives but the files).
-            cluster.stop_workers()
-            if cluster.daemon is not None:
-                cluster._stop_children([cluster.daemon], 5.0)
-            stopped_at = time.time()
-            client.delete(*client.keys("chameleon:bench:*"))
-            mon = StreamMonitor(client, "bench")
-            cluster.start_daemon()
-            cluster.start_workers()
-            _wait_steps(mon, cluster, 1, None, args.timeout)
-            first = mon.commits[0]
-            resumed_after = first.step - 1  # the checkpoint's step
-            lost_steps = max(0, last_step - resumed_after)
-            per_step = step_seconds[0]["measured_step_seconds"] if step_seconds else None
-            return {
-                "seconds": round(first.at - killed_at, 3),
-                "stopped_after_kill_seconds": round(stopped_at - killed_at, 3),
-                "checkpoint_every": args.checkpoint_every,
-                "last_step_before_kill": last_step,
-                "resumed_from_checkpoint_step": resumed_after,
-                "lost_steps": lost_steps,
-                "lost_seconds": round(lost_steps * per_step, 3) if per_step else None,
-            }
-        finally:
-            client.close()
+        _wait_steps(mon, cluster, 1, None, args.timeout)
+        first = mon.commits[0]
+        resumed_after = first.step - 1  # the checkpoint's step
+        lost_steps = max(0, last_step - resumed_after)
+        per_step = step_seconds[0]["measured_step_seconds"] if step_seconds else None
+        return {
+            "seconds": round(first.at - killed_at, 3),
+            "stopped_after_kill_seconds": round(stopped_at - killed_at, 3),
+            "checkpoint_every": args.checkpoint_every,
+            "last_step_before_kill": last_step,
+            "resumed_from_checkpoint_step": resumed_after,
+            "lost_steps": lost_steps,
+            "lost_seconds": round(lost_steps * per_step, 3) if per_step else None,
+        }
 
 
 def run(args: argparse.Namespace) -> int:

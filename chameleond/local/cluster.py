@@ -240,6 +240,10 @@ class LocalCluster:
     def stop_workers(self, *, grace: float = STOP_GRACE_SECONDS) -> None:
         self._stop_children(list(self.workers.values()), grace)
 
+    def stop_daemon(self, *, grace: float = STOP_GRACE_SECONDS) -> None:
+        if self.daemon is not None:
+            self._stop_children([self.daemon], grace)
+
     def check_daemon(self) -> None:
         if self.daemon is not None and not self.daemon.alive:
             raise ClusterError(
@@ -250,9 +254,8 @@ class LocalCluster:
     def stop(self, *, grace: float = STOP_GRACE_SECONDS) -> None:
         """Workers first (they must not outlive their plans), then the daemon, then Redis."""
         try:
-            self._stop_children(list(self.workers.values()), grace)
-            if self.daemon is not None:
-                self._stop_children([self.daemon], grace)
+            self.stop_workers(grace=grace)
+            self.stop_daemon(grace=grace)
             if self.redis is not None:
                 self.redis.stop()
                 self.redis = None
