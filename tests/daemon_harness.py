@@ -136,6 +136,12 @@ class Workers:
         for w in workers:
             self.send(type="ack", worker=w, generation=generation, phase="ready")
 
+    def run_first_plan(self) -> None:
+        """Register every worker, wait for generation 1 and acknowledge it ready."""
+        self.register()
+        wait_for(lambda: self.generation() == 1, 15, "generation 1")
+        self.ready(1, WORKERS)
+
     def plan(self) -> dict[str, Any] | None:
         raw = self.client.get(f"chameleon:{self.job}:plan")
         return json.loads(raw) if raw else None

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Generations, Workers, wait_for
+from daemon_harness import Daemon, Generations, Workers, wait_for
 
 from chameleond.redis_server import RedisServer
 
@@ -51,9 +51,7 @@ def test_kill_during_a_decision_then_restart_redecides_once(
     slow = Daemon(redis_server.url, tmp_path, "--decision-delay-seconds", "30").start()
     try:
         slow.wait_ready()
-        workers.register()
-        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
-        workers.ready(1, WORKERS)
+        workers.run_first_plan()
         wait_for(lambda: slow.status()["state"] == "training", 15, "training")
         fault_id = workers.send(type="fault", worker="w1", cause="NIC down")
         wait_for(lambda: slow.status()["state"] == "planning", 15, "planning")
@@ -87,9 +85,7 @@ def test_random_kills_lose_no_acknowledged_fault_and_never_reuse_a_generation(
     first = Daemon(redis_server.url, tmp_path).start()
     try:
         first.wait_ready()
-        workers.register()
-        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
-        workers.ready(1, WORKERS)
+        workers.run_first_plan()
     finally:
         first.kill()
     faulted: list[str] = []

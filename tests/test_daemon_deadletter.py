@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import Daemon, Workers, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,9 +116,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, red
     try:
         daemon.wait_ready()
         workers = Workers(client)
-        workers.register()
-        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
-        workers.ready(1, WORKERS)
+        workers.run_first_plan()
         yield daemon, client
     finally:
         daemon.stop()

@@ -31,9 +31,7 @@ def daemon_factory(redis_server: RedisServer, tmp_path: Path) -> Iterator[type[D
 
 
 def training(workers: Workers, daemon: Daemon) -> None:
-    workers.register()
-    wait_for(lambda: workers.generation() == 1, 15, "generation 1")
-    workers.ready(1, WORKERS)
+    workers.run_first_plan()
     wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
 
 

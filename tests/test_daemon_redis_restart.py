@@ -31,9 +31,7 @@ def test_redis_restart_during_a_decision_loses_nothing_and_generations_continue(
     workers = Workers(redis_client)
     try:
         daemon.wait_ready()
-        workers.register()
-        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
-        workers.ready(1, WORKERS)
+        workers.run_first_plan()
         wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
 
         fault = workers.send(type="fault", worker="w1", cause="ECC error")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import Daemon, Workers, wait_for
 
 from chameleond.daemon.consumer import StreamConsumer
 from chameleond.protocol import CONSUMER_GROUP, Keys
@@ -37,9 +37,7 @@ def test_entries_of_a_consumer_that_died_are_claimed_and_owed_ones_are_left_alon
     first = Daemon(redis_server.url, tmp_path).start()
     try:
         first.wait_ready()
-        workers.register()
-        wait_for(lambda: workers.generation() == 1, 15, "generation 1")
-        workers.ready(1, WORKERS)
+        workers.run_first_plan()
         wait_for(lambda: first.status()["state"] == "training", 15, "training")
         assert first.terminate() == 0
     finally:
