@@ -39,8 +39,13 @@ def test_redis_restart_during_a_decision_loses_nothing_and_generations_continue(
         redis_server.stop()  # SIGTERM: Redis writes its append-only file and exits
         time.sleep(2.5)  # the decision ends while Redis is away: its commit waits and retries
         assert daemon.get("/healthz")[0] == 200  # the read loop keeps turning (and retrying)
+        status, body = daemon.get("/readyz")  # ... but cannot take faults: not ready
+        assert status == 503 and "Redis unreachable" in str(body), body
+        assert counter(daemon, "chameleon_redis_up") == 0
         assert daemon.proc is not None and daemon.proc.poll() is None
         redis_server.start()
+        wait_for(lambda: daemon.get("/readyz")[0] == 200, 15, "ready again after Redis is back")
+        assert counter(daemon, "chameleon_redis_up") == 1
 
         wait_for(lambda: workers.generation() == 2, 20, "generation 2 after Redis came back")
         plan = workers.plan()

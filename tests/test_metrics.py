@@ -18,6 +18,7 @@ NAMES = {
     "chameleon_estimated_throughput_samples_per_second": "gauge",
     "chameleon_workers": "gauge",
     "chameleon_plan_generation": "gauge",
+    "chameleon_redis_up": "gauge",
     "chameleon_job_state": "gauge",
 }
 

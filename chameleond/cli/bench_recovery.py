@@ -18,7 +18,10 @@ step_time_error: for every plan of the reroute and dynamic runs (the initial pla
 one), |measured - estimated| / measured, where estimated is the plan's own estimate (made when it
 was published, from the profiles the workers had reported by then) and measured is the median
 time between consecutive committed steps of that plan (its first step, which includes the
-recovery, excluded); the figure is the largest of them.
+recovery, excluded); the figure is the largest of them. It is also given per kind of estimate:
+`step_time_error_initial` for the initial plans (estimated from the workers' start-up profiles
+only) and `step_time_error_after_fault` for the plans chosen at the fault (estimated from the
+profiles the workers measured in training on the plan before).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -251,12 +254,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"chameleonctl bench recovery: {e}", file=sys.stderr)
         return 1
     plans = reroute["plans"] + dynamic["plans"]
-    errors = [p["relative_error"] for p in plans if p["relative_error"] is not None]
     out = {
         "reroute_seconds": reroute["seconds"],
         "dynamic_seconds": dynamic["seconds"],
         "restart_seconds": restart["seconds"],
-        "step_time_error": max(errors) if errors else None,
+        "step_time_error": _largest_error(plans),
+        "step_time_error_initial": _largest_error(p for p in plans if p["policy"] == "initial"),
+        "step_time_error_after_fault": _largest_error(p for p in plans if p["policy"] != "initial"),
         "speedup_reroute": _ratio(restart["seconds"], reroute["seconds"]),
         "speedup_dynamic": _ratio(restart["seconds"], dynamic["seconds"]),
         "restart": restart,
@@ -270,6 +274,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(out, args)
     return 0
+
+
+def _largest_error(plans: Iterable[dict[str, Any]]) -> float | None:
+    errors = [p["relative_error"] for p in plans if p["relative_error"] is not None]
+    return max(errors) if errors else None
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -301,4 +310,8 @@ def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
             f"{p['measured_step_seconds']:.4f} s, error "
             f"{'-' if err is None else f'{100 * err:.1f}%'}"
         )
-    print(f"  step_time_error (largest): {out['step_time_error']} (target <= 0.15)")
+    print(
+        f"  step_time_error (largest): {out['step_time_error']} (target <= 0.15); initial plans "
+        f"(start-up profiles): {out['step_time_error_initial']}, plans chosen at the fault "
+        f"(in-training profiles): {out['step_time_error_after_fault']}"
+    )

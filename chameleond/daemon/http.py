@@ -53,8 +53,7 @@ class HttpServer:
 
     async def readyz(self, request: web.Request) -> web.Response:
         svc = self.service
-        ok, why = svc.healthy()
-        ready = svc.ready and ok
+        ready, why = svc.readiness()
         body = {"ready": ready, "state": svc.job.machine.phase.value, "reason": why}
         return web.json_response(body, status=200 if ready else 503)
 

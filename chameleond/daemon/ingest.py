@@ -50,6 +50,7 @@ class Ingest:
         self.max_deliveries = max_deliveries
         self.observer = observer
         self.last_loop = time.monotonic()  # the read loop's last turn (liveness, /healthz)
+        self.redis_error = ""  # why the last read failed; "" once a read succeeds (/readyz)
 
     async def replay_own_pending(self) -> None:
         """Entries this consumer name read before a restart and never acknowledged."""
@@ -70,8 +71,14 @@ class Ingest:
                 entries = await self.consumer.read()
             except (RedisError, OSError) as e:
                 log.warning("XREADGROUP failed (%s); retrying", e)
+                self.redis_error = str(e) or type(e).__name__
+                self.metrics.redis_up.set(0)
                 await asyncio.sleep(0.5)
                 continue
+            if self.redis_error:
+                log.info("Redis reachable again")
+                self.redis_error = ""
+            self.metrics.redis_up.set(1)
             if entries:
                 await self.process(entries)
 

@@ -59,6 +59,11 @@ class Metrics:
         self.workers = Gauge(
             "chameleon_workers", "Workers of the job by state.", ["state"], registry=r
         )
+        self.redis_up = Gauge(
+            "chameleon_redis_up",
+            "1 while the daemon reads Redis; 0 from a failed read until one succeeds.",
+            registry=r,
+        )
         self.generation = Gauge(
             "chameleon_plan_generation", "Generation of the current plan.", registry=r
         )

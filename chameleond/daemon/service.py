@@ -116,6 +116,7 @@ class Service:
         tasks: list[asyncio.Task[Any]] = []
         try:
             await client.ping()
+            self.metrics.redis_up.set(1)
             consumer = StreamConsumer(
                 client, self.keys, cfg.consumer_name,
                 block_ms=cfg.block_ms, count=cfg.batch_count,
@@ -256,6 +257,18 @@ class Service:
         limit = self.cfg.block_ms / 1000 + self.cfg.socket_timeout_seconds * 2
         if self.ready and age > limit:
             return False, f"consumer loop silent for {age:.1f} s"
+        return True, "ok"
+
+    def readiness(self) -> tuple[bool, str]:
+        """Healthy, started, and reading Redis: a daemon that cannot reach Redis is alive (it
+        retries; /healthz stays 200) but cannot take faults, so it is not ready."""
+        ok, why = self.healthy()
+        if not ok:
+            return False, why
+        if not self.ready:
+            return False, "starting or stopping"
+        if self.ingest is not None and self.ingest.redis_error:
+            return False, f"Redis unreachable: {self.ingest.redis_error}"
         return True, "ok"
 
 
