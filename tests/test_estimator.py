@@ -80,7 +80,11 @@ def test_uniform_symmetric_pipelines_match_the_closed_form(
     expected = closed_form_seconds(n_stages, n_micro, tf, tb)
     got = Estimator(spec).makespan(plan.pipelines, plan.routing)
     assert math.isclose(got, expected, rel_tol=1e-9)
-    assert math.isclose(plan.estimates.step_seconds, expected, rel_tol=1e-9)  # no params: no sync
+    # No parameters: no gradient sync; the commit vote's ring over every worker remains.
+    n = n_stages * pipes
+    vote = ring_allreduce_seconds(n, 24 * n, spec.intra_host)
+    assert vote == (2 * (n - 1) * 0.01 + 2 * (n - 1) / n * 24 * n / 1e3 if n > 1 else 0.0)
+    assert math.isclose(plan.estimates.step_seconds, expected + vote, rel_tol=1e-9)
 
 
 @settings(max_examples=60, deadline=None)
@@ -121,9 +125,11 @@ def test_transfer_time_is_on_the_link_between_executors() -> None:
     split = spec_of(2, 2, layers, 1, hosts=2)
     t_same = initial_plan(same).estimates.step_seconds
     t_split = initial_plan(split).estimates.step_seconds
-    # One micro-batch: F0, send, F1, B1, send back, B0.
-    assert math.isclose(t_same, 4 + 2 * (0.01 + 100 / 1e3))
-    assert math.isclose(t_split, 4 + 2 * (0.05 + 100 / 1e2))
+    # One micro-batch: F0, send, F1, B1, send back, B0; then the commit vote of the two workers.
+    vote_same = ring_allreduce_seconds(2, 48, same.intra_host)
+    vote_split = ring_allreduce_seconds(2, 48, split.inter_host)  # the vote spans both hosts
+    assert math.isclose(t_same, 4 + 2 * (0.01 + 100 / 1e3) + vote_same)
+    assert math.isclose(t_split, 4 + 2 * (0.05 + 100 / 1e2) + vote_split)
 
 
 def test_ring_allreduce_and_rounds() -> None:
@@ -183,19 +189,23 @@ def test_updates_add_the_slowest_owner_and_a_shared_host_bounds_the_step() -> No
     layers = [{**layer(1.0, 2.0), "update_seconds": 0.5}] * 2
     spec = spec_of(4, 2, layers, 4)  # 2 pipelines x 2 stages, 2 micro-batches each, one host
     plan = initial_plan(spec)
+    vote = ring_allreduce_seconds(4, 4 * 24, spec.intra_host)  # the commit vote of 4 workers
+    assert math.isclose(Estimator(spec).vote_seconds(plan.routing), vote)
     critical = closed_form_seconds(2, 2, 1.0, 2.0) + 0.5  # + one layer's update
-    assert math.isclose(plan.estimates.step_seconds, critical)
+    assert math.isclose(plan.estimates.step_seconds, critical + vote)
     # The four workers on one core: every op (8 x 3 s), update (4 x 0.5 s) and per-step CPU
     # (4 x 0.25 s) runs on it in turn.
     one_core = parse_spec(
         {**spec_document(spec), "hosts": {"h0": {"cpu_cores": 1, "step_cpu_seconds": 0.25}}}
     )
     shared = initial_plan(one_core).estimates.step_seconds
-    assert math.isclose(shared, 8 * 3.0 + 4 * 0.5 + 4 * 0.25)
-    assert math.isclose(Estimator(one_core).host_seconds(plan.pipelines, plan.routing), shared)
+    assert math.isclose(shared, 8 * 3.0 + 4 * 0.5 + 4 * 0.25 + vote)
+    assert math.isclose(
+        Estimator(one_core).host_seconds(plan.pipelines, plan.routing), shared - vote
+    )
     # Enough cores: the critical path is the step again.
     many = parse_spec({**spec_document(spec), "hosts": {"h0": {"cpu_cores": 64}}})
-    assert math.isclose(initial_plan(many).estimates.step_seconds, critical)
+    assert math.isclose(initial_plan(many).estimates.step_seconds, critical + vote)
 
 
 def test_a_rerouted_plan_moves_the_failed_workers_cpu_work_to_its_peers() -> None:

@@ -162,6 +162,8 @@ def test_failure_free_training_loss_falls(start_job) -> None:
     assert sum(losses[-3:]) / 3 < losses[0] - 0.5, losses
     assert all(ws == set(IDS) for ws in step_workers(job).values())
     seconds = [float(e["seconds"]) for e in job.record.of("step") if e["worker"] == "w0"]
+    for e in job.record.of("step"):  # the vote is part of the worker's step
+        assert 0 < float(e["vote_seconds"]) < float(e["seconds"]), e
     print(f"\nfailure-free: max rel loss error {worst:.2e}; step seconds {sorted(seconds)}")
 
 

@@ -21,6 +21,7 @@ gloo's threads), which the estimator adds per worker.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -192,6 +193,7 @@ class TrainingMeter:
         self.steps = 0
         self.op_seconds = 0.0
         self.update_seconds = 0.0
+        self.fastest_vote = math.inf  # the shortest commit vote of the window (wall seconds)
         self.wall0 = time.perf_counter()
         self.cpu0 = time.process_time()
 
@@ -219,6 +221,11 @@ class TrainingMeter:
         self.update_seconds += seconds
         for i, s in self._split(layers, seconds, "update_seconds"):
             self.updated[i] += s
+
+    def vote(self, seconds: float) -> None:
+        """A step's commit vote: the shortest of a window is about the all-reduce alone (this
+        worker reached it last), time in which nobody computes."""
+        self.fastest_vote = min(self.fastest_vote, seconds)
 
     def step_done(self) -> dict[str, Any] | None:
         """Count a committed step; the profile data when one is due, else None."""
@@ -250,7 +257,10 @@ class TrainingMeter:
             "seconds_per_step": wall / self.steps,
         }
         if self.device.type == "cpu" and self.host:
-            host = host_report(self.host, cpu / wall, self.workers_on_host)
+            # The cores the job gets while it computes: the estimator adds the vote apart.
+            vote = self.fastest_vote if math.isfinite(self.fastest_vote) else 0.0
+            computing = max(wall - self.steps * vote, wall / 2)
+            host = host_report(self.host, cpu / computing, self.workers_on_host)
             # What the process spent beyond its layers: messages and collectives, which run on
             # gloo's threads, the commit vote, the step loop.
             beyond = cpu - self.op_seconds - self.update_seconds

@@ -331,7 +331,10 @@ class WorkerRuntime:
             vote[gen.rank] = torch.tensor(
                 [result.loss_sum, 1.0, float(self.watcher.newest_generation)], dtype=torch.float64
             )
+            voted = time.perf_counter()
             gen.world_group.allreduce([vote]).wait()
+            vote_seconds = time.perf_counter() - voted
+            meter.vote(vote_seconds)
             loss = float(vote[:, 0].sum().item()) / plan.global_batch
             started = meter.clock()
             state.apply_pending(plan.global_batch)
@@ -341,7 +344,7 @@ class WorkerRuntime:
                 dropped = state.drop_except(owned)
                 if dropped:
                     log.info("dropped layers %s: their new owners committed a step", dropped)
-            self._report_step(plan, step, loss, seconds)
+            self._report_step(plan, step, loss, seconds, vote_seconds)
             if first:
                 meter.restart()  # the first step pays for the generation's warm-up
                 first = False
@@ -359,12 +362,15 @@ class WorkerRuntime:
             if int(vote[:, 2].max().item()) > plan.generation:
                 return
 
-    def _report_step(self, plan: Plan, step: int, loss: float, seconds: float) -> None:
+    def _report_step(
+        self, plan: Plan, step: int, loss: float, seconds: float, vote_seconds: float
+    ) -> None:
         fields: dict[str, object] = {
             "generation": plan.generation,
             "step": step,
             "samples": plan.global_batch,
             "seconds": f"{seconds:.6f}",
+            "vote_seconds": f"{vote_seconds:.6f}",
             "loss": repr(loss),
             "at": f"{time.time():.3f}",
         }

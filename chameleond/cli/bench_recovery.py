@@ -109,6 +109,17 @@ def _slowest_worker_seconds(mon: StreamMonitor, gen: int) -> list[float]:
     return [s for _, s in sorted(slowest.items()) if s > 0]
 
 
+def _vote_latency_seconds(mon: StreamMonitor, gen: int) -> list[float]:
+    """Per step of `gen`, the shortest `vote_seconds` of its workers: the last to reach the vote
+    waits for nobody, so its vote is the all-reduce alone (its latency on the loaded host)."""
+    fastest: dict[int, float] = {}
+    for _, f in mon.events:
+        if f.get("type") == "step" and f.get("generation") == str(gen) and "vote_seconds" in f:
+            step, v = int(f["step"]), float(f["vote_seconds"])
+            fastest[step] = min(fastest.get(step, v), v)
+    return [v for _, v in sorted(fastest.items())]
+
+
 def plan_rows(mon: StreamMonitor, run: str) -> list[dict[str, Any]]:
     """Measured vs estimated step seconds of each plan that committed at least MIN_STEPS steps.
 
@@ -116,7 +127,9 @@ def plan_rows(mon: StreamMonitor, run: str) -> list[dict[str, Any]]:
     user sees (throughput = B / it); each interval spans one step of every worker, from the vote
     that commits one step to the vote that commits the next. The slowest worker's own
     `step.seconds` (median) is kept beside it: it is the step of one worker, and a maximum over
-    six noisy clocks, so it sits above the interval.
+    six noisy clocks, so it sits above the interval. `vote_allreduce_seconds` (median over the
+    steps) is the commit vote's all-reduce as the last worker to reach it saw it: a measure of the
+    host's collective latency, which the model takes from the spec's links.
     """
     by_gen: dict[int, list[tuple[int, float]]] = {}
     for c in mon.commits:
@@ -131,6 +144,7 @@ def plan_rows(mon: StreamMonitor, run: str) -> list[dict[str, Any]]:
         measured = statistics.median(gaps)
         est = float(plan["estimates"]["step_seconds"])
         slowest = _slowest_worker_seconds(mon, gen)[1:]  # the first pays for the warm-up
+        vote = _vote_latency_seconds(mon, gen)[1:]
         rows.append(
             {
                 "run": run,
@@ -144,6 +158,7 @@ def plan_rows(mon: StreamMonitor, run: str) -> list[dict[str, Any]]:
                 if slowest
                 else None,
                 "relative_error": round(abs(measured - est) / measured, 4) if measured else None,
+                "vote_allreduce_seconds": round(statistics.median(vote), 5) if vote else None,
             }
         )
     return rows
@@ -308,7 +323,8 @@ def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
             f"    {p['run']:>7} run, generation {p['generation']} ({p['policy']}, "
             f"{p['steps']} steps): estimated {p['estimated_step_seconds']:.4f} s, measured "
             f"{p['measured_step_seconds']:.4f} s, error "
-            f"{'-' if err is None else f'{100 * err:.1f}%'}"
+            f"{'-' if err is None else f'{100 * err:.1f}%'}; commit vote all-reduce "
+            f"{p['vote_allreduce_seconds']} s"
         )
     print(
         f"  step_time_error (largest): {out['step_time_error']} (target <= 0.15); initial plans "

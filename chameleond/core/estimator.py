@@ -2,7 +2,8 @@
 
 Step time = the 1F1B makespan of the plan's routed schedule + the gradient sync of its groups +
 the slowest worker's optimizer update; on a host whose CPU cores the workers share
-(`spec.hosts`), never less than the host's CPU work per step divided by its cores.
+(`spec.hosts`), never less than the host's CPU work per step divided by its cores; plus the
+commit vote (a ring all-reduce of a few bytes over every executing worker: 2(n-1) latencies).
 
 * Makespan: `schedule.build_schedule(...).makespan`, the exact longest path over the dependency
   graph, with stage durations summed from the per-layer profile (embedding and head are layers) and
@@ -36,6 +37,7 @@ from chameleond.core.spec import JobSpec, LinkSpec
 Routing = Sequence[Sequence[Sequence[str]]]
 # Durations are clamped like schedule.py does, so both give the same longest path.
 _MIN_SECONDS = 1e-12
+VOTE_BYTES = 24  # per worker: [loss, 1, newest generation seen] as float64 (workers/runtime.py)
 
 
 class LayerTable:
@@ -330,15 +332,25 @@ class Estimator:
                 work[host] = work.get(host, 0.0) + extra
         return max((seconds / hosts[h].cpu_cores for h, seconds in work.items()), default=0.0)
 
+    def vote_seconds(self, routing: Routing) -> float:
+        """The commit vote: an all-reduce of a few numbers per worker over every executing worker,
+        once per step; its cost is the link latency of the ring's 2(n-1) hops."""
+        executing = {w for rt in routing for stage in rt for w in stage}
+        hosts = {self._host[w] for w in executing}
+        link = self.spec.intra_host if len(hosts) <= 1 else self.spec.inter_host
+        return ring_allreduce_seconds(len(executing), VOTE_BYTES * len(executing), link)
+
     def step_seconds(
         self, pipelines: Sequence[Pipeline], routing: Routing, groups: Sequence[SyncGroup]
     ) -> float:
+        """The critical path (makespan, gradient sync, update) or, on a shared host, its CPU work
+        over its cores, whichever is longer; plus the commit vote, during which nobody computes."""
         critical = (
             self.makespan(pipelines, routing)
             + self.sync_seconds(groups)
             + self.update_seconds(pipelines, routing)
         )
-        return max(critical, self.host_seconds(pipelines, routing))
+        return max(critical, self.host_seconds(pipelines, routing)) + self.vote_seconds(routing)
 
     # -- memory ----------------------------------------------------------------------------
 
