@@ -70,6 +70,14 @@ class Daemon:
         wait_for(ready, timeout, "chameleond /readyz")
         return self
 
+    def metric(self, line_prefix: str) -> float:
+        """The value of the first /metrics line starting with `line_prefix`."""
+        _, body = self.get("/metrics")
+        for line in str(body).splitlines():
+            if line.startswith(line_prefix):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{line_prefix} not in /metrics")
+
     def get(self, path: str) -> tuple[int, Any]:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:

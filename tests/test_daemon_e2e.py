@@ -40,14 +40,6 @@ def redis_cli(server: RedisServer, *args: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=10).stdout
 
 
-def metric(daemon: Daemon, line_prefix: str) -> float:
-    _, body = daemon.get("/metrics")
-    for line in str(body).splitlines():
-        if line.startswith(line_prefix):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{line_prefix} not in /metrics")
-
-
 def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_record(
     daemon_factory: type[Daemon], redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
@@ -90,11 +82,11 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     # The same fault again (an operator repeating it, or a redelivery): no second plan.
     redis_cli(redis_server, "XADD", "chameleon:default:events", "*",
               "type", "fault", "worker", "w3", "cause", "ECC error")  # fmt: skip
-    wait_for(lambda: metric(daemon, 'chameleon_events_total{outcome="duplicate",type="fault"}'))
+    wait_for(lambda: daemon.metric('chameleon_events_total{outcome="duplicate",type="fault"}'))
     assert workers.generation() == 2
-    assert metric(daemon, "chameleon_plan_generation") == 2
-    assert metric(daemon, 'chameleon_policy_decisions_total{policy="initial"}') == 1
-    assert metric(daemon, "chameleon_decision_seconds_count") == 1
+    assert daemon.metric("chameleon_plan_generation") == 2
+    assert daemon.metric('chameleon_policy_decisions_total{policy="initial"}') == 1
+    assert daemon.metric("chameleon_decision_seconds_count") == 1
 
     # Every worker of generation 2 commits a step: the recovery is measured.
     workers.ready(2, [w for w in WORKERS if w != "w3"])
@@ -103,8 +95,8 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
             workers.send(type="step", worker=w, generation=2, step=0, samples=12,
                          seconds=0.25, loss=5.0)  # fmt: skip
     policy = plan["policy"]
-    wait_for(lambda: metric(daemon, f'chameleon_recovery_seconds_count{{policy="{policy}"}}'))
-    assert metric(daemon, "chameleon_training_throughput_samples_per_second") == 12 / 0.25
+    wait_for(lambda: daemon.metric(f'chameleon_recovery_seconds_count{{policy="{policy}"}}'))
+    assert daemon.metric("chameleon_training_throughput_samples_per_second") == 12 / 0.25
     assert daemon.status()["state"] == "training"
     assert daemon.terminate() == 0
     assert "stopped job=default generation=2" in daemon.output()

@@ -16,14 +16,6 @@ from chameleond.redis_server import RedisServer
 EVENTS = "chameleon:default:events"
 
 
-def counter(daemon: Daemon, prefix: str) -> float:
-    _, body = daemon.get("/metrics")
-    for line in str(body).splitlines():
-        if line.startswith(prefix):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{prefix} not in /metrics")
-
-
 def test_redis_restart_during_a_decision_loses_nothing_and_generations_continue(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
@@ -41,11 +33,11 @@ def test_redis_restart_during_a_decision_loses_nothing_and_generations_continue(
         assert daemon.get("/healthz")[0] == 200  # the read loop keeps turning (and retrying)
         status, body = daemon.get("/readyz")  # ... but cannot take faults: not ready
         assert status == 503 and "Redis unreachable" in str(body), body
-        assert counter(daemon, "chameleon_redis_up") == 0
+        assert daemon.metric("chameleon_redis_up") == 0
         assert daemon.proc is not None and daemon.proc.poll() is None
         redis_server.start()
         wait_for(lambda: daemon.get("/readyz")[0] == 200, 15, "ready again after Redis is back")
-        assert counter(daemon, "chameleon_redis_up") == 1
+        assert daemon.metric("chameleon_redis_up") == 1
 
         wait_for(lambda: workers.generation() == 2, 20, "generation 2 after Redis came back")
         plan = workers.plan()
@@ -63,8 +55,8 @@ def test_redis_restart_during_a_decision_loses_nothing_and_generations_continue(
 
         # Everything acknowledged before the restart stayed acknowledged: nothing was handled
         # twice, and the decision history holds each generation once.
-        assert counter(daemon, 'chameleon_events_total{outcome="handled",type="register"}') == 6
-        assert counter(daemon, 'chameleon_events_total{outcome="handled",type="fault"}') == 2
+        assert daemon.metric('chameleon_events_total{outcome="handled",type="register"}') == 6
+        assert daemon.metric('chameleon_events_total{outcome="handled",type="fault"}') == 2
         records = [d for d in workers.decisions() if d["kind"] == "decision"]
         assert [int(d["generation"]) for d in records] == [1, 2, 3]
         state = redis_client.hgetall("chameleon:default:state")

@@ -14,6 +14,7 @@ all workers switch to a newer plan after the same step.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -247,15 +248,12 @@ class WorkerRuntime:
             gone_now = self._gone(gen)
             return f"peer(s) {', '.join(gone_now)} gone" if gone_now else None
 
+        connect = functools.partial(
+            gen.connect, self.redis, bind_address=cfg.bind_address, timeout=cfg.group_timeout,
+            abort=abort, give_up=give_up,
+        )  # fmt: skip
         try:
-            gen.connect(
-                self.redis,
-                bind_address=cfg.bind_address,
-                timeout=cfg.group_timeout,
-                abort=abort,
-                give_up=give_up,
-                sync=False,
-            )
+            connect(sync=False)
             self._took_part = True
             t_world = time.perf_counter()
             rec = reconcile(
@@ -271,14 +269,7 @@ class WorkerRuntime:
                     "step %d committed late (generation %d)", rec.applied_pending, plan.generation
                 )
             t_migrated = time.perf_counter()
-            gen.connect(
-                self.redis,
-                bind_address=cfg.bind_address,
-                timeout=cfg.group_timeout,
-                abort=abort,
-                give_up=give_up,
-                sync=True,
-            )
+            connect(sync=True)
             build = time.perf_counter() - t0
             self.reporter.send(
                 "ack",
