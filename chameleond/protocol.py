@@ -13,11 +13,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 CONSUMER_GROUP = "chameleond"
 EVENT_TYPES = ("fault", "rejoin", "register", "heartbeat", "profile", "step", "ack")
 ACK_PHASES = ("ready", "stopped")
 MAX_ID_LEN = 128
+# Where every process of a job may take its Redis URL from instead of a flag, so that a password in
+# it stays out of the process list.
+REDIS_URL_ENV = "CHAMELEON_REDIS_URL"
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,30 @@ class Keys:
     def store(self, generation: int) -> str:
         """Prefix of the c10d rendezvous store of one plan generation."""
         return f"{self.prefix}store:{generation}:"
+
+    def acl_rules(self) -> tuple[str, ...]:
+        """A Redis ACL user's rules that allow the job's daemon, workers and tools what they use
+        and no more: the job's own keys and channels, every command but the @dangerous ones, and
+        two CLIENT subcommands: SETNAME (each worker names its connections) and LIST (a worker
+        finds a failed peer by its connection being gone; docs/worker.md)."""
+        return (
+            "resetkeys", f"~{self.prefix}*", "resetchannels", f"&{self.prefix}*",
+            "+@all", "-@dangerous", "+client|setname", "+client|list",
+        )  # fmt: skip
+
+
+def redact_url(url: str) -> str:
+    """A Redis URL fit for logs: credentials (user:password@, ?password=) replaced by ***."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = urlencode(
+        [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)],
+        safe="*",
+    )
+    tail = (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    return f"{parts.scheme}://{netloc}{parts.path}{tail}"
 
 
 class EventError(ValueError):

@@ -12,7 +12,9 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -49,19 +51,29 @@ class RedisServer:
         host: str = "127.0.0.1",
         port: int | None = None,
         appendonly: bool = True,
+        acl_user: tuple[str, str, Sequence[str]] | None = None,
     ) -> None:
+        """acl_user: (name, password, ACL rules): the only user that may connect, as a production
+        Redis is run; the default user is then off."""
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
         self.appendonly = appendonly
+        self.acl_user = acl_user
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        if self.acl_user is None:
+            return f"redis://{self.host}:{self.port}/0"
+        user, password = (quote(x, safe="") for x in self.acl_user[:2])
+        return f"redis://{user}:{password}@{self.host}:{self.port}/0"
 
-    def cli_command(self) -> str:
-        return f"{redis_binary('redis-cli')} -h {self.host} -p {self.port}"
+    def _acl_args(self) -> list[str]:
+        if self.acl_user is None:
+            return []
+        name, password, rules = self.acl_user
+        return ["--user", "default", "off", "--user", name, "on", f">{password}", *rules]
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -83,11 +95,12 @@ class RedisServer:
             "yes",
             "--logfile",
             str(self.data_dir / "redis.log"),
+            *self._acl_args(),
         ]
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
-        client = redis.Redis(host=self.host, port=self.port, socket_timeout=1.0)
+        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
         deadline = time.monotonic() + timeout
         try:
             while True:

@@ -1,9 +1,14 @@
 """Several hosts rehearsed on one machine: workers bound to 127.0.0.2 and 127.0.0.3 (two hosts in
-the spec), one chameleond; `chameleonctl status` and `chameleonctl inject` against the live job."""
+the spec), one chameleond; `chameleonctl status` and `chameleonctl inject` against the live job.
+
+Redis is run as in production: the default user off, the job's own ACL user (its keys and channels
+only, no @dangerous command), credentials in the URL. The URL reaches every process through
+CHAMELEON_REDIS_URL, so the password must appear on no command line and in no log."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,22 +21,32 @@ from chameleond.cli.up import build_spec_document
 from chameleond.jobs import load_default_spec
 from chameleond.local.cluster import LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
+from chameleond.protocol import REDIS_URL_ENV, Keys
+from chameleond.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 ADDRESSES = ["127.0.0.2", "127.0.0.3"]
 
 
-def chameleonctl(*args: str) -> subprocess.CompletedProcess[str]:
+SECRET = "s3cret/with:odd@chars"
+
+
+def chameleonctl(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "chameleond.cli.ctl", *args],
         capture_output=True, text=True, timeout=60, check=False,
+        env={**os.environ, REDIS_URL_ENV: url},
     )  # fmt: skip
 
 
 def status(url: str) -> dict[str, Any]:
-    proc = chameleonctl("status", "--redis-url", url, "--job", "mh", "--json")
+    proc = chameleonctl(url, "status", "--job", "mh", "--json")
     assert proc.returncode == 0, proc.stderr
     return dict(json.loads(proc.stdout))
+
+
+def command_lines(pids: list[int]) -> str:
+    return " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode() for pid in pids)
 
 
 def test_workers_on_two_loopback_hosts_train_and_recover(tmp_path: Path) -> None:
@@ -43,9 +58,11 @@ def test_workers_on_two_loopback_hosts_train_and_recover(tmp_path: Path) -> None
     spec.write_text(json.dumps(doc))
     workers = [f"w{i}" for i in range(4)]
     bind = {w: ADDRESSES[i % 2] for i, w in enumerate(workers)}
-    with LocalCluster(
-        tmp_path / "run", job="mh", workers=workers, spec_path=spec, bind_addresses=bind
-    ) as cluster:
+    server = RedisServer(tmp_path / "redis", acl_user=("job-mh", SECRET, Keys("mh").acl_rules()))
+    with server, LocalCluster(
+        tmp_path / "run", job="mh", workers=workers, spec_path=spec, bind_addresses=bind,
+        redis_url=server.url,
+    ) as cluster:  # fmt: skip
         cluster.start_daemon()
         cluster.start_workers()
         client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
@@ -58,6 +75,10 @@ def test_workers_on_two_loopback_hosts_train_and_recover(tmp_path: Path) -> None
                 return sum(c.generation > after_generation for c in mon.commits) >= n
 
             wait_for(lambda: commits(3), 150, "3 committed steps", 0)
+            pids = [c.pid for c in [cluster.daemon, *cluster.workers.values()] if c is not None]
+            assert SECRET not in command_lines(pids) and "s3cret" not in command_lines(pids)
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.set("chameleon:other-job:x", 1)  # the job's user reaches its keys only
             hosts = {
                 f["worker"]: f.get("address") for _, f in mon.events if f.get("type") == "register"
             }
@@ -67,17 +88,19 @@ def test_workers_on_two_loopback_hosts_train_and_recover(tmp_path: Path) -> None
             assert {st["worker"] for p in plan["pipelines"] for st in p["stages"]} == set(workers)
 
             proc = chameleonctl(
-                "inject", "--worker", "w3", "--cause", "ECC error", "--redis-url",
-                cluster.redis_url, "--job", "mh",
-            )  # fmt: skip
+                cluster.redis_url, "inject", "--worker", "w3", "--cause", "ECC error", "--job", "mh"
+            )
             assert proc.returncode == 0, proc.stderr
             assert (
                 "XADD chameleon:mh:events '*' type fault worker w3 cause 'ECC error'" in proc.stdout
             )
             wait_for(lambda: commits(2, after_generation=1), 120, "steps on the new plan", 0)
             s = status(cluster.redis_url)
+            assert "s3cret" not in proc.stdout + proc.stderr
         finally:
             client.close()
+    logs = list((tmp_path / "run" / "logs").glob("*.log"))
+    assert len(logs) == 5 and not any("s3cret" in p.read_text() for p in logs)
     assert hosts == bind, "each worker registers with the address it is bound to"
     d = s["decisions"][0]
     assert d["failed"] == ["w3"] and d["selected"] in ("reroute", "dynamic")

@@ -8,7 +8,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event
+from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event, redact_url
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+        ("redis://job:pw@redis.internal:6380/0", "redis://***@redis.internal:6380/0"),
+        ("rediss://:p%40ss@h/1?ssl_cert_reqs=none", "rediss://***@h/1?ssl_cert_reqs=none"),
+        ("redis://h/0?password=pw&socket_timeout=5", "redis://h/0?password=***&socket_timeout=5"),
+        ("unix:///run/redis.sock?password=pw", "unix:///run/redis.sock?password=***"),
+    ],
+)
+def test_redis_urls_are_logged_without_credentials(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
 
 
 def test_keys_live_under_the_job_prefix() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from worker_harness import tiny_spec
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import plan_to_dict
 from chameleond.core.spec import parse_spec
-from chameleond.protocol import Keys
+from chameleond.protocol import REDIS_URL_ENV, Keys
 from chameleond.redis_server import RedisServer, free_port
 from workers.main import EXIT_BACKEND, EXIT_REDIS, EXIT_SPEC, EXIT_USAGE
 
@@ -50,10 +51,23 @@ def test_missing_torch_npu_is_explained() -> None:
     assert "torch_npu is not installed" in r.stderr and "chameleond[npu]" in r.stderr
 
 
-def test_unreachable_redis() -> None:
-    r = worker(f"redis://127.0.0.1:{free_port()}/0", "--worker-id", "w0")
+def test_unreachable_redis_is_reported_without_its_password() -> None:
+    r = worker(f"redis://job:s3cret@127.0.0.1:{free_port()}/0", "--worker-id", "w0")
     assert r.returncode == EXIT_REDIS
+    assert "redis at redis://***@127.0.0.1:" in r.stderr and "s3cret" not in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_redis_url_is_required_from_a_flag_or_the_environment() -> None:
+    env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}
+    argv = [sys.executable, "-m", "workers.main", "--worker-id", "w0"]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == EXIT_USAGE
+    assert f"no Redis: pass --redis-url or set {REDIS_URL_ENV}" in r.stderr
+    port = free_port()
+    env[REDIS_URL_ENV] = f"redis://127.0.0.1:{port}/0"
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == EXIT_REDIS and f"127.0.0.1:{port}" in r.stderr  # the URL it was given
 
 
 def test_malformed_spec(redis_server: RedisServer, redis_client: redis.Redis) -> None:

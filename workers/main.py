@@ -24,7 +24,7 @@ import redis
 import torch
 
 from chameleond.core.spec import SpecError
-from chameleond.protocol import MAX_ID_LEN
+from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
 from workers.backend import BackendUnavailable, check_device, parse_device
 from workers.data import CorpusError
 from workers.events import connection_name, new_incarnation
@@ -49,7 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train one slot of a chameleond job: profile, register, follow the plans.",
     )
     p.add_argument(
-        "--redis-url", required=True, help="Redis holding the job (redis:// or rediss://)"
+        "--redis-url",
+        default=os.environ.get(REDIS_URL_ENV),
+        help=f"Redis holding the job (redis:// or rediss://); default ${REDIS_URL_ENV}, which "
+        "keeps a password out of the process list",
     )
     p.add_argument("--job", default="default", help="job name (keys chameleon:{job}:*)")
     p.add_argument("--worker-id", required=True, help="this worker's id, as in the job spec")
@@ -103,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         if not _valid_id(value):
             log.error("%s %r: expected a printable id without spaces", name, value)
             return EXIT_USAGE
+    if not args.redis_url:
+        log.error("no Redis: pass --redis-url or set %s", REDIS_URL_ENV)
+        return EXIT_USAGE
     if args.checkpoint_every < 0 or (args.checkpoint_every and args.checkpoint_dir is None):
         log.error("--checkpoint-every must be >= 0 and needs --checkpoint-dir")
         return EXIT_USAGE
@@ -160,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         log.info("stopped by %s", e)
         return EXIT_OK
     except redis.RedisError as e:
-        log.error("redis at %s: %s", args.redis_url, e)
+        log.error("redis at %s: %s", redact_url(args.redis_url), e)
         return EXIT_REDIS
     except (SpecError, ArchError, TimeoutError) as e:
         log.error("job spec: %s", e)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -228,7 +229,15 @@ class WorkerRuntime:
         if now - self._last_liveness_check < 0.1:
             return []
         self._last_liveness_check = now
-        return gone(live_incarnations(self.redis, self.cfg.job), gen.peers())
+        try:
+            return gone(live_incarnations(self.redis, self.cfg.job), gen.peers())
+        except redis.exceptions.NoPermissionError as e:
+            log.warning(
+                "CLIENT LIST denied by the Redis ACL (%s): a failed peer is found by "
+                "--group-timeout instead; allow +client|list (docs/worker.md)", e,
+            )  # fmt: skip
+            self._last_liveness_check = math.inf  # never asked again
+            return []
 
     def run_generation(self, plan: Plan, state: WorkerState, corpus: Corpus) -> None:
         cfg, me = self.cfg, self.cfg.worker_id

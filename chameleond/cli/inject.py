@@ -9,6 +9,7 @@ process itself is not touched: if it is still alive, the daemon fences it (exclu
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from typing import Any, cast
@@ -16,15 +17,24 @@ from typing import Any, cast
 import redis
 
 from chameleond.local.faults import redis_cli_args
-from chameleond.protocol import MAX_ID_LEN, Keys
+from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, Keys, redact_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
+
+
+def add_redis_url(parser: argparse.ArgumentParser) -> None:
+    """--redis-url, defaulting to $CHAMELEON_REDIS_URL (which keeps a password out of `ps`)."""
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get(REDIS_URL_ENV, DEFAULT_REDIS_URL),
+        help=f"default: ${REDIS_URL_ENV}, else {DEFAULT_REDIS_URL}",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", required=True, help="the failed worker's id, e.g. w3")
     parser.add_argument("--cause", default="operator", help="why (free text; default: operator)")
-    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="default: %(default)s")
+    add_redis_url(parser)
     parser.add_argument("--job", default="default", help="job name (default: %(default)s)")
     parser.add_argument(
         "--print-only", action="store_true", help="print the equivalent redis-cli line and exit"
@@ -36,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
     if not worker or len(worker) > MAX_ID_LEN or any(c.isspace() for c in worker):
         print(f"chameleonctl inject: bad worker id {worker!r}", file=sys.stderr)
         return 2
-    line = shlex.join(
-        ["redis-cli", *redis_cli_args(args.redis_url, args.job, worker, args.cause)[1:]]
-    )
+
+    def line(url: str) -> str:
+        return shlex.join(["redis-cli", *redis_cli_args(url, args.job, worker, args.cause)[1:]])
+
     if args.print_only:
-        print(line)
+        print(line(args.redis_url))  # asked for: the line to run, credentials included
         return 0
     client = redis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5)
     try:
@@ -48,10 +59,11 @@ def run(args: argparse.Namespace) -> int:
             Keys(args.job).events, {"type": "fault", "worker": worker, "cause": args.cause}
         )
     except redis.RedisError as e:
-        print(f"chameleonctl inject: cannot reach Redis at {args.redis_url}: {e}", file=sys.stderr)
+        where = redact_url(args.redis_url)
+        print(f"chameleonctl inject: cannot reach Redis at {where}: {e}", file=sys.stderr)
         return 1
     finally:
         client.close()
     print(f"fault for {worker} sent as {Keys(args.job).events} entry {entry!s}")
-    print(f"(the same as: {line})")
+    print(f"(the same as: {line(redact_url(args.redis_url))})")
     return 0

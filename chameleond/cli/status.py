@@ -12,16 +12,16 @@ from typing import Any, cast
 
 import redis
 
-from chameleond.cli.inject import DEFAULT_REDIS_URL
+from chameleond.cli.inject import add_redis_url
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.local.timeline import entry_seconds, is_decision, parse_decision
-from chameleond.protocol import Keys
+from chameleond.protocol import Keys, redact_url
 
 LAST_DECISIONS = 5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--redis-url", default=DEFAULT_REDIS_URL, help="default: %(default)s")
+    add_redis_url(parser)
     parser.add_argument("--job", default="default", help="job name (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         s = collect(client, args.job)
     except redis.RedisError as e:
-        print(f"chameleonctl status: cannot read Redis at {args.redis_url}: {e}", file=sys.stderr)
+        where = redact_url(args.redis_url)
+        print(f"chameleonctl status: cannot read Redis at {where}: {e}", file=sys.stderr)
         return 1
     finally:
         client.close()

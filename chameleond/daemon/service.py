@@ -38,7 +38,7 @@ from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.systemd import Notifier
-from chameleond.protocol import Keys
+from chameleond.protocol import Keys, redact_url
 
 log = logging.getLogger("chameleond")
 
@@ -142,7 +142,7 @@ class Service:
             log.info(
                 "ready job=%s generation=%d phase=%s redis=%s http=%s",
                 cfg.job, job.machine.generation, job.machine.phase,
-                _redact(self.redis_url), cfg.http if self.http else "off",
+                redact_url(self.redis_url), cfg.http if self.http else "off",
             )  # fmt: skip
             await ingest.replay_own_pending()
             decisions.maybe_decide()
@@ -162,7 +162,7 @@ class Service:
             stop.cancel()
             await self._drain(tasks, committer, decisions)
         except (RedisError, OSError) as e:
-            log.error("cannot run: Redis at %s: %s", _redact(self.redis_url), e)
+            log.error("cannot run: Redis at %s: %s", redact_url(self.redis_url), e)
             self._failed = e
         finally:
             self.ready = False
@@ -270,10 +270,3 @@ class Service:
         if self.ingest is not None and self.ingest.redis_error:
             return False, f"Redis unreachable: {self.ingest.redis_error}"
         return True, "ok"
-
-
-def _redact(url: str) -> str:
-    if "@" not in url:
-        return url
-    scheme, _, rest = url.partition("://")
-    return f"{scheme}://***@{rest.split('@', 1)[1]}"

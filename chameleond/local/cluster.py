@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from chameleond.protocol import REDIS_URL_ENV
 from chameleond.redis_server import RedisServer, free_port
 
 STOP_GRACE_SECONDS = 5.0
@@ -171,7 +172,8 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             stdout=child.log,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            # The Redis URL goes in the environment: a password in it stays out of `ps`.
+            env={**self.env, REDIS_URL_ENV: self.redis_url},
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
@@ -183,8 +185,6 @@ class LocalCluster:
             "run",
             "--job",
             self.job,
-            "--redis-url",
-            self.redis_url,
             "--http",
             f"127.0.0.1:{self.http_port}",
             "--state-dir",
@@ -206,8 +206,6 @@ class LocalCluster:
             self._close(old)
         argv = [
             *console_script("chameleon-worker"),
-            "--redis-url",
-            self.redis_url,
             "--job",
             self.job,
             "--worker-id",

@@ -22,6 +22,7 @@ from chameleond.local.progress import ProgressView
 from chameleond.local.report import Injection
 from chameleond.local.timeline import entry_seconds
 from chameleond.local.trace import ReplayStep
+from chameleond.protocol import redact_url
 
 
 @dataclass
@@ -76,8 +77,8 @@ class LocalRun:
                 cluster.start_daemon()
                 cluster.start_workers()
                 self.progress.note(
-                    f"cluster up: redis {cluster.redis_url}, chameleond http {cluster.http_url}, "
-                    f"{len(o.workers)} workers; logs in {o.run_dir / 'logs'}"
+                    f"cluster up: redis {redact_url(cluster.redis_url)}, chameleond http "
+                    f"{cluster.http_url}, {len(o.workers)} workers; logs in {o.run_dir / 'logs'}"
                 )
                 completed, reason = self._loop(cluster, monitor)
                 monitor.read_all()
