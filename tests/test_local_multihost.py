@@ -1,9 +1,10 @@
 """Several hosts rehearsed on one machine: workers bound to 127.0.0.2 and 127.0.0.3 (two hosts in
 the spec), one chameleond; `chameleonctl status` and `chameleonctl inject` against the live job.
 
-Redis is run as in production: the default user off, the job's own ACL user (its keys and channels
-only, no @dangerous command), credentials in the URL. The URL reaches every process through
-CHAMELEON_REDIS_URL, so the password must appear on no command line and in no log."""
+Redis is run as in production: TLS only (a rediss:// URL that names the CA), the default user off,
+the job's own ACL user (its keys and channels only, no @dangerous command), credentials in the URL.
+The URL reaches every process through CHAMELEON_REDIS_URL, so the password must appear on no
+command line and in no log."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 import redis
+from conftest import make_tls, tls_redis_server
 
 from chameleond.cli.up import build_spec_document
 from chameleond.jobs import load_default_spec
@@ -58,7 +60,13 @@ def test_workers_on_two_loopback_hosts_train_and_recover(tmp_path: Path) -> None
     spec.write_text(json.dumps(doc))
     workers = [f"w{i}" for i in range(4)]
     bind = {w: ADDRESSES[i % 2] for i, w in enumerate(workers)}
-    server = RedisServer(tmp_path / "redis", acl_user=("job-mh", SECRET, Keys("mh").acl_rules()))
+    server = RedisServer(
+        tmp_path / "redis",
+        acl_user=("job-mh", SECRET, Keys("mh").acl_rules()),
+        tls=make_tls(tmp_path / "tls"),
+        executable=tls_redis_server(),
+    )
+    assert server.url.startswith("rediss://")
     with server, LocalCluster(
         tmp_path / "run", job="mh", workers=workers, spec_path=spec, bind_addresses=bind,
         redis_url=server.url,
