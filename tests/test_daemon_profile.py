@@ -1,4 +1,5 @@
-"""`profile` events with a host report: measured cores and per-step CPU folded into the spec."""
+"""`profile` events: measured cores and per-step CPU folded into the spec; the model's view of the
+running plan follows them."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from dataclasses import asdict
 import pytest
 
 import handlers
+from chameleond.core.decide import initial_plan
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.spec import parse_spec
+from chameleond.daemon.config import Config
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
+from chameleond.daemon.views import status
 from chameleond.jobs import load_default_spec
 from chameleond.protocol import EventError, parse_event
 
@@ -62,3 +66,24 @@ def test_bad_host_reports_are_rejected_with_a_reason(host: dict[str, object], re
     j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
     with pytest.raises(EventError, match=reason):
         send(j, {"layers": LAYERS, "host": host})
+
+
+def test_the_model_view_of_the_running_plan_follows_newer_profiles() -> None:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    j.plan = initial_plan(j.spec)
+    published = j.plan.estimates.step_seconds
+    assert j.model_step_seconds() == pytest.approx(published)
+    # Every worker measures its layers twice as slow in training (the host got busier).
+    slower = [
+        {**layer, "forward_seconds": 2 * layer["forward_seconds"],
+         "backward_seconds": 2 * layer["backward_seconds"]}
+        for layer in LAYERS
+    ]  # fmt: skip
+    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
+        send(j, {"layers": slower, "source": "training"}, worker=w)
+    model = j.model_step_seconds()
+    assert model is not None and model > 1.3 * published
+    assert j.plan.estimates.step_seconds == published  # the decision's forecast stays as it was
+    view = status(j, Config())
+    assert view["estimated_samples_per_second"] == pytest.approx(12 / published)
+    assert view["model_samples_per_second"] == pytest.approx(12 / model)

@@ -16,6 +16,7 @@ NAMES = {
     "chameleon_policy_decisions": "counter",
     "chameleon_training_throughput_samples_per_second": "gauge",
     "chameleon_estimated_throughput_samples_per_second": "gauge",
+    "chameleon_model_throughput_samples_per_second": "gauge",
     "chameleon_workers": "gauge",
     "chameleon_plan_generation": "gauge",
     "chameleon_redis_up": "gauge",
@@ -32,6 +33,7 @@ def populated() -> Metrics:
     m.policy_decisions.labels("dynamic").inc()
     m.training_throughput.set(280.5)
     m.estimated_throughput.set(290.0)
+    m.model_throughput.set(285.0)
     m.set_workers({"w0": "active", "w1": "fenced", "w2": "failed"})
     m.generation.set(3)
     m.set_phase(Phase.TRANSITIONING)

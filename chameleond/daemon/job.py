@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chameleond.core import selector
+from chameleond.core.estimator import Estimator
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recovery, Transition
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
@@ -115,6 +116,7 @@ class Job:
         self.recoveries: list[Recovery] = []  # completed recoveries, drained into the metrics
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
+        self._model_cache: tuple[tuple[int, int], float] | None = None
 
     # ---- the spec the planner sees -----------------------------------------------------------
 
@@ -135,6 +137,22 @@ class Job:
                 spec = spec.with_layers(measured_layers(spec.layers, profiles))
             self._spec_cache = spec
         return self._spec_cache
+
+    def model_step_seconds(self) -> float | None:
+        """The current plan's step time under the newest measurements: the model's view now. The
+        plan's own estimate is the forecast made at its decision; this one follows the in-training
+        profiles (and the host's load in them). Computed once per plan and spec version."""
+        if self.plan is None:
+            return None
+        key = (self.plan.generation, self.spec_version)
+        if self._model_cache is None or self._model_cache[0] != key:
+            p = self.plan
+            try:
+                seconds = Estimator(self.spec).step_seconds(p.pipelines, p.routing, p.sync_groups)
+            except KeyError:  # a worker of the plan the spec no longer lists: no model view
+                return None
+            self._model_cache = (key, seconds)
+        return self._model_cache[1]
 
     def spec_changed(self) -> None:
         self._spec_cache = None

@@ -53,7 +53,13 @@ class Metrics:
         )
         self.estimated_throughput = Gauge(
             "chameleon_estimated_throughput_samples_per_second",
-            "The performance model's throughput of the current plan (global batch / step time).",
+            "The performance model's throughput of the current plan (global batch / step time), "
+            "as estimated at its decision.",
+            registry=r,
+        )
+        self.model_throughput = Gauge(
+            "chameleon_model_throughput_samples_per_second",
+            "The current plan's throughput under the newest measured profiles (the model now).",
             registry=r,
         )
         self.workers = Gauge(

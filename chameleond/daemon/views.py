@@ -64,7 +64,13 @@ def status(job: Job, cfg: Config) -> dict[str, Any]:
         "mtbf_seconds": job.mtbf(now),
         "progress": progress(job),
         "estimated_samples_per_second": job.plan.samples_per_second if job.plan else None,
+        "model_samples_per_second": _model_throughput(job),
     }
+
+
+def _model_throughput(job: Job) -> float | None:
+    step = job.model_step_seconds()
+    return job.plan.global_batch / step if job.plan and step else None
 
 
 def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
@@ -73,3 +79,4 @@ def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
     metrics.set_workers(job.worker_states(time.time(), cfg.heartbeat_timeout_seconds))
     metrics.training_throughput.set(job.meter.samples_per_second)
     metrics.estimated_throughput.set(job.plan.samples_per_second if job.plan else 0.0)
+    metrics.model_throughput.set(_model_throughput(job) or 0.0)
