@@ -10,7 +10,7 @@ import torch
 from chameleond.core.schedule import BACKWARD, FORWARD
 from workers.data import Corpus
 from workers.model import Arch, ArchError, LayerState, build_module, run_layers, sample_loss_sum
-from workers.step import MIGRATION_TAG_BASE, p2p_tag
+from workers.p2p import MIGRATION_TAG_BASE, p2p_tag
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 

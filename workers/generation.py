@@ -23,6 +23,7 @@ from chameleond.core.plan import Plan, SyncGroup
 from chameleond.core.schedule import BACKWARD, Op, build_schedule
 from chameleond.protocol import Keys
 from workers.backend import DeviceChoice, new_group
+from workers.p2p import pair_order_mismatch
 from workers.rendezvous import join_generation
 from workers.store import RedisStore
 
@@ -77,8 +78,16 @@ class Generation:
     def for_plan(cls, plan: Plan, me: str, device: DeviceChoice, incarnation: str) -> Generation:
         if me not in plan.workers:
             raise ValueError(f"worker {me} has no part in generation {plan.generation}")
-        gen = cls(plan, me, device, plan.workers, op_order(plan).get(me, []), incarnation)
+        order = op_order(plan)
+        gen = cls(plan, me, device, plan.workers, order.get(me, []), incarnation)
         gen.check_ownership()
+        if device.backend != "gloo":  # no tags: a pair's messages match in the order issued
+            why = pair_order_mismatch(plan, order)
+            if why is not None:
+                raise ValueError(
+                    f"plan generation {plan.generation} cannot run on {device.backend}, which "
+                    f"matches messages by order: {why}"
+                )
         return gen
 
     def check_ownership(self) -> None:

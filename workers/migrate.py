@@ -26,8 +26,8 @@ import torch
 from chameleond.core.plan import Plan
 from workers.generation import Generation
 from workers.model import LayerState
+from workers.p2p import MIGRATION_TAG_BASE
 from workers.state import WorkerState
-from workers.step import MIGRATION_TAG_BASE
 
 log = logging.getLogger("chameleon.worker")
 

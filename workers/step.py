@@ -5,7 +5,8 @@ linear extension of the step's dependency graph (chameleond.core.schedule), so i
 Under rerouting a worker's op list holds ops of several pipelines (the failed slot's micro-batches),
 so activations and gradients cross pipelines; everything is keyed by (pipeline, stage, micro-batch).
 Each p2p message has a fixed shape (micro_batch, seq_len, d_model) and a tag naming
-(kind, pipeline, stage boundary, micro-batch), so no receive can take another's message.
+(kind, pipeline, stage boundary, micro-batch), so on gloo no receive can take another's message.
+NCCL and HCCL ignore tags; workers/p2p.py says why the order of a pair's messages is enough there.
 
 Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
 all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds. The
@@ -20,27 +21,19 @@ from typing import Any
 
 import torch
 
-from chameleond.core.schedule import BACKWARD, FORWARD, Op
+from chameleond.core.schedule import FORWARD, Op
 from workers.data import Corpus
 from workers.generation import Generation, sync_order
 from workers.model import run_layers, sample_loss_sum
+from workers.p2p import (
+    Message,
+    backward_input,
+    backward_output,
+    forward_input,
+    forward_output,
+)
 from workers.profile import TrainingMeter
 from workers.state import WorkerState
-
-_MAX_BOUNDARY = 256
-_MAX_PIPELINES = 256
-MIGRATION_TAG_BASE = 1 << 30
-
-
-def p2p_tag(kind: str, pipeline: int, boundary: int, micro_batch: int) -> int:
-    """Unique per message of a step; boundary s is the link between stage s and s + 1."""
-    if pipeline >= _MAX_PIPELINES or boundary >= _MAX_BOUNDARY:
-        raise ValueError("more than 256 pipelines or stages: widen p2p_tag")
-    tag = ((micro_batch * _MAX_PIPELINES + pipeline) * _MAX_BOUNDARY + boundary) * 2
-    tag += 0 if kind == FORWARD else 1
-    if tag >= MIGRATION_TAG_BASE:
-        raise ValueError(f"micro-batch {micro_batch} too large for the p2p tag space")
-    return tag
 
 
 @dataclass
@@ -121,21 +114,19 @@ class StepRunner:
                     out = sample_loss_sum(out, targets.to(dev))
                     loss_sum += float(out.item())
                 else:
-                    assert op.downstream is not None
-                    self._send(out, op.downstream, p2p_tag(FORWARD, *key))
+                    self._send(out, *_present(forward_output(op, len(stages))))
                 stash[key] = (x, out)
             else:
                 x, out = stash.pop(key)
-                if last:
+                grad_in = backward_input(op, len(stages))
+                if grad_in is None:
                     out.backward()
                 else:
-                    assert op.downstream is not None
-                    grad = self._recv(op.downstream, p2p_tag(BACKWARD, *key))
-                    out.backward(grad)
-                if op.stage > 0:
-                    assert op.upstream is not None and x.grad is not None
-                    tag = p2p_tag(BACKWARD, op.pipeline, op.stage - 1, op.micro_batch)
-                    self._send(x.grad, op.upstream, tag)
+                    out.backward(self._recv(*grad_in))
+                grad_out = backward_output(op)
+                if grad_out is not None:
+                    assert x.grad is not None
+                    self._send(x.grad, *grad_out)
             if self.meter is not None:
                 layer_ids = stages[op.stage].layers
                 self.meter.op(op.kind == FORWARD, layer_ids, started, self._waited)
@@ -154,9 +145,7 @@ class StepRunner:
                 step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.arch.seq_len
             )
             return inputs.to(self.state.device)
-        assert op.upstream is not None
-        x = self._recv(op.upstream, p2p_tag(FORWARD, op.pipeline, op.stage - 1, op.micro_batch))
-        return x.requires_grad_()
+        return self._recv(*_present(forward_input(op))).requires_grad_()
 
     def _sync_gradients(self) -> None:
         """All-reduce SUM of each of this worker's SyncGroups, in round order."""
@@ -176,3 +165,8 @@ class StepRunner:
                 n = p.numel()
                 p.grad.copy_(flat[off : off + n].view_as(p.grad))
                 off += n
+
+
+def _present(message: Message | None) -> Message:
+    assert message is not None
+    return message
