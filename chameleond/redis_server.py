@@ -70,7 +70,8 @@ class RedisServer:
         tls: Tls | None = None,
         executable: str | None = None,
     ) -> None:
-        self.data_dir = Path(data_dir)
+        # Absolute: redis-server changes into --dir before it opens --logfile.
+        self.data_dir = Path(data_dir).absolute()
         self.host = host
         self.port = port or free_port(host)
         self.appendonly = appendonly

@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
-def chameleonctl(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
+def chameleonctl(
+    *args: str, timeout: float = 280, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     # stdout is a pipe, not a terminal: progress must come as plain lines.
     return subprocess.run(
         [sys.executable, "-m", "chameleond.cli.ctl", *args],
@@ -24,6 +26,7 @@ def chameleonctl(*args: str, timeout: float = 280) -> subprocess.CompletedProces
         text=True,
         timeout=timeout,
         check=False,
+        cwd=cwd,
     )
 
 
@@ -44,9 +47,10 @@ def leftover_processes(port: str) -> list[str]:
 
 def test_up_with_two_faults_reports_both_with_measured_numbers(tmp_path: Path) -> None:
     report_dir = tmp_path / "report"
+    # A relative --report, as `make run` gives it (the default, chameleon-report/).
     proc = chameleonctl(
         "up", "--steps", "40", "--faults", "kill:w0@step=8,kill:w2@step=22",
-        "--report", str(report_dir), "--timeout", "240",
+        "--report", "report", "--timeout", "240", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
