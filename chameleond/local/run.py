@@ -103,7 +103,9 @@ class LocalRun:
             if commits:
                 self._show(monitor)
             elif monitor.state != self.progress.current.state:
-                self.progress.update(state=monitor.state, generation=monitor.generation)
+                self.progress.update(
+                    state=monitor.state, generation=monitor.generation, policy=monitor.policy
+                )
             step = last.step if last else None
             since = time.time() - first_at if first_at is not None else None
             for f in [f for f in faults if f.due(step, since)]:
