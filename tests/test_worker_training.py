@@ -232,6 +232,28 @@ def test_failure_during_migration(start_job) -> None:
     print(f"\nfailure during migration: max rel loss error {worst:.2e}")
 
 
+def test_a_vote_lost_by_one_survivor_commits_late(start_job) -> None:
+    """w3 dies (SIGKILL) right after its commit vote of step 5, and w1 takes that vote as failed,
+    as a worker does whose ring broke when a peer died inside the all-reduce: the others commit
+    step 5; w1 keeps its update pending and applies it at the next generation's reconcile.
+    Nothing is skipped or repeated, and w1's state agrees with everyone's from then on."""
+    steps, late = 14, 5
+    env = {
+        "w3": {"CHAMELEON_WORKER_KILL_AT": f"vote:{late}"},
+        "w1": {"CHAMELEON_WORKER_KILL_AT": f"vote-lost:{late}"},
+    }
+    job = start_job("reroute", max_steps=steps, env=env)
+    finish(job, steps)
+    assert [p.policy for p in job.record.plans] == ["initial", "reroute"]
+    assert job.workers.procs["w3"].poll() == -9
+    reported = step_workers(job)
+    assert reported[late] == {"w0", "w2", "w4", "w5"}  # w1's vote was lost, w3 died
+    assert "w1" in reported[late + 1]
+    assert f"step {late} committed late (generation 2)" in job.workers.log("w1")
+    worst = assert_matches_reference(job, steps)
+    print(f"\nlate commit: max rel loss error {worst:.2e}")
+
+
 def has_committed(job: Job, generation: int) -> bool:
     return any(int(e["generation"]) == generation for e in job.record.of("step"))
 

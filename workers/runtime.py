@@ -322,6 +322,7 @@ class WorkerRuntime:
         )
         runner = StepRunner(gen, state, corpus, meter)
         owned = plan.owned_layers(gen.me)
+        after_vote = self._vote_hook()
         first = True
         while not self.stopping:
             t0 = time.perf_counter()
@@ -333,6 +334,8 @@ class WorkerRuntime:
             )
             voted = time.perf_counter()
             gen.world_group.allreduce([vote]).wait()
+            if after_vote is not None:
+                after_vote(step)
             vote_seconds = time.perf_counter() - voted
             meter.vote(vote_seconds)
             loss = float(vote[:, 0].sum().item()) / plan.global_batch
@@ -390,6 +393,25 @@ class WorkerRuntime:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         return on_op
+
+    def _vote_hook(self) -> Callable[[int], None] | None:
+        """`vote:N`: SIGKILL right after this worker's commit vote of step N completed (everyone
+        has its contribution). `vote-lost:N`: the vote completed, but this worker takes it as
+        failed, as one does whose ring broke when a peer died inside the all-reduce."""
+        what, _, arg = self.cfg.kill_at.partition(":")
+        if what not in ("vote", "vote-lost"):
+            return None
+        target = int(arg)
+
+        def after_vote(step: int) -> None:
+            if step != target:
+                return
+            if what == "vote":
+                log.warning("kill hook: SIGKILL right after the commit vote of step %d", step)
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"fault hook: the commit vote of step {step} lost on this worker")
+
+        return after_vote
 
     def _kill_hook_migration(self, generation: int) -> Callable[[int], None] | None:
         what, _, arg = self.cfg.kill_at.partition(":")
