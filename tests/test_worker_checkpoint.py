@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
-from worker_harness import TINY_ARCH, EventReader, Record, Workers, tiny_spec
+from worker_harness import TINY_ARCH, EventReader, Record, Workers, tiny_spec, wait_until
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import Plan, plan_to_dict
@@ -21,14 +20,6 @@ from workers.model import Arch
 from workers.reference import reference_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def test_restart_from_checkpoint_resumes_after_the_checkpointed_step(

@@ -58,6 +58,16 @@ def test_unreachable_redis_is_reported_without_its_password() -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_a_bad_fault_hook_is_a_usage_error() -> None:
+    env = {**os.environ, "CHAMELEON_WORKER_KILL_AT": "vote-lost:soon"}
+    argv = [sys.executable, "-m", "workers.main", "--redis-url", "redis://127.0.0.1:1/0"]
+    r = subprocess.run([*argv, "--worker-id", "w0"], capture_output=True, text=True, timeout=60,
+                       env=env)  # fmt: skip
+    assert r.returncode == EXIT_USAGE
+    assert "CHAMELEON_WORKER_KILL_AT='vote-lost:soon': expected KIND:N" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_the_redis_url_is_required_from_a_flag_or_the_environment() -> None:
     env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}
     argv = [sys.executable, "-m", "workers.main", "--worker-id", "w0"]

@@ -12,14 +12,22 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
 import pytest
 import redis
-from worker_harness import TINY_ARCH, Controller, EventReader, Record, Workers, tiny_spec
+from worker_harness import (
+    TINY_ARCH,
+    Controller,
+    EventReader,
+    Record,
+    Workers,
+    tiny_spec,
+    wait_until,
+)
 
 from chameleond.core.plan import plan_from_dict
 from chameleond.protocol import Keys
@@ -373,11 +381,3 @@ def test_adaptive_daemon_chooses(redis_server: RedisServer, tmp_path: Path) -> N
         reader.stop()
         client.close()
         daemon.stop()
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)

@@ -29,7 +29,7 @@ from workers.backend import BackendUnavailable, check_device, parse_device
 from workers.data import CorpusError
 from workers.events import connection_name, new_incarnation
 from workers.model import ArchError
-from workers.runtime import WorkerConfig, WorkerRuntime
+from workers.runtime import WorkerConfig, WorkerRuntime, fault_hook_error
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         if not _valid_id(value):
             log.error("%s %r: expected a printable id without spaces", name, value)
             return EXIT_USAGE
+    hook = os.environ.get("CHAMELEON_WORKER_KILL_AT", "")
+    if (why := fault_hook_error(hook)) is not None:
+        log.error("%s", why)
+        return EXIT_USAGE
     if not args.redis_url:
         log.error("no Redis: pass --redis-url or set %s", REDIS_URL_ENV)
         return EXIT_USAGE
@@ -146,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         bind_address=args.bind_address,
         incarnation=incarnation,
         group_timeout=timedelta(seconds=args.group_timeout),
-        kill_at=os.environ.get("CHAMELEON_WORKER_KILL_AT", ""),
+        kill_at=hook,
         max_steps=args.max_steps,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,

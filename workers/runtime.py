@@ -82,6 +82,20 @@ class Finished(Exception):
     """The configured number of steps is committed."""
 
 
+FAULT_HOOKS = ("step", "migration", "vote", "vote-lost")
+
+
+def fault_hook_error(text: str) -> str | None:
+    """Why a CHAMELEON_WORKER_KILL_AT value is unusable (None when empty or valid): KIND:N with
+    KIND one of FAULT_HOOKS and N an integer >= 0 (a step, or a generation for migration)."""
+    if not text:
+        return None
+    kind, _, arg = text.partition(":")
+    if kind not in FAULT_HOOKS or not arg.isdigit():
+        return f"CHAMELEON_WORKER_KILL_AT={text!r}: expected KIND:N, KIND one of {FAULT_HOOKS}"
+    return None
+
+
 class WorkerRuntime:
     def __init__(self, cfg: WorkerConfig, client: redis.Redis) -> None:
         self.cfg = cfg

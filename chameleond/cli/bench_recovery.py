@@ -49,12 +49,7 @@ import redis
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import JobSpec, load_spec
-from chameleond.daemon.jobspec import (
-    fold_host_report,
-    measured_layers,
-    parse_host_report,
-    parse_profile,
-)
+from chameleond.daemon.jobspec import fold_profile, measured_layers
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.timeline import entry_seconds
@@ -136,18 +131,12 @@ def _vote_latency_seconds(mon: StreamMonitor, gen: int) -> list[float]:
 
 def _spec_by(base: JobSpec, mon: StreamMonitor, workers: Sequence[str], until: float) -> JobSpec:
     """The daemon's view of the job at `until`: every profile event up to then folded into the
-    base spec as handlers/profile.py folds them (each worker's newest layers; host reports as a
-    running mean over the plan's workers on that host)."""
+    base spec as handlers/profile.py folds them (`fold_profile`), with each worker's newest
+    layers."""
     spec, profiles = base, {}
     for entry_id, f in mon.events:
-        if f.get("type") != "profile" or entry_seconds(entry_id) > until:
-            continue
-        data = json.loads(f["data"])
-        profiles[f["worker"]] = parse_profile(data, len(base.layers))
-        host = parse_host_report(data)
-        if host is not None:
-            on_host = [w.id for w in base.workers if w.host == host.host and w.id in workers]
-            spec = fold_host_report(spec, host, len(on_host))
+        if f.get("type") == "profile" and entry_seconds(entry_id) <= until:
+            spec, profiles[f["worker"]], _ = fold_profile(spec, json.loads(f["data"]), workers)
     return spec.with_layers(measured_layers(spec.layers, list(profiles.values())))
 
 

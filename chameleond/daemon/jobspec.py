@@ -9,7 +9,7 @@ always sees the mean of the newest measurements.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -160,3 +160,20 @@ def fold_host_report(spec: JobSpec, report: HostReport, reporters: int) -> JobSp
             step += (report.step_cpu_seconds - step) * weight
         new = HostSpec(old.cpu_cores + (cores - old.cpu_cores) * weight, step)
     return replace(spec, hosts={**spec.hosts, report.host: new})
+
+
+def fold_profile(
+    spec: JobSpec, data: Mapping[str, Any], plan_workers: Collection[str] | None
+) -> tuple[JobSpec, dict[int, LayerProfile], bool]:
+    """One `profile` event's data applied to the job's base spec: (the spec with its host report
+    folded in, the worker's layer profile, whether it carried a host report). A host report is a
+    running mean over the workers on that host that take part in the plan (all of the spec's
+    workers there before the first plan)."""
+    profile = parse_profile(data, len(spec.layers))
+    host = parse_host_report(data)
+    if host is None:
+        return spec, profile, False
+    on_host = [w.id for w in spec.workers if w.host == host.host]
+    if plan_workers is not None:
+        on_host = [w for w in on_host if w in plan_workers]
+    return fold_host_report(spec, host, len(on_host)), profile, True
