@@ -9,6 +9,7 @@ every plan generation's groups are plain objects that can be dropped when the ge
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -106,7 +107,41 @@ def new_group(
     if dev.backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, nccl_opts)
+        return _communicator_built(dist.ProcessGroupNCCL(store, rank, size, nccl_opts), dev)
     npu = _torch_npu()  # pragma: no cover - needs Ascend hardware
     hccl = npu._C._distributed_c10d.ProcessGroupHCCL  # pragma: no cover
-    return hccl(store, rank, size, timeout)  # pragma: no cover
+    return _communicator_built(hccl(store, rank, size, timeout), dev)  # pragma: no cover
+
+
+def _communicator_built(group: Any, dev: DeviceChoice) -> Any:
+    """NCCL and HCCL build a group's communicator at its first collective, which every member
+    must join. A batch of point-to-point transfers (`exchange`) runs on that communicator, and
+    the members with nothing to send in the first batch would not join it: so every member builds
+    it here, with one small all-reduce, in the order the groups are built (the same everywhere)."""
+    group.allreduce([torch.zeros(1, device=dev.torch_device)]).wait()
+    return group
+
+
+# One point-to-point operation: (send?, tensor, peer rank, tag).
+P2POp = tuple[bool, torch.Tensor, int, int]
+
+
+def exchange(group: Any, ops: Sequence[P2POp]) -> list[Any]:
+    """Issue `ops` as one batch; one work per op, to wait on.
+
+    A backend that coalesces (NCCL, HCCL) runs the batch as one group, which progresses all its
+    ops at once, so a send that waits for its receive cannot block a receive of the same
+    batch (workers.p2p says why that is enough); its single work stands for every op. On
+    gloo each op runs on its own, asynchronously, matched by tag.
+    """
+    if not ops:
+        return []
+    coalesce = bool(getattr(group, "supports_coalescing", False))
+    if coalesce:  # NCCL, HCCL (not gloo)
+        group._start_coalescing()
+    works = [
+        (group.send if send else group.recv)([tensor], peer, tag) for send, tensor, peer, tag in ops
+    ]
+    if coalesce:
+        return [group._end_coalescing()] * len(ops)
+    return works

@@ -23,7 +23,7 @@ from chameleond.core.plan import Plan, SyncGroup
 from chameleond.core.schedule import BACKWARD, Op, build_schedule
 from chameleond.protocol import Keys
 from workers.backend import DeviceChoice, new_group
-from workers.p2p import pair_order_mismatch
+from workers.p2p import Batch, rendezvous_fault, step_batches
 from workers.rendezvous import join_generation
 from workers.store import RedisStore
 
@@ -57,6 +57,7 @@ class Generation:
     device: DeviceChoice
     world: tuple[str, ...]
     ops: list[Op]
+    batches: list[Batch]  # this worker's point-to-point batches of a step (workers.p2p)
     incarnation: str = ""
     group_prefix: str = ""  # the generation's store prefix + the members' incarnations
     members: dict[str, str] = field(default_factory=dict)  # worker -> incarnation, once joined
@@ -79,10 +80,12 @@ class Generation:
         if me not in plan.workers:
             raise ValueError(f"worker {me} has no part in generation {plan.generation}")
         order = op_order(plan)
-        gen = cls(plan, me, device, plan.workers, order.get(me, []), incarnation)
+        batches = step_batches(plan, order)
+        mine = order.get(me, [])
+        gen = cls(plan, me, device, plan.workers, mine, batches.get(me, []), incarnation)
         gen.check_ownership()
-        if device.backend != "gloo":  # no tags: a pair's messages match in the order issued
-            why = pair_order_mismatch(plan, order)
+        if device.backend != "gloo":  # no tags, and a send may wait for its receive
+            why = rendezvous_fault(batches)
             if why is not None:
                 raise ValueError(
                     f"plan generation {plan.generation} cannot run on {device.backend}, which "

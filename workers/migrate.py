@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from chameleond.core.plan import Plan
+from workers.backend import P2POp, exchange
 from workers.generation import Generation
 from workers.model import LayerState
 from workers.p2p import MIGRATION_TAG_BASE
@@ -153,7 +154,7 @@ def _execute(
 ) -> None:
     me = gen.me
     for rnd in sorted({m.round for m in moves}):
-        works = []
+        transfers: list[P2POp] = []
         received: list[tuple[LayerState, torch.Tensor]] = []
         for m in (m for m in moves if m.round == rnd):
             tag = MIGRATION_TAG_BASE + m.layer
@@ -161,16 +162,19 @@ def _execute(
                 state.build_from_seed(m.layer)
             elif m.src == me:
                 buf = state.layer(m.layer).state_buffer()
-                works.append((gen.world_group.send([buf], gen.rank_of(m.dst), tag), buf))
+                transfers.append((True, buf, gen.rank_of(m.dst), tag))
             elif m.dst == me:
                 assert m.src is not None
                 skeleton = LayerState(state.arch, m.layer, state.device)
                 buf = torch.empty(skeleton.state_numel(), device=state.device)
-                works.append((gen.world_group.recv([buf], gen.rank_of(m.src), tag), buf))
+                transfers.append((False, buf, gen.rank_of(m.src), tag))
                 received.append((skeleton, buf))
+        # One batch per round: a pair may exchange layers both ways in a round, and every worker
+        # lists a round's moves in the same order.
+        works = exchange(gen.world_group, transfers)
         if on_round is not None:
             on_round(rnd)
-        for work, _ in works:
+        for work in works:
             work.wait()
         for layer, buf in received:
             layer.load_buffer(buf, committed)

@@ -1,20 +1,35 @@
-"""The point-to-point messages of a training step: which peer, which tag, in which order.
+"""The point-to-point messages of a training step: which peer, which tag, and in which batches.
 
 A forward receives its input activation from the executor of the stage before and sends its output
 to the one after; a backward receives the output gradient from the stage after and sends the input
 gradient to the one before. Each message has a tag naming (kind, pipeline, stage boundary,
-micro-batch), so on gloo no receive can take another's message. NCCL and HCCL ignore tags and match
-a pair's messages in the order they are issued, so for them each ordered pair of workers must issue
-the same sequence on both sides. Every worker runs its ops in the one order that
-`workers.generation.op_order` derives from the plan; `pair_order_mismatch` checks that this gives
-each pair one sequence. The tests check it over many rerouted and re-partitioned plans, and a
-worker on NCCL or HCCL checks the plan it is given, so a plan that broke it would stop with a
-reason instead of mixing up tensors of the same shape.
+micro-batch), so on gloo no receive can take another's message.
+
+NCCL and HCCL ignore tags and match a pair's messages in the order they are issued, and a send
+larger than their buffers waits on the device's communication stream until the peer's receive
+runs. Issued one by one in op order, plain 1F1B can then wait in a cycle: stage 0 sends F1 before
+it receives B0, stage 1 sends B0 before it receives F1. So a step's messages are issued in
+*batches* (`step_batches`), each a group that the backend progresses as a whole:
+
+* The worker's op order comes with a timeline (`chameleond.core.schedule`: each op's start and end
+  when every worker runs its ops in that order). A message happens at the end of the op that
+  produces it; the batch of a worker at time t holds every message it sends or receives at t, in
+  tag order, and is issued once the ops that started before t have run.
+* Both ends of a message are in their batch of the same time, and a worker's batches follow its
+  timeline, so batches complete in time order: no cycle, whatever the buffers. Receives are
+  posted early, when their message is produced, and waited for just before the op that uses them.
+
+`rendezvous_fault` checks a set of batches under the strictest rules (messages matched per pair in
+issue order, every send waiting for its receive); a worker on NCCL or HCCL checks every plan it is
+given and refuses, with the reason, one that fails. The tests check it over many rerouted and
+re-partitioned plans, and that the op-by-op order fails it.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from chameleond.core.plan import Plan
 from chameleond.core.schedule import BACKWARD, FORWARD, Op
@@ -70,26 +85,113 @@ def backward_output(op: Op) -> Message | None:
     return op.upstream, p2p_tag(BACKWARD, op.pipeline, op.stage - 1, op.micro_batch)
 
 
-def pair_order_mismatch(plan: Plan, ops: Mapping[str, Sequence[Op]]) -> str | None:
-    """Where a sender and its receiver would issue one pair's messages in different orders, as a
-    reason; None when every ordered pair of workers agrees (what a backend without tags needs)."""
-    sent: dict[tuple[str, str], list[int]] = {}
-    received: dict[tuple[str, str], list[int]] = {}
-    for worker, worker_ops in ops.items():
-        for op in worker_ops:
-            n = len(plan.pipelines[op.pipeline].stages)
-            if op.kind == FORWARD:
-                ins, outs = forward_input(op), forward_output(op, n)
-            else:
-                ins, outs = backward_input(op, n), backward_output(op)
+def op_messages(plan: Plan, op: Op) -> tuple[Message | None, Message | None]:
+    """(what the op receives, what it sends); None where it reads the corpus or the loss."""
+    n = len(plan.pipelines[op.pipeline].stages)
+    if op.kind == FORWARD:
+        return forward_input(op), forward_output(op, n)
+    return backward_input(op, n), backward_output(op)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One worker's end of a message: its send or its receive."""
+
+    send: bool
+    peer: str
+    tag: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Endpoints issued together, once the worker's first `before` ops of the step have run."""
+
+    before: int
+    endpoints: tuple[Endpoint, ...]
+
+
+def step_batches(plan: Plan, order: Mapping[str, Sequence[Op]]) -> dict[str, list[Batch]]:
+    """Every worker's batches of one step (see the module docstring), from the op order and its
+    timeline. Messages a worker sends itself are not endpoints. Raises ValueError for a receive
+    that no op sends."""
+    produced: dict[tuple[str, int], float] = {}  # (sender, tag) -> when
+    for worker, ops in order.items():
+        for op in ops:
+            out = op_messages(plan, op)[1]
+            if out is not None and out[0] != worker:
+                produced[(worker, out[1])] = op.end
+    at: dict[str, dict[float, list[Endpoint]]] = {w: {} for w in order}
+    for worker, ops in order.items():
+        for op in ops:
+            ins, out = op_messages(plan, op)
+            if out is not None and out[0] != worker:
+                at[worker].setdefault(op.end, []).append(Endpoint(True, out[0], out[1]))
             if ins is not None and ins[0] != worker:
-                received.setdefault((ins[0], worker), []).append(ins[1])
-            if outs is not None and outs[0] != worker:
-                sent.setdefault((worker, outs[0]), []).append(outs[1])
-    for pair in sorted(set(sent) | set(received)):
-        if sent.get(pair) != received.get(pair):
+                when = produced.get((ins[0], ins[1]))
+                if when is None:
+                    raise ValueError(
+                        f"{worker} receives tag {ins[1]} from {ins[0]}, who sends none"
+                    )
+                at[worker].setdefault(when, []).append(Endpoint(False, ins[0], ins[1]))
+    batches: dict[str, list[Batch]] = {}
+    for worker, rounds in at.items():
+        starts = [op.start for op in order[worker]]
+        batches[worker] = [
+            Batch(bisect.bisect_left(starts, t), tuple(sorted(rounds[t], key=lambda x: x.tag)))
+            for t in sorted(rounds)
+        ]
+    return batches
+
+
+def rendezvous_fault(batches: Mapping[str, Sequence[Batch]]) -> str | None:
+    """Why these batches could fail on a backend without tags, as a reason; None if they cannot.
+
+    The strictest rules: each worker issues its batches in order, one at a time; a pair's
+    messages match in the order issued (the k-th send from a to b with the k-th receive at b from
+    a, which must carry the same tag); a message completes only while both ends' batches are
+    issued (a send waits for its receive); a batch is done when all its endpoints are.
+    """
+    # (sender, receiver) -> that side's endpoints in issue order: (batch, index, tag)
+    sides: dict[bool, dict[tuple[str, str], list[tuple[int, int, int]]]] = {True: {}, False: {}}
+    for worker, seq in batches.items():
+        for b, batch in enumerate(seq):
+            for i, end in enumerate(batch.endpoints):
+                pair = (worker, end.peer) if end.send else (end.peer, worker)
+                sides[end.send].setdefault(pair, []).append((b, i, end.tag))
+    partner: dict[tuple[str, int, int], tuple[str, int, int]] = {}  # an endpoint -> its other end
+    for sender, receiver in sorted(set(sides[True]) | set(sides[False])):
+        sent = sides[True].get((sender, receiver), [])
+        received = sides[False].get((sender, receiver), [])
+        sent_tags, received_tags = [t for *_, t in sent], [t for *_, t in received]
+        if sent_tags != received_tags:
             return (
-                f"{pair[0]} sends to {pair[1]} tags {sent.get(pair, [])} but {pair[1]} receives "
-                f"{received.get(pair, [])}"
+                f"{sender} sends to {receiver} tags {sent_tags} but {receiver} receives "
+                f"{received_tags}"
             )
-    return None
+        for (sb, si, _), (rb, ri, _) in zip(sent, received, strict=True):
+            partner[(sender, sb, si)] = (receiver, rb, ri)
+            partner[(receiver, rb, ri)] = (sender, sb, si)
+    current = dict.fromkeys(batches, 0)
+    done: set[tuple[str, int, int]] = set()
+    progressed = True
+    while progressed:
+        progressed = False
+        for worker, seq in batches.items():
+            while (b := current[worker]) < len(seq):
+                for i in range(len(seq[b].endpoints)):
+                    other = partner[(worker, b, i)]
+                    if current[other[0]] == other[1]:  # both ends issued: it completes
+                        done.update({(worker, b, i), other})
+                if any((worker, b, i) not in done for i in range(len(seq[b].endpoints))):
+                    break
+                current[worker] = b + 1
+                progressed = True
+    waits = []
+    for worker, seq in sorted(batches.items()):
+        b = current[worker]
+        if b < len(seq):
+            i = next(i for i in range(len(seq[b].endpoints)) if (worker, b, i) not in done)
+            end = seq[b].endpoints[i]
+            what = f"send tag {end.tag} to" if end.send else f"receive tag {end.tag} from"
+            waits.append(f"{worker} waits to {what} {end.peer} (batch before op {seq[b].before})")
+    return "a cycle of waits: " + "; ".join(waits) if waits else None

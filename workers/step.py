@@ -1,12 +1,12 @@
 """One training step of one worker under a plan: its 1F1B ops, then the gradient sync rounds.
 
-Ops run in the generation's order with blocking receives and non-blocking sends; the order is a
-linear extension of the step's dependency graph (chameleond.core.schedule), so it cannot deadlock.
-Under rerouting a worker's op list holds ops of several pipelines (the failed slot's micro-batches),
-so activations and gradients cross pipelines; everything is keyed by (pipeline, stage, micro-batch).
-Each p2p message has a fixed shape (micro_batch, seq_len, d_model) and a tag naming
-(kind, pipeline, stage boundary, micro-batch), so on gloo no receive can take another's message.
-NCCL and HCCL ignore tags; workers/p2p.py says why the order of a pair's messages is enough there.
+Ops run in the generation's order, a linear extension of the step's dependency graph
+(chameleond.core.schedule). Messages go out in the generation's batches (workers.p2p): an op's
+output waits in an outbox until its batch is issued, a receive is posted with its batch and waited
+for just before the op that uses it. Under rerouting a worker's op list holds ops of several
+pipelines (the failed slot's micro-batches), so activations and gradients cross pipelines;
+everything is keyed by (pipeline, stage, micro-batch). Each message has a fixed shape
+(micro_batch, seq_len, d_model) and a tag naming (kind, pipeline, stage boundary, micro-batch).
 
 Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
 all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds. The
@@ -22,10 +22,12 @@ from typing import Any
 import torch
 
 from chameleond.core.schedule import FORWARD, Op
+from workers.backend import P2POp, exchange
 from workers.data import Corpus
 from workers.generation import Generation, sync_order
 from workers.model import run_layers, sample_loss_sum
 from workers.p2p import (
+    Batch,
     Message,
     backward_input,
     backward_output,
@@ -58,8 +60,10 @@ class StepRunner:
         plan = gen.plan
         arch = state.arch
         self.shape = (plan.micro_batch, arch.seq_len, arch.d_model)
-        self._sends: list[tuple[Any, torch.Tensor]] = []
-        self._local: dict[int, torch.Tensor] = {}
+        self._outbox: dict[int, torch.Tensor] = {}  # computed, waiting for their batch
+        self._inbox: dict[int, tuple[Any, torch.Tensor]] = {}  # posted receives
+        self._sent: list[tuple[Any, torch.Tensor]] = []
+        self._local: dict[int, torch.Tensor] = {}  # messages to itself
 
     # point-to-point ---------------------------------------------------------------------------
 
@@ -67,18 +71,35 @@ class StepRunner:
         t = tensor.detach().contiguous()
         if peer == self.gen.me:
             self._local[tag] = t
-            return
-        work = self.gen.world_group.send([t], self.gen.rank_of(peer), tag)
-        self._sends.append((work, t))  # the tensor must outlive the send
+        else:
+            self._outbox[tag] = t  # sent with its batch
 
     def _recv(self, peer: str, tag: int) -> torch.Tensor:
         if peer == self.gen.me:
             return self._local.pop(tag)
-        buf = torch.empty(self.shape, device=self.state.device)
+        posted = self._inbox.pop(tag, None)
+        if posted is None:
+            raise RuntimeError(f"receive of tag {tag} from {peer} is in no batch before it")
+        work, buf = posted
         t0 = time.perf_counter()
-        self.gen.world_group.recv([buf], self.gen.rank_of(peer), tag).wait()
+        work.wait()
         self._waited += time.perf_counter() - t0
         return buf
+
+    def _issue(self, batch: Batch) -> None:
+        ops: list[P2POp] = []
+        for end in batch.endpoints:
+            if end.send:
+                tensor = self._outbox.pop(end.tag)
+            else:
+                tensor = torch.empty(self.shape, device=self.state.device)
+            ops.append((end.send, tensor, self.gen.rank_of(end.peer), end.tag))
+        works = exchange(self.gen.world_group, ops)
+        for (send, tensor, _, tag), work in zip(ops, works, strict=True):
+            if send:
+                self._sent.append((work, tensor))  # the tensor must outlive the send
+            else:
+                self._inbox[tag] = (work, tensor)
 
     # the step ---------------------------------------------------------------------------------
 
@@ -86,20 +107,26 @@ class StepRunner:
         try:
             return self._run(step, on_op)
         finally:
-            # Pending sends hold the group; a failed step must not keep it (and its sockets) open.
-            self._sends.clear()
-            self._local.clear()
+            # Pending transfers hold the group; a failed step must not keep it (and its sockets)
+            # open.
+            for box in (self._outbox, self._inbox, self._sent, self._local):
+                box.clear()
 
     def _run(self, step: int, on_op: Any) -> StepResult:
         plan, st = self.gen.plan, self.state
         dev = st.device
         stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         loss_sum = 0.0
+        batches = iter(self.gen.batches)
+        batch = next(batches, None)
         for i, op in enumerate(self.gen.ops):
             if on_op is not None:
                 on_op(step, i, len(self.gen.ops))
             started = self.meter.clock() if self.meter is not None else 0.0
             self._waited = 0.0
+            while batch is not None and batch.before <= i:
+                self._issue(batch)
+                batch = next(batches, None)
             stages = plan.pipelines[op.pipeline].stages
             layers = [st.layer(j) for j in stages[op.stage].layers]
             last = op.stage == len(stages) - 1
@@ -130,11 +157,17 @@ class StepRunner:
             if self.meter is not None:
                 layer_ids = stages[op.stage].layers
                 self.meter.op(op.kind == FORWARD, layer_ids, started, self._waited)
-        for work, _ in self._sends:
+        while batch is not None:
+            self._issue(batch)
+            batch = next(batches, None)
+        for work, _ in self._sent:
             work.wait()
-        self._sends.clear()
-        if stash:
-            raise RuntimeError(f"step {step}: {len(stash)} forwards without a backward")
+        self._sent.clear()
+        if stash or self._outbox or self._inbox:
+            raise RuntimeError(
+                f"step {step}: {len(stash)} forwards without a backward, {len(self._outbox)} "
+                f"outputs not sent, {len(self._inbox)} messages received for no op"
+            )
         self._sync_gradients()
         return StepResult(loss_sum, plan.owned_layers(self.gen.me))
 
