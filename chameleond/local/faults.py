@@ -18,6 +18,7 @@ import re
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from chameleond.protocol import MAX_ID_LEN, Keys
 from chameleond.redis_server import redis_binary
@@ -104,22 +105,32 @@ def check_workers(faults: Sequence[Fault], workers: Sequence[str]) -> None:
             )
 
 
+# redis-py's TLS settings in a rediss:// URL's query, and the redis-cli flags that say the same.
+_TLS_FLAGS = {
+    "ssl_ca_certs": "--cacert",
+    "ssl_ca_path": "--cacertdir",
+    "ssl_certfile": "--cert",
+    "ssl_keyfile": "--key",
+}
+
+
 def redis_cli_args(redis_url: str, job: str, worker: str, cause: str) -> list[str]:
-    """The argv of the redis-cli line an operator would type to report a fault."""
-    return [
-        redis_binary("redis-cli"),
-        "-u",
-        redis_url,
-        "XADD",
-        Keys(job).events,
-        "*",
-        "type",
-        "fault",
-        "worker",
-        worker,
-        "cause",
-        cause,
-    ]
+    """The argv of the redis-cli line an operator would type to report a fault.
+
+    redis-cli reads neither a URL's query nor TLS settings in it: a rediss:// URL's certificates
+    become --tls flags, and the query is dropped.
+    """
+    url = urlsplit(redis_url)
+    cli = [redis_binary("redis-cli", tls=url.scheme == "rediss")]
+    if url.scheme == "rediss":
+        cli.append("--tls")
+        for key, value in parse_qsl(url.query):
+            if key in _TLS_FLAGS:
+                cli += [_TLS_FLAGS[key], value]
+            elif key == "ssl_cert_reqs" and value.lower() == "none":
+                cli.append("--insecure")
+    cli += ["-u", urlunsplit(url._replace(query="", fragment=""))]
+    return [*cli, "XADD", Keys(job).events, "*", "type", "fault", "worker", worker, "cause", cause]
 
 
 def send_fault_event(redis_url: str, job: str, worker: str, cause: str) -> str:
