@@ -45,8 +45,10 @@ def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
     meter.clock = lambda: next(ticks)  # each call one "second" later
     for _ in range(2):  # two steps, each: 2 forwards, 2 backwards of layers 0-1, one update
         for forward in (True, True, False, False):
-            meter.op(forward, range(2), meter.clock(), waited=0.0)
-        meter.update((0, 1), meter.clock())
+            meter.begin()
+            meter.op(forward, range(2))
+        meter.begin()
+        meter.update((0, 1))
         data = meter.step_done()
     assert data is not None and data["steps"] == 2 and data["source"] == "training"
     got = {d["index"]: d for d in data["layers"]}
@@ -65,7 +67,9 @@ def test_meter_waits_for_enough_steps_and_time(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(profile, "REPORT_SECONDS", 0.05)
     startup = profile_model(ARCH, 2, CPU)["layers"]
     meter = TrainingMeter(startup, CPU, micro_batch=2, host="", workers_on_host=1)
-    meter.op(True, range(2), meter.clock() - 0.01, waited=0.0)
+    meter.begin()
+    sum(range(100_000))  # some CPU time for the op
+    meter.op(True, range(2))
     assert meter.step_done() is None and meter.step_done() is None
     time.sleep(0.06)
     data = meter.step_done()

@@ -118,8 +118,16 @@ def _communicator_built(group: Any, dev: DeviceChoice) -> Any:
     must join. A batch of point-to-point transfers (`exchange`) runs on that communicator, and
     the members with nothing to send in the first batch would not join it: so every member builds
     it here, with one small all-reduce, in the order the groups are built (the same everywhere)."""
-    group.allreduce([torch.zeros(1, device=dev.torch_device)]).wait()
+    allreduce_sum(group, torch.zeros(1), dev.torch_device)
     return group
+
+
+def allreduce_sum(group: Any, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """SUM all-reduce of a small host tensor (a commit vote, the reconcile rows); the result on
+    the host. NCCL and HCCL reduce device tensors only, so it makes the trip through `device`."""
+    t = host.to(device)
+    group.allreduce([t]).wait()
+    return t.cpu()
 
 
 # One point-to-point operation: (send?, tensor, peer rank, tag).

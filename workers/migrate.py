@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from chameleond.core.plan import Plan
-from workers.backend import P2POp, exchange
+from workers.backend import P2POp, allreduce_sum, exchange
 from workers.generation import Generation
 from workers.model import LayerState
 from workers.p2p import MIGRATION_TAG_BASE
@@ -125,8 +125,7 @@ def reconcile(
     on_round: Callable[[int], None] | None = None,
 ) -> Reconciled:
     """Run steps 1 and 2 of the module docstring over the world group."""
-    rows = _rows(gen, state)
-    gen.world_group.allreduce([rows]).wait()
+    rows = allreduce_sum(gen.world_group, _rows(gen, state), state.device)
     plan = gen.plan
     result = plan_moves(plan, rows, gen.world, job_trained=job_trained)
     applied: int | None = None

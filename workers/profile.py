@@ -16,7 +16,9 @@ models that sharing itself (the host's CPU work over its cores), which needs eac
 A CPU worker also reports its host: the cores it may use, how many of them the job's workers there
 keep busy (see `host_report`), and, from training, the CPU a step costs it beyond its layers'
 forward, backward and update (sends, receives, gradient all-reduce, the commit vote: mostly on
-gloo's threads), which the estimator adds per worker.
+gloo's threads), which the estimator adds per worker. On an accelerator, seconds are the device's:
+the start-up profile synchronizes the device around each timed part, and in training the meter
+reads device events (see `TrainingMeter`).
 """
 
 from __future__ import annotations
@@ -161,10 +163,14 @@ def profile_model(
 class TrainingMeter:
     """Per-layer seconds measured on the real steps of one plan generation.
 
-    The step runner reports each op (`op`) and the commit its optimizer update (`update`); an op's
-    seconds are split among its layers in proportion to their start-up profile. `step_done`
-    returns a profile event's data every REPORT_STEPS steps (REPORT_SECONDS at least), then starts
-    a new window, so each report describes the recent steps of the running plan only.
+    The step runner brackets each op (`begin`, `inputs_ready`, `op`) and the commit its optimizer
+    update (`begin`, `update`); an op's seconds are split among its layers in proportion to their
+    start-up profile. On the CPU an op costs the CPU time of its thread from `begin`. On an
+    accelerator a kernel launch returns before the kernel runs, so the meter records device events
+    instead, from `inputs_ready` (the stream has waited for the op's receive by then, which is not
+    the op's cost), and reads them when a report is due. `step_done` returns a profile event's data
+    every REPORT_STEPS steps (REPORT_SECONDS at least), then starts a new window, so each report
+    describes the recent steps of the running plan only.
     """
 
     def __init__(
@@ -180,7 +186,9 @@ class TrainingMeter:
         self.micro_batch = micro_batch
         self.host = host
         self.workers_on_host = workers_on_host
-        self.clock = op_clock(device)
+        self.on_cpu = device.type == "cpu"
+        self.clock = time.thread_time  # on the CPU
+        self._started: Any = None
         self.restart()
 
     def restart(self) -> None:
@@ -194,33 +202,57 @@ class TrainingMeter:
         self.op_seconds = 0.0
         self.update_seconds = 0.0
         self.fastest_vote = math.inf  # the shortest commit vote of the window (wall seconds)
+        self._events: list[tuple[str, tuple[int, ...], Any, Any]] = []  # accelerators, unread
         self.wall0 = time.perf_counter()
         self.cpu0 = time.process_time()
+
+    def _now(self) -> Any:
+        if self.on_cpu:
+            return self.clock()
+        event = torch.Event(device=self.device, enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self) -> None:
+        """An op, or the commit's update, begins."""
+        self._started = self._now()
+
+    def inputs_ready(self) -> None:
+        """The op's input has arrived: on an accelerator its time counts from here."""
+        if not self.on_cpu:
+            self._started = self._now()
+
+    def op(self, forward: bool, layers: Sequence[int]) -> None:
+        """One forward or backward of a stage's layers has run."""
+        self._measured("forward" if forward else "backward", layers)
+
+    def update(self, layers: Sequence[int]) -> None:
+        """The commit's optimizer update of these layers has run."""
+        self._measured("update", layers)
+
+    def _measured(self, what: str, layers: Sequence[int]) -> None:
+        if self.on_cpu:
+            self._add(what, layers, self.clock() - self._started)
+        else:
+            self._events.append((what, tuple(layers), self._started, self._now()))
+
+    def _add(self, what: str, layers: Sequence[int], seconds: float) -> None:
+        if what == "update":
+            self.update_seconds += seconds
+            for i, s in self._split(layers, seconds, "update_seconds"):
+                self.updated[i] += s
+            return
+        self.op_seconds += seconds
+        sums = self.forward if what == "forward" else self.backward
+        for i, s in self._split(layers, seconds, f"{what}_seconds"):
+            sums[i] += s
+            if what == "forward":
+                self.micro_batches[i] += 1
 
     def _split(self, layers: Sequence[int], seconds: float, key: str) -> list[tuple[int, float]]:
         weights = [max(float(self.startup[i][key]), 1e-12) for i in layers]
         total = sum(weights)
         return [(i, seconds * w / total) for i, w in zip(layers, weights, strict=True)]
-
-    def op(self, forward: bool, layers: Sequence[int], started: float, waited: float) -> None:
-        """One forward or backward of a stage's layers, begun at clock() == `started`; `waited`
-        wall seconds of it were spent blocked on a receive (not a cost on a wall clock)."""
-        seconds = self.clock() - started
-        if self.device.type != "cpu":  # a wall clock: blocked receives are not the op's cost
-            seconds = max(seconds - waited, 0.0)
-        self.op_seconds += seconds
-        sums = self.forward if forward else self.backward
-        key = "forward_seconds" if forward else "backward_seconds"
-        for i, s in self._split(layers, seconds, key):
-            sums[i] += s
-            if forward:
-                self.micro_batches[i] += 1
-
-    def update(self, layers: Sequence[int], started: float) -> None:
-        seconds = self.clock() - started
-        self.update_seconds += seconds
-        for i, s in self._split(layers, seconds, "update_seconds"):
-            self.updated[i] += s
 
     def vote(self, seconds: float) -> None:
         """A step's commit vote: the shortest of a window is about the all-reduce alone (this
@@ -231,7 +263,13 @@ class TrainingMeter:
         """Count a committed step; the profile data when one is due, else None."""
         self.steps += 1
         wall = time.perf_counter() - self.wall0
-        if self.steps < REPORT_STEPS or wall < REPORT_SECONDS or self.op_seconds <= 0:
+        if self.steps < REPORT_STEPS or wall < REPORT_SECONDS:
+            return None
+        for what, ids, start, end in self._events:
+            end.synchronize()
+            self._add(what, ids, start.elapsed_time(end) / 1000.0)  # milliseconds
+        self._events.clear()
+        if self.op_seconds <= 0:
             return None
         cpu = time.process_time() - self.cpu0
         layers = []

@@ -34,7 +34,7 @@ from chameleond.core.plan import Plan
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.protocol import Keys
 from workers import checkpoint
-from workers.backend import DeviceChoice, device_memory_bytes
+from workers.backend import DeviceChoice, allreduce_sum, device_memory_bytes
 from workers.data import Corpus
 from workers.events import (
     Heartbeat,
@@ -347,15 +347,15 @@ class WorkerRuntime:
                 [result.loss_sum, 1.0, float(self.watcher.newest_generation)], dtype=torch.float64
             )
             voted = time.perf_counter()
-            gen.world_group.allreduce([vote]).wait()
+            vote = allreduce_sum(gen.world_group, vote, state.device)
             if after_vote is not None:
                 after_vote(step)
             vote_seconds = time.perf_counter() - voted
             meter.vote(vote_seconds)
             loss = float(vote[:, 0].sum().item()) / plan.global_batch
-            started = meter.clock()
+            meter.begin()
             state.apply_pending(plan.global_batch)
-            meter.update(result.layers, started)
+            meter.update(result.layers)
             seconds = time.perf_counter() - t0
             if first:
                 dropped = state.drop_except(owned)

@@ -15,7 +15,6 @@ division by B happens once, at commit (LayerState.apply_update).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +55,6 @@ class StepRunner:
         self.state = state
         self.corpus = corpus
         self.meter = meter  # measures each op for the in-training profile
-        self._waited = 0.0  # wall seconds the current op spent blocked on a receive
         plan = gen.plan
         arch = state.arch
         self.shape = (plan.micro_batch, arch.seq_len, arch.d_model)
@@ -81,9 +79,7 @@ class StepRunner:
         if posted is None:
             raise RuntimeError(f"receive of tag {tag} from {peer} is in no batch before it")
         work, buf = posted
-        t0 = time.perf_counter()
         work.wait()
-        self._waited += time.perf_counter() - t0
         return buf
 
     def _issue(self, batch: Batch) -> None:
@@ -122,8 +118,8 @@ class StepRunner:
         for i, op in enumerate(self.gen.ops):
             if on_op is not None:
                 on_op(step, i, len(self.gen.ops))
-            started = self.meter.clock() if self.meter is not None else 0.0
-            self._waited = 0.0
+            if self.meter is not None:
+                self.meter.begin()
             while batch is not None and batch.before <= i:
                 self._issue(batch)
                 batch = next(batches, None)
@@ -133,6 +129,7 @@ class StepRunner:
             key = (op.pipeline, op.stage, op.micro_batch)
             if op.kind == FORWARD:
                 x = self._forward_input(op, step)
+                self._inputs_ready()
                 out = run_layers(layers, x)
                 if last:
                     _, targets = self.corpus.micro_batch(
@@ -146,17 +143,15 @@ class StepRunner:
             else:
                 x, out = stash.pop(key)
                 grad_in = backward_input(op, len(stages))
-                if grad_in is None:
-                    out.backward()
-                else:
-                    out.backward(self._recv(*grad_in))
+                grad = None if grad_in is None else self._recv(*grad_in)  # None: from the loss
+                self._inputs_ready()
+                out.backward(grad)
                 grad_out = backward_output(op)
                 if grad_out is not None:
                     assert x.grad is not None
                     self._send(x.grad, *grad_out)
             if self.meter is not None:
-                layer_ids = stages[op.stage].layers
-                self.meter.op(op.kind == FORWARD, layer_ids, started, self._waited)
+                self.meter.op(op.kind == FORWARD, stages[op.stage].layers)
         while batch is not None:
             self._issue(batch)
             batch = next(batches, None)
@@ -170,6 +165,10 @@ class StepRunner:
             )
         self._sync_gradients()
         return StepResult(loss_sum, plan.owned_layers(self.gen.me))
+
+    def _inputs_ready(self) -> None:
+        if self.meter is not None:
+            self.meter.inputs_ready()
 
     def _forward_input(self, op: Op, step: int) -> torch.Tensor:
         plan = self.gen.plan
