@@ -9,6 +9,7 @@ every plan generation's groups are plain objects that can be dropped when the ge
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,6 +59,10 @@ def check_device(dev: DeviceChoice) -> None:
         if not dist.is_nccl_available():
             raise BackendUnavailable("this torch build has no NCCL backend")
         torch.cuda.set_device(dev.index)
+        # By default a timed-out NCCL operation ends the process (3: tear down). A survivor of a
+        # peer's death must live on to the next plan: abort the communicator only, so that the
+        # pending operation fails and the worker reports the fault.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     elif dev.kind == "npu":
         npu = _torch_npu()
         if not npu.npu.is_available():  # pragma: no cover - needs Ascend hardware
@@ -82,8 +87,6 @@ def device_memory_bytes(dev: DeviceChoice) -> int:
         return int(torch.cuda.get_device_properties(dev.index).total_memory)
     if dev.kind == "npu":  # pragma: no cover - needs Ascend hardware
         return int(_torch_npu().npu.get_device_properties(dev.index).total_memory)
-    import os
-
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 

@@ -19,7 +19,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import redis
 
@@ -79,6 +79,43 @@ class Heartbeat(threading.Thread):
                     return
                 log.warning("heartbeat not sent: %s", e)
             self._stop_event.wait(HEARTBEAT_SECONDS)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+class PeerWatch(threading.Thread):
+    """Calls `on_gone` once with the peers `find_gone` returns (polled every `period` seconds),
+    until stopped.
+
+    gloo fails a survivor's pending operation within milliseconds of a peer's death, because the
+    kernel closes the dead process's sockets. NCCL and HCCL do not: the survivors' device work
+    waits until a timeout. A worker on those backends runs this watch for the life of a
+    generation and aborts the generation's groups when a member's process is gone.
+    """
+
+    def __init__(
+        self,
+        find_gone: Callable[[], list[str]],
+        on_gone: Callable[[list[str]], None],
+        period: float = 0.1,
+    ) -> None:
+        super().__init__(name="peer-watch", daemon=True)
+        self._find_gone = find_gone
+        self._on_gone = on_gone
+        self._period = period
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self._period):
+            try:
+                found = self._find_gone()
+            except (redis.RedisError, OSError) as e:
+                log.warning("peer watch: %s", e)
+                continue
+            if found:
+                self._on_gone(found)
+                return
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -63,6 +63,7 @@ class Generation:
     members: dict[str, str] = field(default_factory=dict)  # worker -> incarnation, once joined
     world_group: Any = None
     sync_groups: dict[int, Any] = field(default_factory=dict)  # index in plan.sync_groups -> group
+    aborted: str | None = None  # why the groups were aborted from another thread (see abort)
 
     @property
     def rank(self) -> int:
@@ -149,6 +150,23 @@ class Generation:
                 bind_address=bind_address,
                 timeout=timeout,
             )
+
+    def abort(self, reason: str) -> None:
+        """From another thread: fail every pending and later operation of the generation's
+        groups. `aborted` is set first, so the worker can tell a result that an abort cut short
+        (NCCL may leave it unfinished, not failed) from a real one: see `check`."""
+        self.aborted = reason
+        for g in [self.world_group, *self.sync_groups.values()]:
+            if g is not None:
+                try:
+                    g.abort()
+                except RuntimeError as e:
+                    log.debug("group abort: %s", e)
+
+    def check(self) -> None:
+        """Raise if the groups were aborted: what the last collective returned may be partial."""
+        if self.aborted is not None:
+            raise RuntimeError(f"generation {self.plan.generation} aborted: {self.aborted}")
 
     def close(self) -> None:
         groups = [g for g in [self.world_group, *self.sync_groups.values()] if g is not None]

@@ -126,6 +126,7 @@ def reconcile(
 ) -> Reconciled:
     """Run steps 1 and 2 of the module docstring over the world group."""
     rows = allreduce_sum(gen.world_group, _rows(gen, state), state.device)
+    gen.check()
     plan = gen.plan
     result = plan_moves(plan, rows, gen.world, job_trained=job_trained)
     applied: int | None = None
@@ -175,6 +176,8 @@ def _execute(
             on_round(rnd)
         for work in works:
             work.wait()
+        if received:
+            gen.check()  # an aborted round may leave its buffers unfinished
         for layer, buf in received:
             layer.load_buffer(buf, committed)
             state.layers[layer.index] = layer

@@ -38,6 +38,7 @@ from workers.backend import DeviceChoice, allreduce_sum, device_memory_bytes
 from workers.data import Corpus
 from workers.events import (
     Heartbeat,
+    PeerWatch,
     PlanWatcher,
     Reporter,
     dead_peers,
@@ -275,9 +276,16 @@ class WorkerRuntime:
             gen.connect, self.redis, bind_address=cfg.bind_address, timeout=cfg.group_timeout,
             abort=abort, give_up=give_up,
         )  # fmt: skip
+        watch = None
         try:
             connect(sync=False)
             self._took_part = True
+            if cfg.device.backend != "gloo":  # see PeerWatch
+                watch = PeerWatch(
+                    lambda: self._gone(gen),
+                    lambda peers: gen.abort(f"peer(s) {', '.join(peers)} gone"),
+                )
+                watch.start()
             t_world = time.perf_counter()
             rec = reconcile(
                 gen,
@@ -320,6 +328,8 @@ class WorkerRuntime:
             self._peers = gen.peers()
             raise
         finally:
+            if watch is not None:
+                watch.stop()
             gen.close()
 
     def _on_my_host(self, workers: Iterable[str]) -> int:
@@ -348,6 +358,7 @@ class WorkerRuntime:
             )
             voted = time.perf_counter()
             vote = allreduce_sum(gen.world_group, vote, state.device)
+            gen.check()
             if after_vote is not None:
                 after_vote(step)
             vote_seconds = time.perf_counter() - voted

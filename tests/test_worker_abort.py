@@ -1,0 +1,71 @@
+"""A generation aborted from another thread (what a worker on NCCL or HCCL does when a peer's
+process is gone, since those backends do not fail on their own): the watch that finds the dead
+peer, and a result that the abort may have cut short never being used.
+
+gloo here: its abort leaves a one-member group working, which stands for NCCL returning an
+unfinished buffer instead of an error, so only the generation's own check can refuse it."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chameleond.cli.up import build_spec_document
+from chameleond.core.decide import initial_plan
+from chameleond.core.spec import parse_spec
+from chameleond.jobs import load_default_spec
+from workers.backend import new_group, parse_device
+from workers.events import PeerWatch
+from workers.generation import Generation
+from workers.migrate import reconcile
+from workers.model import Arch
+from workers.state import WorkerState
+
+
+def test_peer_watch_reports_the_gone_peers_once_then_ends() -> None:
+    answers = iter([[], [], ["w3"], ["w3", "w4"]])
+    seen: list[list[str]] = []
+    done = threading.Event()
+
+    def on_gone(peers: list[str]) -> None:
+        seen.append(peers)
+        done.set()
+
+    watch = PeerWatch(lambda: next(answers), on_gone, period=0.01)
+    watch.start()
+    assert done.wait(5)
+    watch.join(5)
+    assert seen == [["w3"]] and not watch.is_alive()
+
+
+def test_a_stopped_peer_watch_ends_without_a_report() -> None:
+    calls: list[int] = []
+    watch = PeerWatch(lambda: calls.append(1) or [], lambda _: pytest.fail("no peer is gone"),
+                      period=0.01)  # fmt: skip
+    watch.start()
+    watch.stop()
+    watch.join(5)
+    assert not watch.is_alive()
+
+
+def test_reconcile_refuses_the_rows_of_an_aborted_generation() -> None:
+    spec = parse_spec(build_spec_document(
+        load_default_spec(), job="t", workers=1, pp=1, bind_addresses=[], mtbf_prior_seconds=None,
+    ))  # fmt: skip
+    plan = initial_plan(spec)
+    cpu = parse_device("cpu")
+    state = WorkerState(Arch.from_mapping(spec.arch), cpu.torch_device)
+    gen = Generation.for_plan(plan, "w0", cpu, "i")
+    gen.world_group = new_group(dist.HashStore(), 0, 1, cpu, bind_address="127.0.0.1",
+                                timeout=timedelta(seconds=5))  # fmt: skip
+    done = reconcile(gen, state)
+    assert done.committed_step == -1 and set(state.layers) == set(plan.owned_layers("w0"))
+
+    gen.abort("peer(s) w9 gone")
+    assert gen.world_group.allreduce([torch.ones(1)]).wait()  # the group still "works"
+    with pytest.raises(RuntimeError, match="generation 1 aborted: peer\\(s\\) w9 gone"):
+        reconcile(gen, state)
