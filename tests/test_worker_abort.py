@@ -43,10 +43,15 @@ def test_peer_watch_reports_the_gone_peers_once_then_ends() -> None:
 
 
 def test_a_stopped_peer_watch_ends_without_a_report() -> None:
-    calls: list[int] = []
-    watch = PeerWatch(lambda: calls.append(1) or [], lambda _: pytest.fail("no peer is gone"),
-                      period=0.01)  # fmt: skip
+    polled = threading.Event()
+
+    def find_gone() -> list[str]:
+        polled.set()
+        return []
+
+    watch = PeerWatch(find_gone, lambda _: pytest.fail("no peer is gone"), period=0.01)
     watch.start()
+    assert polled.wait(5)
     watch.stop()
     watch.join(5)
     assert not watch.is_alive()
