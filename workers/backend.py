@@ -110,19 +110,21 @@ def new_group(
     if dev.backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()
         nccl_opts._timeout = timeout
-        return _communicator_built(dist.ProcessGroupNCCL(store, rank, size, nccl_opts), dev)
+        nccl_opts.config.blocking = False  # an abort from another thread can end its set-up
+        return dist.ProcessGroupNCCL(store, rank, size, nccl_opts)
     npu = _torch_npu()  # pragma: no cover - needs Ascend hardware
     hccl = npu._C._distributed_c10d.ProcessGroupHCCL  # pragma: no cover
-    return _communicator_built(hccl(store, rank, size, timeout), dev)  # pragma: no cover
+    return hccl(store, rank, size, timeout)  # pragma: no cover
 
 
-def _communicator_built(group: Any, dev: DeviceChoice) -> Any:
+def build_communicator(group: Any, dev: DeviceChoice) -> None:
     """NCCL and HCCL build a group's communicator at its first collective, which every member
     must join. A batch of point-to-point transfers (`exchange`) runs on that communicator, and
     the members with nothing to send in the first batch would not join it: so every member builds
-    it here, with one small all-reduce, in the order the groups are built (the same everywhere)."""
-    allreduce_sum(group, torch.zeros(1), dev.torch_device)
-    return group
+    it right after the group, with one small all-reduce, in the order the groups are built (the
+    same everywhere). Nothing to do on gloo, whose groups connect when they are made."""
+    if dev.backend != "gloo":
+        allreduce_sum(group, torch.zeros(1), dev.torch_device)
 
 
 def allreduce_sum(group: Any, host: torch.Tensor, device: torch.device) -> torch.Tensor:

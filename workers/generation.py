@@ -22,7 +22,7 @@ import redis
 from chameleond.core.plan import Plan, SyncGroup
 from chameleond.core.schedule import BACKWARD, Op, build_schedule
 from chameleond.protocol import Keys
-from workers.backend import DeviceChoice, new_group
+from workers.backend import DeviceChoice, build_communicator, new_group
 from workers.p2p import Batch, rendezvous_fault, step_batches
 from workers.rendezvous import join_generation
 from workers.store import RedisStore
@@ -136,6 +136,8 @@ class Generation:
                 bind_address=bind_address,
                 timeout=timeout,
             )
+            self.check()  # an abort before the group existed could not reach it
+            build_communicator(self.world_group, self.device)
             return
         prefix = self.group_prefix
         for index, group in sync_order(self.plan):
@@ -150,6 +152,8 @@ class Generation:
                 bind_address=bind_address,
                 timeout=timeout,
             )
+            self.check()
+            build_communicator(self.sync_groups[index], self.device)
 
     def abort(self, reason: str) -> None:
         """From another thread: fail every pending and later operation of the generation's

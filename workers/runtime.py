@@ -277,15 +277,15 @@ class WorkerRuntime:
             abort=abort, give_up=give_up,
         )  # fmt: skip
         watch = None
+        if cfg.device.backend != "gloo":  # see PeerWatch
+            watch = PeerWatch(
+                lambda: self._gone(gen),
+                lambda peers: gen.abort(f"peer(s) {', '.join(peers)} gone"),
+            )
+            watch.start()
         try:
             connect(sync=False)
             self._took_part = True
-            if cfg.device.backend != "gloo":  # see PeerWatch
-                watch = PeerWatch(
-                    lambda: self._gone(gen),
-                    lambda peers: gen.abort(f"peer(s) {', '.join(peers)} gone"),
-                )
-                watch.start()
             t_world = time.perf_counter()
             rec = reconcile(
                 gen,
