@@ -125,7 +125,7 @@ def test_a_receiver_out_of_order_is_found_and_refused_on_nccl(
     # The plan as made starts on NCCL; with those batches a worker on NCCL (not gloo) refuses it.
     nccl, gloo = DeviceChoice("cuda", 0, "nccl"), DeviceChoice("cpu", 0, "gloo")
     assert Generation.for_plan(plan, receiver, nccl, "i").batches == batches[receiver]
-    monkeypatch.setattr(generation, "step_batches", lambda _plan, _order: swapped)
+    monkeypatch.setattr(generation, "step_batches", lambda _plan, _order, _only: swapped)
     with pytest.raises(ValueError, match="cannot run on nccl, which matches messages by order"):
         Generation.for_plan(plan, receiver, nccl, "i")
     assert Generation.for_plan(plan, receiver, gloo, "i").batches == seq

@@ -81,7 +81,8 @@ class Generation:
         if me not in plan.workers:
             raise ValueError(f"worker {me} has no part in generation {plan.generation}")
         order = op_order(plan)
-        batches = step_batches(plan, order)
+        # Without tags the worker checks every worker's batches; gloo needs its own only.
+        batches = step_batches(plan, order, [me] if device.backend == "gloo" else None)
         mine = order.get(me, [])
         gen = cls(plan, me, device, plan.workers, mine, batches.get(me, []), incarnation)
         gen.check_ownership()

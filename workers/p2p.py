@@ -28,7 +28,7 @@ re-partitioned plans, and that the op-by-op order fails it.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from chameleond.core.plan import Plan
@@ -110,37 +110,43 @@ class Batch:
     endpoints: tuple[Endpoint, ...]
 
 
-def step_batches(plan: Plan, order: Mapping[str, Sequence[Op]]) -> dict[str, list[Batch]]:
-    """Every worker's batches of one step (see the module docstring), from the op order and its
-    timeline. Messages a worker sends itself are not endpoints. Raises ValueError for a receive
-    that no op sends."""
-    produced: dict[tuple[str, int], float] = {}  # (sender, tag) -> when
-    for worker, ops in order.items():
-        for op in ops:
-            out = op_messages(plan, op)[1]
-            if out is not None and out[0] != worker:
-                produced[(worker, out[1])] = op.end
-    at: dict[str, dict[float, list[Endpoint]]] = {w: {} for w in order}
-    for worker, ops in order.items():
+def step_batches(
+    plan: Plan, order: Mapping[str, Sequence[Op]], workers: Iterable[str] | None = None
+) -> dict[str, list[Batch]]:
+    """The batches of one step (see the module docstring) of `workers` (default: all), from the
+    op order and its timeline. Messages a worker sends itself are not endpoints. Raises
+    ValueError for a receive that the op before it in the pipeline does not send."""
+    ended = {  # (kind, pipeline, stage, micro-batch) -> (executor, end)
+        (op.kind, op.pipeline, op.stage, op.micro_batch): (w, op.end)
+        for w, ops in order.items()
+        for op in ops
+    }
+    batches: dict[str, list[Batch]] = {}
+    for worker in order if workers is None else workers:
+        ops = order.get(worker, [])
+        rounds: dict[float, list[Endpoint]] = {}  # when -> what happens then
         for op in ops:
             ins, out = op_messages(plan, op)
             if out is not None and out[0] != worker:
-                at[worker].setdefault(op.end, []).append(Endpoint(True, out[0], out[1]))
+                rounds.setdefault(op.end, []).append(Endpoint(True, out[0], out[1]))
             if ins is not None and ins[0] != worker:
-                when = produced.get((ins[0], ins[1]))
-                if when is None:
-                    raise ValueError(
-                        f"{worker} receives tag {ins[1]} from {ins[0]}, who sends none"
-                    )
-                at[worker].setdefault(when, []).append(Endpoint(False, ins[0], ins[1]))
-    batches: dict[str, list[Batch]] = {}
-    for worker, rounds in at.items():
-        starts = [op.start for op in order[worker]]
+                source = op.stage - 1 if op.kind == FORWARD else op.stage + 1
+                sender, when = ended.get((op.kind, op.pipeline, source, op.micro_batch), ("", 0.0))
+                if sender != ins[0]:
+                    raise ValueError(f"{worker} receives tag {ins[1]} that {ins[0]} does not send")
+                rounds.setdefault(when, []).append(Endpoint(False, ins[0], ins[1]))
+        starts = [op.start for op in ops]
         batches[worker] = [
-            Batch(bisect.bisect_left(starts, t), tuple(sorted(rounds[t], key=lambda x: x.tag)))
-            for t in sorted(rounds)
+            Batch(
+                bisect.bisect_left(starts, t), tuple(sorted(ends, key=_tag) if ends[1:] else ends)
+            )
+            for t, ends in sorted(rounds.items())
         ]
     return batches
+
+
+def _tag(end: Endpoint) -> int:
+    return end.tag
 
 
 def rendezvous_fault(batches: Mapping[str, Sequence[Batch]]) -> str | None:
