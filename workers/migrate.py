@@ -169,8 +169,8 @@ def _execute(
                 buf = torch.empty(skeleton.state_numel(), device=state.device)
                 transfers.append((False, buf, gen.rank_of(m.src), tag))
                 received.append((skeleton, buf))
-        # One batch per round: a pair may exchange layers both ways in a round, and every worker
-        # lists a round's moves in the same order.
+        # One batch per round. The plan's rounds give a worker one transfer each, but the repair
+        # round may give it several, both ways; every worker lists a round's moves in one order.
         works = exchange(gen.world_group, transfers)
         if on_round is not None:
             on_round(rnd)
