@@ -156,17 +156,15 @@ class Generation:
             self.check()
             build_communicator(self.sync_groups[index], self.device)
 
+    def groups(self) -> list[Any]:
+        return [g for g in [self.world_group, *self.sync_groups.values()] if g is not None]
+
     def abort(self, reason: str) -> None:
         """From another thread: fail every pending and later operation of the generation's
         groups. `aborted` is set first, so the worker can tell a result that an abort cut short
         (NCCL may leave it unfinished, not failed) from a real one: see `check`."""
         self.aborted = reason
-        for g in [self.world_group, *self.sync_groups.values()]:
-            if g is not None:
-                try:
-                    g.abort()
-                except RuntimeError as e:
-                    log.debug("group abort: %s", e)
+        _abort(self.groups())
 
     def check(self) -> None:
         """Raise if the groups were aborted: what the last collective returned may be partial."""
@@ -174,14 +172,18 @@ class Generation:
             raise RuntimeError(f"generation {self.plan.generation} aborted: {self.aborted}")
 
     def close(self) -> None:
-        groups = [g for g in [self.world_group, *self.sync_groups.values()] if g is not None]
+        groups = self.groups()
         self.world_group = None
         self.sync_groups = {}
-        for g in groups:
-            try:
-                g.abort()
-            except RuntimeError as e:  # not every backend supports abort; dropping still closes
-                log.debug("group abort: %s", e)
+        _abort(groups)
         # Dropping the last reference closes the connections (a full gc.collect() would cost
         # ~0.2 s here); the step runner releases its pending sends on its way out, too.
         del groups
+
+
+def _abort(groups: list[Any]) -> None:
+    for g in groups:
+        try:
+            g.abort()
+        except RuntimeError as e:  # not every backend supports abort; dropping still closes
+            log.debug("group abort: %s", e)
