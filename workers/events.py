@@ -25,12 +25,16 @@ import redis
 
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.protocol import Keys
+from workers.outbox import Outbox
 
 log = logging.getLogger("chameleon.worker")
 
 HEARTBEAT_SECONDS = 0.5
 _PLAN_POLL_SECONDS = 1.0
 _STREAM_MAXLEN = 100_000
+# After a Redis restart every live worker reconnects within a heartbeat or two (redis-py's retries
+# back off to 1 s); until then a missing connection says nothing.
+RECONNECT_SECONDS = 3
 
 
 def connection_name(job: str, worker: str, incarnation: str) -> str:
@@ -43,27 +47,51 @@ def new_incarnation() -> str:
 
 
 class Reporter:
-    """XADD of the worker's events; every call is one stream entry of flat string fields."""
+    """The worker's events, one stream entry of flat string fields each, sent in order through an
+    `Outbox`: a Redis outage delays them and never stops training (workers/outbox.py)."""
 
     def __init__(self, client: redis.Redis, job: str, worker: str) -> None:
         self._redis = client
         self._keys = Keys(job)
         self.worker = worker
+        self.outbox = Outbox()
 
-    def send(self, kind: str, fields: Mapping[str, object]) -> None:
+    def start(self) -> None:
+        self.outbox.start()
+
+    def close(self, timeout: float) -> int:
+        """Send what is kept, for at most `timeout` seconds; the number of writes left unsent."""
+        return self.outbox.close(timeout)
+
+    def send(self, kind: str, fields: Mapping[str, object], *, keep: bool = True) -> None:
         entry = {"type": kind, "worker": self.worker}
         entry.update({k: str(v) for k, v in fields.items()})
-        self._redis.xadd(self._keys.events, entry, maxlen=_STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        self._xadd(entry, keep)
 
     def fault(self, failed: str, cause: str, **extra: object) -> None:
         entry: dict[str, str] = {"type": "fault", "worker": failed, "cause": cause[:500]}
         entry["reporter"] = self.worker
         entry.update({k: str(v) for k, v in extra.items()})
-        self._redis.xadd(self._keys.events, entry, maxlen=_STREAM_MAXLEN, approximate=True)  # type: ignore[arg-type]
+        self._xadd(entry, True)
+
+    def set_key(self, key: str, value: str) -> None:
+        """SET `key`, in order with the events (a later event is never seen before it)."""
+        self.outbox.put(lambda: self._redis.set(key, value))
+
+    def _xadd(self, entry: dict[str, str], keep: bool) -> None:
+        def write() -> object:
+            return self._redis.xadd(
+                self._keys.events,
+                entry,  # type: ignore[arg-type]
+                maxlen=_STREAM_MAXLEN,
+                approximate=True,
+            )
+
+        self.outbox.put(write, keep=keep)
 
 
 class Heartbeat(threading.Thread):
-    """XADD a heartbeat every HEARTBEAT_SECONDS until stopped; Redis errors are logged only."""
+    """A heartbeat every HEARTBEAT_SECONDS until stopped; none is kept while Redis is away."""
 
     def __init__(self, reporter: Reporter) -> None:
         super().__init__(name="heartbeat", daemon=True)
@@ -73,11 +101,10 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                self._reporter.send("heartbeat", {"at": f"{time.time():.3f}"})
-            except (redis.RedisError, OSError, ValueError) as e:
-                if self._stop_event.is_set():
-                    return
+                self._reporter.send("heartbeat", {"at": f"{time.time():.3f}"}, keep=False)
+            except redis.RedisError as e:  # the outbox's error; the main thread ends with it
                 log.warning("heartbeat not sent: %s", e)
+                return
             self._stop_event.wait(HEARTBEAT_SECONDS)
 
     def stop(self) -> None:
@@ -195,22 +222,28 @@ class PlanWatcher(threading.Thread):
         self._stop_event.set()
 
 
-def live_incarnations(client: redis.Redis, job: str) -> set[tuple[str, str]]:
-    """(worker, incarnation) of every process of `job` with an open Redis connection."""
+def live_incarnations(client: redis.Redis, job: str) -> set[tuple[str, str]] | None:
+    """(worker, incarnation) of every process of `job` with an open Redis connection; None when
+    Redis itself started less than RECONNECT_SECONDS ago (no connection is older): live workers
+    may not have reconnected yet, so a missing connection is not yet evidence of anything."""
     prefix = f"chameleon-worker:{job}:"
     out = set()
+    oldest = 0
     for c in client.client_list():
+        oldest = max(oldest, int(c.get("age", 0)))
         name = str(c.get("name", ""))
         if name.startswith(prefix):
             worker, _, incarnation = name[len(prefix) :].rpartition(":")
             out.add((worker, incarnation))
-    return out
+    return out if oldest >= RECONNECT_SECONDS else None
 
 
-def gone(live: set[tuple[str, str]], peers: Mapping[str, str | None]) -> list[str]:
+def gone(live: set[tuple[str, str]] | None, peers: Mapping[str, str | None]) -> list[str]:
     """Peers whose process is gone. A peer known by incarnation is gone when that process has no
     connection (a new process under the same id does not keep it alive); one known by id only is
-    gone when no process of that id has one."""
+    gone when no process of that id has one. Nobody, when `live` is unknown (None)."""
+    if live is None:
+        return []
     ids = {w for w, _ in live}
     return sorted(w for w, inc in peers.items() if ((w, inc) not in live if inc else w not in ids))
 
@@ -227,7 +260,7 @@ def dead_peers(
     while True:
         try:
             dead = gone(live_incarnations(client, job), peers)
-        except redis.RedisError as e:  # CLIENT LIST may be denied by an ACL
+        except redis.RedisError as e:  # denied by an ACL, or Redis away
             log.warning("cannot list connections to find the failed peer: %s", e)
             return []
         if dead or time.monotonic() > deadline:

@@ -5,7 +5,7 @@ worker has joined, or `abandoned` when any worker gives it up first (a newer pla
 is gone, or time ran out). Both transitions are atomic Lua scripts, so every worker sees the same
 outcome: either all of them build the groups, or none does. Without this, a worker that moved on
 to a newer plan in the middle of a rendezvous would leave the others stuck in a half-connected
-group until its timeout.
+group until its timeout. A Redis restart shorter than the timeout only delays the rendezvous.
 
 The group prefix is derived from the members' incarnations, so a process restarted under the same
 worker id never meets entries its dead predecessor left behind; a generation that completed with a
@@ -18,10 +18,14 @@ import hashlib
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import redis
 
+from workers.outbox import through_outage
 from workers.store import KEY_TTL_SECONDS
+
+T = TypeVar("T")
 
 _JOIN = """
 local state = redis.call('GET', KEYS[1])
@@ -69,11 +73,13 @@ def join_generation(
     """Join; once complete, return the group prefix and each member's incarnation.
     `give_up()` returns a reason to abandon, or None."""
     state_key, members_key = f"{base}state", f"{base}members"
-    state = _text(
-        client.eval(
-            _JOIN, 2, state_key, members_key, me, incarnation, len(members), KEY_TTL_SECONDS
-        )
-    )
+    seconds = timeout.total_seconds()
+
+    def call(c: Callable[[], T]) -> T:  # a Redis restart only delays the rendezvous
+        return through_outage(c, seconds, "a rendezvous")
+
+    join = (_JOIN, 2, state_key, members_key, me, incarnation, len(members), KEY_TTL_SECONDS)
+    state = _text(call(lambda: client.eval(*join)))
     deadline = time.monotonic() + timeout.total_seconds()
     pause = 0.002
     reason = ""
@@ -83,14 +89,14 @@ def join_generation(
             why = f"not every member joined within {timeout.total_seconds():.0f}s"
         if why is not None:
             reason = why
-            state = _text(client.eval(_ABANDON, 1, state_key, KEY_TTL_SECONDS))
+            state = _text(call(lambda: client.eval(_ABANDON, 1, state_key, KEY_TTL_SECONDS)))
             break
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
-        state = _text(client.get(state_key) or "open")
+        state = _text(call(lambda: client.get(state_key)) or "open")
     if state == "abandoned":
         raise GenerationAbandoned(f"generation abandoned: {reason or 'by another member'}")
-    joined = {_text(k): _text(v) for k, v in client.hgetall(members_key).items()}
+    joined = {_text(k): _text(v) for k, v in call(lambda: client.hgetall(members_key)).items()}
     if joined.get(me) != incarnation:
         raise BuiltWithoutMe("the generation was built by an earlier process of this worker")
     digest = hashlib.sha1("|".join(joined[w] for w in members).encode()).hexdigest()[:12]

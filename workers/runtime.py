@@ -48,6 +48,7 @@ from workers.events import (
 from workers.generation import Generation
 from workers.migrate import StateLost, reconcile
 from workers.model import Arch
+from workers.outbox import OUTAGE_ERRORS, through_outage
 from workers.profile import TrainingMeter, profile_model
 from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned
 from workers.state import WorkerState
@@ -55,6 +56,7 @@ from workers.step import StepRunner
 from workers.store import StoreAborted
 
 log = logging.getLogger("chameleon.worker")
+DRAIN_SECONDS = 5.0  # at exit, how long kept events may wait for Redis
 
 
 @dataclass(frozen=True)
@@ -162,6 +164,7 @@ class WorkerRuntime:
         )
         log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
         self._startup_profile = data["layers"]
+        self.reporter.start()
         self.register(corpus)
         self.reporter.send("profile", {"data": json.dumps(data)})
         self.heartbeat.start()
@@ -170,13 +173,17 @@ class WorkerRuntime:
         if self.cfg.checkpoint_dir is not None:
             checkpoint.load(self.cfg.checkpoint_dir, self.cfg.worker_id, state)
         try:
-            return self.follow_plans(state, corpus)
+            code = self.follow_plans(state, corpus)
         finally:
             self.heartbeat.stop()
             self.watcher.stop()
             for thread in (self.heartbeat, self.watcher):
                 if thread.is_alive():
                     thread.join(timeout=2)
+            unsent = self.reporter.close(DRAIN_SECONDS)
+        if unsent:
+            raise redis.ConnectionError(f"{unsent} events unsent after {DRAIN_SECONDS:g} s")
+        return code
 
     # plans --------------------------------------------------------------------------------------
 
@@ -253,6 +260,8 @@ class WorkerRuntime:
             )  # fmt: skip
             self._last_liveness_check = math.inf  # never asked again
             return []
+        except OUTAGE_ERRORS:  # Redis away: no evidence against anyone
+            return []
 
     def run_generation(self, plan: Plan, state: WorkerState, corpus: Corpus) -> None:
         cfg, me = self.cfg, self.cfg.worker_id
@@ -290,7 +299,7 @@ class WorkerRuntime:
             rec = reconcile(
                 gen,
                 state,
-                job_trained=bool(self.redis.exists(self.trained_key)),
+                job_trained=self._job_trained(),
                 on_round=self._kill_hook_migration(plan.generation),
             )
             if rec.applied_pending is not None:
@@ -331,6 +340,11 @@ class WorkerRuntime:
             if watch is not None:
                 watch.stop()
             gen.close()
+
+    def _job_trained(self) -> bool:
+        seconds = self.cfg.group_timeout.total_seconds()
+        found = through_outage(lambda: self.redis.exists(self.trained_key), seconds, "reconcile")
+        return bool(found)
 
     def _on_my_host(self, workers: Iterable[str]) -> int:
         return sum(1 for w in workers if self._hosts.get(w) == self.host())
@@ -379,7 +393,7 @@ class WorkerRuntime:
             elif (profile := meter.step_done()) is not None:
                 self.reporter.send("profile", {"data": json.dumps(profile)})
             if not self._marked_trained:
-                self.redis.set(self.trained_key, "1")
+                self.reporter.set_key(self.trained_key, "1")  # before any later fault report
                 self._marked_trained = True
             every, directory = self.cfg.checkpoint_every, self.cfg.checkpoint_dir
             if every and directory is not None and (step + 1) % every == 0:

@@ -9,7 +9,8 @@ satisfy a newer rendezvous. Keys expire so finished generations leave nothing be
 
 Waiting polls Redis with short sleeps. Between polls an optional `abort` callback may raise (for
 example because a newer plan was published, or a peer's process is gone), so a rendezvous with a
-dead peer ends in milliseconds instead of at the timeout.
+dead peer ends in milliseconds instead of at the timeout. A Redis outage shorter than the timeout
+(a restart) only delays the rendezvous: every call is tried again until Redis answers.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import TypeVar
 
 import redis
 import torch.distributed as dist
+
+from workers.outbox import through_outage
+
+T = TypeVar("T")
 
 KEY_TTL_SECONDS = 3600
 _POLL_SECONDS = 0.002
@@ -54,22 +60,25 @@ class RedisStore(dist.Store):
 
     def set(self, key: str, value: bytes | str) -> None:
         data = value.encode() if isinstance(value, str) else bytes(value)
-        self._redis.set(self._key(key), data, ex=KEY_TTL_SECONDS)
+        self._call(lambda: self._redis.set(self._key(key), data, ex=KEY_TTL_SECONDS))
 
     def get(self, key: str) -> bytes:
         self._wait_for([key], self._timeout)
-        value = self._redis.get(self._key(key))
+        value = self._call(lambda: self._redis.get(self._key(key)))
         if value is None:  # expired between the wait and the read
             raise RuntimeError(f"store key {key!r} vanished")
         return value if isinstance(value, bytes) else str(value).encode()
 
     def add(self, key: str, value: int) -> int:
         k = self._key(key)
-        pipe = self._redis.pipeline()
-        pipe.incrby(k, value)
-        pipe.expire(k, KEY_TTL_SECONDS)
-        result = pipe.execute()
-        return int(result[0])
+
+        def add() -> list[object]:
+            pipe = self._redis.pipeline()
+            pipe.incrby(k, value)
+            pipe.expire(k, KEY_TTL_SECONDS)
+            return pipe.execute()
+
+        return int(self._call(add)[0])  # type: ignore[call-overload]
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         exp = expected.encode() if isinstance(expected, str) else bytes(expected)
@@ -82,7 +91,8 @@ class RedisStore(dist.Store):
             "redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) return ARGV[2] end "
             "if v == false then return ARGV[1] end return v"
         )
-        out = self._redis.eval(script, 1, self._key(key), exp, des, KEY_TTL_SECONDS)
+        args = (script, 1, self._key(key), exp, des, KEY_TTL_SECONDS)
+        out = self._call(lambda: self._redis.eval(*args))
         return out if isinstance(out, bytes) else str(out).encode()
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
@@ -91,10 +101,11 @@ class RedisStore(dist.Store):
     def check(self, keys: list[str]) -> bool:
         if not keys:
             return True
-        return int(self._redis.exists(*[self._key(k) for k in keys])) == len(keys)
+        found = self._call(lambda: self._redis.exists(*[self._key(k) for k in keys]))
+        return int(found) == len(keys)
 
     def delete_key(self, key: str) -> bool:
-        return int(self._redis.delete(self._key(key))) > 0
+        return int(self._call(lambda: self._redis.delete(self._key(key)))) > 0
 
     def num_keys(self) -> int:
         return sum(1 for _ in self._redis.scan_iter(match=self._prefix + "*", count=1000))
@@ -103,6 +114,10 @@ class RedisStore(dist.Store):
         self._timeout = timeout
 
     # ----------------------------------------------------------------------------------------------
+
+    def _call(self, call: Callable[[], T]) -> T:
+        """A Redis call that rides through an outage shorter than the store's timeout."""
+        return through_outage(call, self._timeout.total_seconds(), "a rendezvous")
 
     def _wait_for(self, keys: list[str], timeout: timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()

@@ -4,6 +4,8 @@ What the detector suspects it writes to the event stream as an ordinary `fault` 
 `source=detector`), so a suspicion takes the same durable path as a reported fault and an operator
 sees it in the stream. A worker declared failed that still heartbeats is fenced: it is in the
 plan's `excluded` list, and the current generation is published again now and then so it learns.
+Silence while Redis is unreachable, and for one timeout after it is back, is nobody's fault: a
+Redis restart must not turn into every worker declared failed.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ class Detector:
         if m.phase in (Phase.WAITING, Phase.UNRECOVERABLE) or job.plan is None:
             return {}
         hold = max(2.0, cfg.heartbeat_timeout_seconds)
+        # While Redis was away no heartbeat or ack could arrive; once it is back every worker
+        # gets a whole timeout to be heard from again (their kept events come first).
+        if svc.ingest is None or svc.ingest.redis_error or now - svc.ingest.reachable_since < hold:
+            return {}
         out: dict[str, str] = {}
         for w in m.plan_workers:
             if w in m.failed or job.pending(w) or now - self.reported.get(w, 0.0) < hold:

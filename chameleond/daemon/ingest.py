@@ -51,6 +51,9 @@ class Ingest:
         self.observer = observer
         self.last_loop = time.monotonic()  # the read loop's last turn (liveness, /healthz)
         self.redis_error = ""  # why the last read failed; "" once a read succeeds (/readyz)
+        # When reads last began to succeed: at start, and again when Redis is back after an
+        # outage. Nobody's silence before then counts against them (daemon/detector.py).
+        self.reachable_since = time.time()
 
     async def replay_own_pending(self) -> None:
         """Entries this consumer name read before a restart and never acknowledged."""
@@ -78,6 +81,7 @@ class Ingest:
             if self.redis_error:
                 log.info("Redis reachable again")
                 self.redis_error = ""
+                self.reachable_since = time.time()
             self.metrics.redis_up.set(1)
             if entries:
                 await self.process(entries)

@@ -1,0 +1,116 @@
+"""A worker's Redis writes through an outage (workers/outbox.py), and what a survivor may conclude
+about its peers right after a Redis restart (workers/events.py): a real redis-server, stopped and
+started again on the same port and data directory."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import redis
+
+from chameleond.redis_server import RedisServer
+from workers.events import RECONNECT_SECONDS, connection_name, gone, live_incarnations
+from workers.outbox import Outbox, OutboxFull
+from workers.store import RedisStore
+
+STREAM = "chameleon:t:events"
+
+
+def test_kept_writes_arrive_in_order_after_a_redis_restart(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    box = Outbox(retry_seconds=0.1)
+    box.start()
+
+    def xadd(seq: int) -> None:
+        box.put(lambda: redis_client.xadd(STREAM, {"seq": seq}))
+
+    for seq in range(10):
+        xadd(seq)
+    wait_empty(box)
+    redis_server.stop()
+    for seq in range(10, 20):
+        xadd(seq)
+    deadline = time.monotonic() + 15
+    while box.down_since is None:  # redis-py's own retries come first (about 4 s)
+        assert time.monotonic() < deadline, "the outage was not noticed"
+        time.sleep(0.05)
+    for seq in range(20, 30):
+        xadd(seq)
+        box.put(lambda: redis_client.xadd(STREAM, {"heartbeat": 1}), keep=False)
+    assert box.pending() == 20  # kept, and the heartbeats dropped
+    redis_server.start()
+    assert box.close(20) == 0
+    entries = redis_client.xrange(STREAM)
+    assert [int(f["seq"]) for _, f in entries] == list(range(30))
+
+
+def wait_empty(box: Outbox, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while box.pending():
+        assert time.monotonic() < deadline, "the outbox did not empty"
+        time.sleep(0.01)
+
+
+def test_a_refused_write_is_raised_to_the_next_put(redis_client: redis.Redis) -> None:
+    redis_client.set("not-a-stream", "x")
+    box = Outbox()
+    box.start()
+    box.put(lambda: redis_client.xadd("not-a-stream", {"a": 1}))
+    box.join(timeout=5)  # the sender ends at an error that is not an outage
+    assert not box.is_alive()
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        box.put(lambda: redis_client.xadd(STREAM, {"a": 1}))
+
+
+def test_a_full_outbox_refuses_more() -> None:
+    box = Outbox(max_kept=2)  # not started: nothing leaves
+    box.put(lambda: None)
+    box.put(lambda: None)
+    with pytest.raises(OutboxFull, match="2 unsent"):
+        box.put(lambda: None)
+
+
+def test_a_missing_connection_is_no_evidence_right_after_a_redis_restart(
+    redis_server: RedisServer,
+) -> None:
+    name = connection_name("t", "w1", "inc1")
+    peer = redis.Redis.from_url(redis_server.url, client_name=name)
+    me = redis.Redis.from_url(redis_server.url, client_name=connection_name("t", "w0", "inc0"))
+    try:
+        peer.ping()
+        time.sleep(RECONNECT_SECONDS + 0.2)
+        assert live_incarnations(me, "t") == {("w0", "inc0"), ("w1", "inc1")}
+        redis_server.stop()
+        redis_server.start()
+        # w1 has not reconnected yet: right after the restart its absence proves nothing ...
+        assert gone(live_incarnations(me, "t"), {"w1": "inc1"}) == []
+        time.sleep(RECONNECT_SECONDS + 0.2)
+        # ... but a connection that stays missing past the reconnect window does.
+        assert gone(live_incarnations(me, "t"), {"w1": "inc1"}) == ["w1"]
+        peer.ping()  # redis-py reconnects under the same name
+        assert gone(live_incarnations(me, "t"), {"w1": "inc1"}) == []
+    finally:
+        peer.close()
+        me.close()
+
+
+def test_a_store_wait_rides_through_a_redis_restart(redis_server: RedisServer) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    store = RedisStore(client, "t/", timeout=timedelta(seconds=30))
+    done: list[bytes] = []
+    waiter = threading.Thread(target=lambda: done.append(store.get("key")), daemon=True)
+    try:
+        waiter.start()
+        time.sleep(0.2)
+        redis_server.stop()
+        time.sleep(1.0)
+        redis_server.start()
+        RedisStore(redis.Redis.from_url(redis_server.url), "t/").set("key", "v")
+        waiter.join(timeout=20)
+        assert done == [b"v"]
+    finally:
+        client.close()
