@@ -240,6 +240,27 @@ def test_failure_during_migration(start_job) -> None:
     print(f"\nfailure during migration: max rel loss error {worst:.2e}")
 
 
+def test_a_worker_whose_device_fails_reports_itself_and_leaves(start_job) -> None:
+    """A layer forward of w2 raises in step 5, as a failing device's kernel does (fault hook
+    device:5), and its process stays alive. The peers see only broken groups; w2 names itself in a
+    fault with the real cause and exits 7, and training resumes without it, nothing skipped."""
+    steps = 14
+    env = {"w2": {"CHAMELEON_WORKER_KILL_AT": "device:5"}}
+    job = start_job("reroute", max_steps=steps, env=env)
+    finish(job, steps)
+    assert job.workers.procs["w2"].wait(timeout=30) == 7, job.workers.log("w2")[-2000:]
+    own = [f for f in job.record.of("fault") if f.get("reporter") == "w2"]
+    assert [f["worker"] for f in own] == ["w2"], own
+    assert "injected device error" in own[0]["cause"] and own[0]["generation"] == "1"
+    plans = job.record.plans
+    assert [p.policy for p in plans] == ["initial", "reroute"] and "w2" not in plans[1].workers
+    # Nobody else is blamed.
+    assert {f["worker"] for f in job.record.of("fault")} == {"w2"}
+    assert "device failed" in job.workers.log("w2")
+    worst = assert_matches_reference(job, steps)
+    print(f"\ndevice failure: max rel loss error {worst:.2e}")
+
+
 def test_a_vote_lost_by_one_survivor_commits_late(start_job) -> None:
     """w3 dies (SIGKILL) right after its commit vote of step 5, and w1 takes that vote as failed,
     as a worker does whose ring broke when a peer died inside the all-reduce: the others commit

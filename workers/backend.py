@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -21,6 +22,23 @@ import torch.distributed as dist
 
 class BackendUnavailable(RuntimeError):
     """The device's collective backend cannot be used here; the message says why."""
+
+
+class DeviceFailed(RuntimeError):
+    """This worker's own computation failed (a device error, out of memory): not a peer's
+    fault. The worker reports itself and leaves (docs/worker.md, "Failure detection")."""
+
+
+@contextmanager
+def computing() -> Iterator[None]:
+    """Around a worker's own computation (forward, backward, update): an error there is the
+    device's, told apart from the errors of collectives, which a failed peer causes."""
+    try:
+        yield
+    except DeviceFailed:
+        raise
+    except RuntimeError as e:  # torch's errors, CUDA's and out-of-memory included
+        raise DeviceFailed(f"{type(e).__name__}: {e}") from e
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 
 from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
-from workers.backend import BackendUnavailable, check_device, parse_device
+from workers.backend import BackendUnavailable, DeviceFailed, check_device, parse_device
 from workers.data import CorpusError
 from workers.events import connection_name, new_incarnation
 from workers.model import ArchError
@@ -37,6 +37,7 @@ EXIT_REDIS = 3
 EXIT_SPEC = 4
 EXIT_BACKEND = 5
 EXIT_CORPUS = 6
+EXIT_DEVICE = 7
 
 
 class _Stop(BaseException):
@@ -172,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     except redis.RedisError as e:
         log.error("redis at %s: %s", redact_url(args.redis_url), e)
         return EXIT_REDIS
+    except DeviceFailed as e:
+        log.error("leaving: this worker's device failed (%s); it reported itself", e)
+        return EXIT_DEVICE
     except (SpecError, ArchError, TimeoutError) as e:
         log.error("job spec: %s", e)
         return EXIT_SPEC

@@ -29,12 +29,20 @@ from pathlib import Path
 
 import redis
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from chameleond.core.plan import Plan
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.protocol import Keys
 from workers import checkpoint
-from workers.backend import DeviceChoice, allreduce_sum, device_memory_bytes
+from workers.backend import (
+    DeviceChoice,
+    DeviceFailed,
+    allreduce_sum,
+    computing,
+    device_memory_bytes,
+)
 from workers.data import Corpus
 from workers.events import (
     Heartbeat,
@@ -85,7 +93,7 @@ class Finished(Exception):
     """The configured number of steps is committed."""
 
 
-FAULT_HOOKS = ("step", "migration", "vote", "vote-lost")
+FAULT_HOOKS = ("step", "migration", "vote", "vote-lost", "device")
 
 
 def fault_hook_error(text: str) -> str | None:
@@ -221,9 +229,22 @@ class WorkerRuntime:
                     self.on_fault(plan, state, e)
             except StateLost as e:
                 log.error("generation %d cannot start: %s", plan.generation, e)
+            except DeviceFailed as e:
+                self.on_own_failure(plan, e)
+                raise
             except (RuntimeError, ValueError) as e:
                 self.on_fault(plan, state, e)
         return 0
+
+    def on_own_failure(self, plan: Plan, error: DeviceFailed) -> None:
+        """This worker's computation failed: nobody else is to blame. Its peers see only a
+        broken group; this report names the worker and the real cause, and the worker leaves
+        (its state is suspect), so the peers also find it gone."""
+        detected = self._failed_at or time.time()
+        log.error("generation %d: this worker's computation failed: %s", plan.generation, error)
+        self.reporter.fault(
+            self.cfg.worker_id, str(error), generation=plan.generation, at=f"{detected:.3f}"
+        )
 
     def on_fault(self, plan: Plan, state: WorkerState, error: Exception) -> None:
         detected = self._failed_at or time.time()
@@ -379,7 +400,8 @@ class WorkerRuntime:
             meter.vote(vote_seconds)
             loss = float(vote[:, 0].sum().item()) / plan.global_batch
             meter.begin()
-            state.apply_pending(plan.global_batch)
+            with computing():
+                state.apply_pending(plan.global_batch)
             meter.update(result.layers)
             seconds = time.perf_counter() - t0
             if first:
@@ -421,15 +443,28 @@ class WorkerRuntime:
     # test hooks ---------------------------------------------------------------------------------
 
     def _kill_hook_step(self) -> Callable[[int, int, int], None] | None:
+        """`step:N`: SIGKILL in the middle of step N. `device:N`: from the middle of step N,
+        the next layer forward raises, as a failing device's kernel does."""
         what, _, arg = self.cfg.kill_at.partition(":")
-        if what != "step":
+        if what not in ("step", "device"):
             return None
         target = int(arg)
 
+        hooks: list[RemovableHandle] = []
+
+        def fail_next_forward(_module: object, _inputs: object) -> None:
+            for h in hooks:
+                h.remove()
+            raise RuntimeError(f"injected device error (fault hook device:{target})")
+
         def on_op(step: int, i: int, n: int) -> None:
-            if step == target and i == n // 2:
+            if step != target or i != n // 2:
+                return
+            if what == "step":
                 log.warning("kill hook: SIGKILL in the middle of step %d", step)
                 os.kill(os.getpid(), signal.SIGKILL)
+            log.warning("fault hook: the next layer forward of step %d fails", step)
+            hooks.append(register_module_forward_pre_hook(fail_next_forward))
 
         return on_op
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from chameleond.core.schedule import FORWARD, Op
-from workers.backend import P2POp, exchange
+from workers.backend import P2POp, computing, exchange
 from workers.data import Corpus
 from workers.generation import Generation, sync_order
 from workers.model import run_layers, sample_loss_sum
@@ -130,14 +130,16 @@ class StepRunner:
             if op.kind == FORWARD:
                 x = self._forward_input(op, step)
                 self._inputs_ready()
-                out = run_layers(layers, x)
-                if last:
-                    _, targets = self.corpus.micro_batch(
-                        step, op.micro_batch, plan.global_batch, plan.micro_batch, st.arch.seq_len
-                    )
-                    out = sample_loss_sum(out, targets.to(dev))
-                    loss_sum += float(out.item())
-                else:
+                with computing():
+                    out = run_layers(layers, x)
+                    if last:
+                        _, targets = self.corpus.micro_batch(
+                            step, op.micro_batch, plan.global_batch, plan.micro_batch,
+                            st.arch.seq_len,
+                        )  # fmt: skip
+                        out = sample_loss_sum(out, targets.to(dev))
+                        loss_sum += float(out.item())
+                if not last:
                     self._send(out, *_present(forward_output(op, len(stages))))
                 stash[key] = (x, out)
             else:
@@ -145,7 +147,8 @@ class StepRunner:
                 grad_in = backward_input(op, len(stages))
                 grad = None if grad_in is None else self._recv(*grad_in)  # None: from the loss
                 self._inputs_ready()
-                out.backward(grad)
+                with computing():
+                    out.backward(grad)
                 grad_out = backward_output(op)
                 if grad_out is not None:
                     assert x.grad is not None
