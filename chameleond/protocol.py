@@ -65,9 +65,10 @@ class Keys:
         """Stream: one entry per decision, with both candidates and their scores."""
         return self.prefix + "decisions"
 
-    def store(self, generation: int) -> str:
-        """Prefix of the c10d rendezvous store of one plan generation."""
-        return f"{self.prefix}store:{generation}:"
+    def store(self, generation: int, attempt: int = 1) -> str:
+        """Prefix of the c10d rendezvous store of one attempt to build a plan generation (the
+        workers build it again, as attempt 2, 3, ..., when it failed with nobody gone)."""
+        return f"{self.prefix}store:{generation}:{attempt}:"
 
     def acl_rules(self) -> tuple[str, ...]:
         """A Redis ACL user's rules that allow the job's daemon, workers and tools what they use

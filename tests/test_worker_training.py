@@ -283,6 +283,25 @@ def test_a_vote_lost_by_one_survivor_commits_late(start_job) -> None:
     print(f"\nlate commit: max rel loss error {worst:.2e}")
 
 
+def test_a_generation_failed_with_nobody_gone_is_built_again(start_job) -> None:
+    """w1 takes its commit vote of step 5 as failed (fault hook vote-lost:5) and every process
+    lives: the generation fails on all six with no peer gone, so nobody is named and no newer plan
+    comes. The workers build generation 1 again (attempt 2) and train on: the others committed
+    step 5, w1 applies it late; nothing is skipped or repeated."""
+    steps, late = 14, 5
+    env = {"w1": {"CHAMELEON_WORKER_KILL_AT": f"vote-lost:{late}"}}
+    job = start_job("reroute", max_steps=steps, env=env)
+    finish(job, steps)
+    assert [p.policy for p in job.record.plans] == ["initial"]
+    assert job.record.of("fault") == []
+    ready = [e for e in job.record.of("ack") if e["phase"] == "ready"]
+    assert {e["worker"] for e in ready if e["attempt"] == "2"} == set(IDS)
+    assert f"step {late} committed late (generation 1)" in job.workers.log("w1")
+    assert "no dead peer found: building generation 1 again" in job.workers.log("w0")
+    worst = assert_matches_reference(job, steps)
+    print(f"\ngeneration built again: max rel loss error {worst:.2e}")
+
+
 def has_committed(job: Job, generation: int) -> bool:
     return any(int(e["generation"]) == generation for e in job.record.of("step"))
 

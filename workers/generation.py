@@ -59,6 +59,7 @@ class Generation:
     ops: list[Op]
     batches: list[Batch]  # this worker's point-to-point batches of a step (workers.p2p)
     incarnation: str = ""
+    attempt: int = 1  # the how-manieth build of this generation (see WorkerRuntime.follow_plans)
     group_prefix: str = ""  # the generation's store prefix + the members' incarnations
     members: dict[str, str] = field(default_factory=dict)  # worker -> incarnation, once joined
     world_group: Any = None
@@ -77,14 +78,16 @@ class Generation:
         return {w: self.members.get(w) for w in self.world if w != self.me}
 
     @classmethod
-    def for_plan(cls, plan: Plan, me: str, device: DeviceChoice, incarnation: str) -> Generation:
+    def for_plan(
+        cls, plan: Plan, me: str, device: DeviceChoice, incarnation: str, attempt: int = 1
+    ) -> Generation:
         if me not in plan.workers:
             raise ValueError(f"worker {me} has no part in generation {plan.generation}")
         order = op_order(plan)
         # Without tags the worker checks every worker's batches; gloo needs its own only.
         batches = step_batches(plan, order, [me] if device.backend == "gloo" else None)
         mine = order.get(me, [])
-        gen = cls(plan, me, device, plan.workers, mine, batches.get(me, []), incarnation)
+        gen = cls(plan, me, device, plan.workers, mine, batches.get(me, []), incarnation, attempt)
         gen.check_ownership()
         if device.backend != "gloo":  # no tags, and a send may wait for its receive
             why = rendezvous_fault(batches)
@@ -122,7 +125,7 @@ class Generation:
         once all have, only `abort` (a member is gone) cuts the store waits short.
         """
         if not sync:
-            base = Keys(self.plan.job).store(self.plan.generation)
+            base = Keys(self.plan.job).store(self.plan.generation, self.attempt)
             self.group_prefix, self.members = join_generation(
                 client, base, self.me, self.incarnation, self.world,
                 timeout=timeout, give_up=give_up,

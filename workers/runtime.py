@@ -65,6 +65,9 @@ from workers.store import StoreAborted
 
 log = logging.getLogger("chameleon.worker")
 DRAIN_SECONDS = 5.0  # at exit, how long kept events may wait for Redis
+# A generation that failed with nobody gone is built again after a pause: 0.1 s, doubling to 5 s.
+RETRY_FIRST_SECONDS = 0.1
+RETRY_MAX_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -196,12 +199,26 @@ class WorkerRuntime:
     # plans --------------------------------------------------------------------------------------
 
     def follow_plans(self, state: WorkerState, corpus: Corpus) -> int:
+        """Run each newer plan that includes this worker. A generation that failed with nobody
+        gone (a connection reset between live workers, a peer that gave the step up) brings no
+        newer plan, since there is no one to exclude: it is built again (attempt 2, 3, ...,
+        each on a fresh store prefix, after a short pause that doubles up to RETRY_MAX_SECONDS)
+        until it trains or a newer plan supersedes it. Every member fails such a generation,
+        since the failing worker's groups close, so they all meet in the same attempt."""
         me = self.cfg.worker_id
-        seen = 0
+        seen, attempt = 0, 1
+        retry: Plan | None = None
         while not self.stopping:
-            plan = self.watcher.wait_newer(seen, timeout=0.5)
-            if plan is None:
-                continue
+            if retry is not None:
+                pause = min(RETRY_FIRST_SECONDS * 2 ** (attempt - 1), RETRY_MAX_SECONDS)
+                newer = self.watcher.wait_newer(retry.generation, timeout=pause)
+                plan, attempt = (newer, 1) if newer is not None else (retry, attempt + 1)
+                retry = None
+            else:
+                found = self.watcher.wait_newer(seen, timeout=0.5)
+                if found is None:
+                    continue
+                plan, attempt = found, 1
             seen = plan.generation
             # Fencing applies to a process that took part in an earlier generation. A new process
             # (a restart) finding itself excluded is a rejoin: its registration asks the daemon
@@ -214,7 +231,7 @@ class WorkerRuntime:
                 log.info("generation %d does not include %s: waiting", plan.generation, me)
                 continue
             try:
-                self.run_generation(plan, state, corpus)
+                self.run_generation(plan, state, corpus, attempt)
             except Finished:
                 self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
                 log.info("step %d committed: finished", state.committed_step)
@@ -225,15 +242,16 @@ class WorkerRuntime:
                     or self.watcher.newest_generation > plan.generation
                 ):
                     log.info("generation %d: %s", plan.generation, e)
-                else:
-                    self.on_fault(plan, state, e)
+                elif not self.on_fault(plan, state, e):
+                    retry = plan
             except StateLost as e:
                 log.error("generation %d cannot start: %s", plan.generation, e)
             except DeviceFailed as e:
                 self.on_own_failure(plan, e)
                 raise
             except (RuntimeError, ValueError) as e:
-                self.on_fault(plan, state, e)
+                if not self.on_fault(plan, state, e):
+                    retry = plan
         return 0
 
     def on_own_failure(self, plan: Plan, error: DeviceFailed) -> None:
@@ -246,7 +264,9 @@ class WorkerRuntime:
             self.cfg.worker_id, str(error), generation=plan.generation, at=f"{detected:.3f}"
         )
 
-    def on_fault(self, plan: Plan, state: WorkerState, error: Exception) -> None:
+    def on_fault(self, plan: Plan, state: WorkerState, error: Exception) -> bool:
+        """Discard the step and name the generation's dead peers in faults; False when none
+        is found (the generation is then built again, see follow_plans)."""
         detected = self._failed_at or time.time()
         self._failed_at = 0.0
         if state.pending_step is None:
@@ -264,7 +284,8 @@ class WorkerRuntime:
         for w in dead:
             self.reporter.fault(w, cause, generation=plan.generation, at=f"{detected:.3f}")
         if not dead:
-            log.warning("no dead peer found; waiting for the next plan")
+            log.warning("no dead peer found: building generation %d again", plan.generation)
+        return bool(dead)
 
     def _gone(self, gen: Generation) -> list[str]:
         """Members without a live process, checked at most every 0.1 s (one CLIENT LIST)."""
@@ -284,10 +305,12 @@ class WorkerRuntime:
         except OUTAGE_ERRORS:  # Redis away: no evidence against anyone
             return []
 
-    def run_generation(self, plan: Plan, state: WorkerState, corpus: Corpus) -> None:
+    def run_generation(
+        self, plan: Plan, state: WorkerState, corpus: Corpus, attempt: int = 1
+    ) -> None:
         cfg, me = self.cfg, self.cfg.worker_id
         t0 = time.perf_counter()
-        gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation)
+        gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation, attempt)
         self._peers = {}
 
         def abort() -> None:
@@ -337,6 +360,7 @@ class WorkerRuntime:
                 {
                     "generation": plan.generation,
                     "phase": "ready",
+                    "attempt": attempt,
                     "build_seconds": f"{build:.4f}",
                     "world_seconds": f"{t_world - t0:.4f}",
                     "migration_seconds": f"{t_migrated - t_world:.4f}",
@@ -344,11 +368,12 @@ class WorkerRuntime:
                 },
             )
             log.info(
-                "generation %d ready in %.3fs (%d layer moves), resuming at step %d",
+                "generation %d ready in %.3fs (%d layer moves), resuming at step %d%s",
                 plan.generation,
                 build,
                 len(rec.moves),
                 rec.committed_step + 1,
+                f" (attempt {attempt})" if attempt > 1 else "",
             )
             if self.cfg.max_steps and rec.committed_step + 1 >= self.cfg.max_steps:
                 raise Finished
