@@ -4,6 +4,8 @@ generation.
     spec -> profile -> register -> (heartbeat, plan watch) -> for each plan including this worker:
       world group -> reconcile + migrate -> sync groups -> ack ready -> steps until a newer plan
     a fault in a generation -> discard the step, report the dead peer, wait for a newer plan
+      (nobody dead: build the same generation again, attempt 2, 3, ...)
+    this worker's own computation failed -> report itself, exit 7
     fenced (excluded, or dropped from the plans) -> ack stopped, exit 0
 
 A step commits on every worker or on none: after the gradient sync, every worker of the plan joins
