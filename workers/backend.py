@@ -41,6 +41,15 @@ def computing() -> Iterator[None]:
         raise DeviceFailed(f"{type(e).__name__}: {e}") from e
 
 
+def check_device_health(device: torch.device) -> None:
+    """Raise DeviceFailed when the device no longer computes. A CUDA kernel's error is reported
+    at the next synchronisation, often inside a collective, where it looks like a peer's; a
+    sticky one (an ECC error, an illegal address) then fails every later kernel, this one too."""
+    with computing():
+        x = torch.ones(4, device=device)
+        (x * 2).sum().item()  # .item() waits for the kernel
+
+
 @dataclass(frozen=True)
 class DeviceChoice:
     kind: str  # "cpu" | "cuda" | "npu"

@@ -42,6 +42,7 @@ from workers.backend import (
     DeviceChoice,
     DeviceFailed,
     allreduce_sum,
+    check_device_health,
     computing,
     device_memory_bytes,
 )
@@ -268,7 +269,13 @@ class WorkerRuntime:
 
     def on_fault(self, plan: Plan, state: WorkerState, error: Exception) -> bool:
         """Discard the step and name the generation's dead peers in faults; False when none
-        is found (the generation is then built again, see follow_plans)."""
+        is found (the generation is then built again, see follow_plans). First make sure the
+        error was not this worker's own device's, surfacing outside its computation."""
+        try:
+            check_device_health(self.cfg.device.torch_device)
+        except DeviceFailed as own:
+            self.on_own_failure(plan, own)
+            raise
         detected = self._failed_at or time.time()
         self._failed_at = 0.0
         if state.pending_step is None:
