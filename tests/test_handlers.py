@@ -102,6 +102,26 @@ def test_steps_measure_throughput_and_count_repeats_as_duplicates() -> None:
     assert late.duplicate
 
 
+def test_a_generation_built_again_is_counted_until_the_next_generation() -> None:
+    j = training_job()
+    assert j.attempt() == 1
+    again = send(j, type="ack", worker="w0", generation=1, phase="ready", attempt=2)
+    assert again.duplicate  # the generation was acknowledged already: no transition
+    assert j.attempt() == 2
+    send(j, type="ack", worker="w1", generation=1, phase="ready", attempt=3)
+    send(j, type="ack", worker="w2", generation=1, phase="ready", attempt=2)  # late
+    assert j.attempt() == 3
+    send(j, type="fault", worker="w3", cause="ECC")
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
+    assert j.attempt() == 1  # a new generation starts at its first build
+    send(j, type="ack", worker="w0", generation=1, phase="ready", attempt=9)  # the old one's
+    assert j.attempt() == 1
+    send(j, type="ack", worker="w0", generation=2, phase="ready", attempt=2)
+    assert j.attempt() == 2
+
+
 def test_ack_stopped_and_rejoin() -> None:
     j = training_job()
     send(j, "7-0", type="fault", worker="w3", cause="x")

@@ -19,6 +19,7 @@ NAMES = {
     "chameleon_model_throughput_samples_per_second": "gauge",
     "chameleon_workers": "gauge",
     "chameleon_plan_generation": "gauge",
+    "chameleon_generation_attempt": "gauge",
     "chameleon_redis_up": "gauge",
     "chameleon_job_state": "gauge",
 }
@@ -36,6 +37,7 @@ def populated() -> Metrics:
     m.model_throughput.set(285.0)
     m.set_workers({"w0": "active", "w1": "fenced", "w2": "failed"})
     m.generation.set(3)
+    m.attempt.set(2)
     m.set_phase(Phase.TRANSITIONING)
     return m
 

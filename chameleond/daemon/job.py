@@ -117,6 +117,9 @@ class Job:
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
         self._model_cache: tuple[tuple[int, int], float] | None = None
+        # (generation, the highest attempt a worker acknowledged for it): the workers build a
+        # generation again when it failed with nobody gone (docs/worker.md).
+        self._attempt = (0, 1)
 
     # ---- the spec the planner sees -----------------------------------------------------------
 
@@ -137,6 +140,18 @@ class Job:
                 spec = spec.with_layers(measured_layers(spec.layers, profiles))
             self._spec_cache = spec
         return self._spec_cache
+
+    def observe_attempt(self, generation: int, attempt: int) -> None:
+        if generation == self._attempt[0]:
+            attempt = max(attempt, self._attempt[1])
+        elif generation < self._attempt[0]:
+            return
+        self._attempt = (generation, attempt)
+
+    def attempt(self) -> int:
+        """How many times the workers have built the current generation (1: once)."""
+        gen, attempt = self._attempt
+        return attempt if gen == self.machine.generation else 1
 
     def model_step_seconds(self) -> float | None:
         """The current plan's step time under the newest measurements: the model's view now. The

@@ -73,6 +73,12 @@ class Metrics:
         self.generation = Gauge(
             "chameleon_plan_generation", "Generation of the current plan.", registry=r
         )
+        self.attempt = Gauge(
+            "chameleon_generation_attempt",
+            "How many times the workers have built the current generation: 1, or more when it "
+            "failed with nobody gone and was built again.",
+            registry=r,
+        )
         self.job_state = Gauge(
             "chameleon_job_state",
             "1 for the job's current phase, 0 for the others.",

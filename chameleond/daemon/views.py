@@ -46,6 +46,7 @@ def status(job: Job, cfg: Config) -> dict[str, Any]:
         "job": cfg.job,
         "state": m.phase.value,
         "generation": m.generation,
+        "attempt": job.attempt(),
         "policy": cfg.policy,
         "plan_policy": job.plan.policy if job.plan else None,
         "workers": workers,
@@ -76,6 +77,7 @@ def _model_throughput(job: Job) -> float | None:
 def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
     metrics.set_phase(job.machine.phase)
     metrics.generation.set(job.machine.generation)
+    metrics.attempt.set(job.attempt())
     metrics.set_workers(job.worker_states(time.time(), cfg.heartbeat_timeout_seconds))
     metrics.training_throughput.set(job.meter.samples_per_second)
     metrics.estimated_throughput.set(job.plan.samples_per_second if job.plan else 0.0)
