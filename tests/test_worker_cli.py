@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from typing import cast
 
 import pytest
 import redis
-from worker_harness import tiny_spec
+from worker_harness import tiny_spec, wait_until
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import plan_to_dict
@@ -92,14 +91,6 @@ def _events(client: redis.Redis, keys: Keys) -> list[dict[str, str]]:
     return [f for _, f in entries]
 
 
-def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_fenced_worker_acks_stopped_and_exits_0(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
@@ -115,7 +106,8 @@ def test_fenced_worker_acks_stopped_and_exits_0(
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _wait(lambda: any(e["type"] == "step" for e in _events(redis_client, keys)), 90, "a step")
+        stepped = lambda: any(e["type"] == "step" for e in _events(redis_client, keys))  # noqa: E731
+        wait_until(stepped, 90, "a step")
         fenced = plan_to_dict(plan)
         fenced["generation"], fenced["excluded"] = 2, ["w0"]
         redis_client.set(keys.plan, json.dumps(fenced))
@@ -152,7 +144,7 @@ def test_a_new_process_excluded_by_the_plan_waits_to_rejoin(
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        _wait(
+        wait_until(
             lambda: any(e["type"] == "profile" for e in _events(redis_client, keys)), 90, "profile"
         )
         time.sleep(1.5)  # several plan polls

@@ -10,6 +10,7 @@ from datetime import timedelta
 
 import pytest
 import redis
+from worker_harness import wait_until
 
 from chameleond.redis_server import RedisServer
 from workers.events import RECONNECT_SECONDS, connection_name, gone, live_incarnations
@@ -30,14 +31,12 @@ def test_kept_writes_arrive_in_order_after_a_redis_restart(
 
     for seq in range(10):
         xadd(seq)
-    wait_empty(box)
+    wait_until(lambda: box.pending() == 0, 5, "the outbox to empty")
     redis_server.stop()
     for seq in range(10, 20):
         xadd(seq)
-    deadline = time.monotonic() + 15
-    while box.down_since is None:  # redis-py's own retries come first (about 4 s)
-        assert time.monotonic() < deadline, "the outage was not noticed"
-        time.sleep(0.05)
+    # redis-py's own retries come first (about 4 s)
+    wait_until(lambda: box.down_since is not None, 15, "the outage to be noticed")
     for seq in range(20, 30):
         xadd(seq)
         box.put(lambda: redis_client.xadd(STREAM, {"heartbeat": 1}), keep=False)
@@ -46,13 +45,6 @@ def test_kept_writes_arrive_in_order_after_a_redis_restart(
     assert box.close(20) == 0
     entries = redis_client.xrange(STREAM)
     assert [int(f["seq"]) for _, f in entries] == list(range(30))
-
-
-def wait_empty(box: Outbox, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while box.pending():
-        assert time.monotonic() < deadline, "the outbox did not empty"
-        time.sleep(0.01)
 
 
 def test_a_refused_write_is_raised_to_the_next_put(redis_client: redis.Redis) -> None:

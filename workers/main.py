@@ -28,8 +28,9 @@ from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
 from workers.backend import BackendUnavailable, DeviceFailed, check_device, parse_device
 from workers.data import CorpusError
 from workers.events import connection_name, new_incarnation
+from workers.hooks import fault_hook_error
 from workers.model import ArchError
-from workers.runtime import WorkerConfig, WorkerRuntime, fault_hook_error
+from workers.runtime import WorkerConfig, WorkerRuntime
 
 EXIT_OK = 0
 EXIT_USAGE = 2

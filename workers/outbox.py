@@ -55,7 +55,6 @@ class Outbox(threading.Thread):
         self._error: redis.RedisError | None = None
         self._closing = False
         self.down_since: float | None = None  # monotonic time of the first failed write
-        self.sent = 0
 
     def put(self, write: Write, *, keep: bool = True) -> None:
         """Queue `write`; with keep=False it is dropped while Redis is away."""
@@ -96,7 +95,6 @@ class Outbox(threading.Thread):
                 return
             with self._cond:
                 self._queue.popleft()
-                self.sent += 1
                 if self.down_since is not None:
                     log.info(
                         "Redis reachable again after %.1f s; sending %d kept writes",

@@ -21,18 +21,15 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import redis
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.utils.hooks import RemovableHandle
 
 from chameleond.core.plan import Plan
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
@@ -57,6 +54,7 @@ from workers.events import (
     live_incarnations,
 )
 from workers.generation import Generation
+from workers.hooks import migration_hook, step_hook, vote_hook
 from workers.migrate import StateLost, reconcile
 from workers.model import Arch
 from workers.outbox import OUTAGE_ERRORS, through_outage
@@ -97,20 +95,6 @@ class Fenced(Exception):
 
 class Finished(Exception):
     """The configured number of steps is committed."""
-
-
-FAULT_HOOKS = ("step", "migration", "vote", "vote-lost", "device")
-
-
-def fault_hook_error(text: str) -> str | None:
-    """Why a CHAMELEON_WORKER_KILL_AT value is unusable (None when empty or valid): KIND:N with
-    KIND one of FAULT_HOOKS and N an integer >= 0 (a step, or a generation for migration)."""
-    if not text:
-        return None
-    kind, _, arg = text.partition(":")
-    if kind not in FAULT_HOOKS or not arg.isdigit():
-        return f"CHAMELEON_WORKER_KILL_AT={text!r}: expected KIND:N, KIND one of {FAULT_HOOKS}"
-    return None
 
 
 class WorkerRuntime:
@@ -353,7 +337,7 @@ class WorkerRuntime:
                 gen,
                 state,
                 job_trained=self._job_trained(),
-                on_round=self._kill_hook_migration(plan.generation),
+                on_round=migration_hook(self.cfg.kill_at, plan.generation),
             )
             if rec.applied_pending is not None:
                 # No step event: the step's loss is known only to the workers whose vote
@@ -415,11 +399,12 @@ class WorkerRuntime:
         )
         runner = StepRunner(gen, state, corpus, meter)
         owned = plan.owned_layers(gen.me)
-        after_vote = self._vote_hook()
+        after_vote = vote_hook(self.cfg.kill_at)
+        on_op = step_hook(self.cfg.kill_at)
         first = True
         while not self.stopping:
             t0 = time.perf_counter()
-            result = runner.run(step, on_op=self._kill_hook_step())
+            result = runner.run(step, on_op=on_op)
             state.mark_pending(step, result.layers)
             vote = torch.zeros((len(gen.world), 3), dtype=torch.float64)
             vote[gen.rank] = torch.tensor(
@@ -473,61 +458,3 @@ class WorkerRuntime:
             "at": f"{time.time():.3f}",
         }
         self.reporter.send("step", fields)
-
-    # test hooks ---------------------------------------------------------------------------------
-
-    def _kill_hook_step(self) -> Callable[[int, int, int], None] | None:
-        """`step:N`: SIGKILL in the middle of step N. `device:N`: from the middle of step N,
-        the next layer forward raises, as a failing device's kernel does."""
-        what, _, arg = self.cfg.kill_at.partition(":")
-        if what not in ("step", "device"):
-            return None
-        target = int(arg)
-
-        hooks: list[RemovableHandle] = []
-
-        def fail_next_forward(_module: object, _inputs: object) -> None:
-            for h in hooks:
-                h.remove()
-            raise RuntimeError(f"injected device error (fault hook device:{target})")
-
-        def on_op(step: int, i: int, n: int) -> None:
-            if step != target or i != n // 2:
-                return
-            if what == "step":
-                log.warning("kill hook: SIGKILL in the middle of step %d", step)
-                os.kill(os.getpid(), signal.SIGKILL)
-            log.warning("fault hook: the next layer forward of step %d fails", step)
-            hooks.append(register_module_forward_pre_hook(fail_next_forward))
-
-        return on_op
-
-    def _vote_hook(self) -> Callable[[int], None] | None:
-        """`vote:N`: SIGKILL right after this worker's commit vote of step N completed (everyone
-        has its contribution). `vote-lost:N`: the vote completed, but this worker takes it as
-        failed, as one does whose ring broke when a peer died inside the all-reduce."""
-        what, _, arg = self.cfg.kill_at.partition(":")
-        if what not in ("vote", "vote-lost"):
-            return None
-        target = int(arg)
-
-        def after_vote(step: int) -> None:
-            if step != target:
-                return
-            if what == "vote":
-                log.warning("kill hook: SIGKILL right after the commit vote of step %d", step)
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise RuntimeError(f"fault hook: the commit vote of step {step} lost on this worker")
-
-        return after_vote
-
-    def _kill_hook_migration(self, generation: int) -> Callable[[int], None] | None:
-        what, _, arg = self.cfg.kill_at.partition(":")
-        if what != "migration" or int(arg) != generation:
-            return None
-
-        def on_round(_rnd: int) -> None:
-            log.warning("kill hook: SIGKILL in the middle of generation %d's migration", generation)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        return on_round
