@@ -188,4 +188,6 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
         _int(f, "generation", minimum=1)
         if f.get("phase") not in ACK_PHASES:
             raise EventError(f"field 'phase' must be one of {', '.join(ACK_PHASES)}")
+        if "attempt" in f:
+            _int(f, "attempt", minimum=1)
     return Event(kind, worker, f)

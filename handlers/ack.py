@@ -24,8 +24,7 @@ def handle_ack(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
         rec.stopped_generation = generation
         job.dirty = True
         return HANDLED
-    attempt = event.get("attempt", "1")
-    job.observe_attempt(generation, int(attempt) if attempt.isdigit() else 1)
+    job.observe_attempt(generation, int(event.get("attempt", "1")))  # validated by parse_event
     acked, transitions = job.machine.ready(event.worker, generation, now)
     job.record(transitions)
     if not acked:

@@ -49,6 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chameleon-worker",
         description="Train one slot of a chameleond job: profile, register, follow the plans.",
+        epilog="exit codes: 0 fenced, finished or stopped by a signal; 2 bad command line; "
+        "3 Redis unreachable at start, a write refused, or away too long to keep the events; "
+        "4 bad or missing job spec; 5 the device's backend is unavailable; 6 no training "
+        "corpus; 7 this worker's own computation failed (it reported itself first). "
+        "Redis restarts do not stop training (docs/worker.md).",
     )
     p.add_argument(
         "--redis-url",
