@@ -65,6 +65,11 @@ class Keys:
         """Stream: one entry per decision, with both candidates and their scores."""
         return self.prefix + "decisions"
 
+    def profiling(self, host: str) -> str:
+        """Hash: the workers of a new job on one CPU host that are ready to profile (they start
+        together, so each measures its layers while competing for the cores, as in training)."""
+        return f"{self.prefix}profiling:{host}"
+
     def store(self, generation: int, attempt: int = 1) -> str:
         """Prefix of the c10d rendezvous store of one attempt to build a plan generation (the
         workers build it again, as attempt 2, 3, ..., when it failed with nobody gone)."""

@@ -74,3 +74,22 @@ def test_meter_waits_for_enough_steps_and_time(monkeypatch: pytest.MonkeyPatch) 
     time.sleep(0.06)
     data = meter.step_done()
     assert data is not None and "host" not in data  # no host name: no host report
+
+
+def test_startup_profile_warms_up_then_times_after_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every layer runs once untimed (the process's one-time costs), then `start()` (the host's
+    workers begin together), then every layer is timed."""
+    calls: list[object] = []
+    real = profile.profile_layer
+
+    def spy(arch: Arch, index: int, micro_batch: int, device: torch.device, repeats: int = 3):
+        calls.append(("layer", index, repeats))
+        return real(arch, index, micro_batch, device, repeats)
+
+    monkeypatch.setattr(profile, "profile_layer", spy)
+    data = profile_model(ARCH, 2, CPU, start=lambda: calls.append("start"))
+    n = ARCH.n_layers
+    warm = [("layer", i, 0) for i in range(n)]
+    timed = [("layer", i, profile.REPEATS) for i in range(n)]
+    assert calls == [*warm, "start", *timed]
+    assert all(layer["forward_seconds"] > 0 for layer in data["layers"])

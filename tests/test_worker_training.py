@@ -403,6 +403,13 @@ def test_adaptive_daemon_chooses(redis_server: RedisServer, tmp_path: Path) -> N
             list[tuple[str, dict[str, str]]], client.xrange(Keys("adaptive").decisions)
         )
         selected = [f["selected"] for _, f in decisions if f.get("selected")]
+        # The initial plan waits for every registration; each worker of the spec sent its
+        # start-up profile before registering, so that plan was made from all of them.
+        events = cast(list[tuple[str, dict[str, str]]], client.xrange(Keys("adaptive").events))
+        first = {}
+        for n, (_, f) in enumerate(events):
+            first.setdefault((f["type"], f.get("worker")), n)
+        assert all(first[("profile", w)] < first[("register", w)] for w in IDS), first
         plan = plan_from_dict(json.loads(client.get(Keys("adaptive").plan) or "{}"))
         assert plan.generation >= 2 and "w3" not in plan.workers
         assert plan.policy in ("reroute", "dynamic")

@@ -78,7 +78,10 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device) -> dict[str, Any]:
+def profile_layer(
+    arch: Arch, index: int, micro_batch: int, device: torch.device, repeats: int = REPEATS
+) -> dict[str, Any]:
+    """One layer's costs: the median of `repeats` timed repetitions after an untimed one."""
     layer = LayerState(arch, index, device)
     params = layer.params()
     param_ptrs = {p.data_ptr() for p in params}
@@ -99,7 +102,7 @@ def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device
     bwd: list[float] = []
     upd: list[float] = []
     out_bytes = 0
-    for rep in range(REPEATS + 1):
+    for rep in range(repeats + 1):
         x = tokens if index == 0 else hidden.clone().requires_grad_()
         saved.clear()
         _sync(device)
@@ -133,9 +136,9 @@ def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device
     name = "embedding" if index == 0 else "head" if last else f"block{index - 1}"
     return {
         "name": name,
-        "forward_seconds": statistics.median(fwd),
-        "backward_seconds": statistics.median(bwd),
-        "update_seconds": statistics.median(upd),
+        "forward_seconds": statistics.median(fwd or [0.0]),
+        "backward_seconds": statistics.median(bwd or [0.0]),
+        "update_seconds": statistics.median(upd or [0.0]),
         "param_bytes": sum(_tensor_bytes(p) for p in params),
         "optimizer_bytes": optimizer_bytes,
         "activation_bytes": activation_bytes,
@@ -144,13 +147,25 @@ def profile_layer(arch: Arch, index: int, micro_batch: int, device: torch.device
 
 
 def profile_model(
-    arch: Arch, micro_batch: int, device: torch.device, host: str = "", workers_on_host: int = 1
+    arch: Arch,
+    micro_batch: int,
+    device: torch.device,
+    host: str = "",
+    workers_on_host: int = 1,
+    start: Callable[[], object] = lambda: None,
 ) -> dict[str, Any]:
     """The `profile` event's JSON data: {"layers": [...]} in layer order (+ "host" on the CPU).
 
-    The job's workers start together and profile at the same time, so the CPU share measured
-    here is the one they get while competing, as in training.
+    A first pass over the layers, not timed, pays the process's one-time costs (torch's lazy
+    initialisation: over a second of CPU on the development machine, against tens of
+    milliseconds for the timed pass). Then `start()` returns when the timed pass may begin: on a
+    shared CPU host, once the job's other workers there are ready too (runtime.py), so each op is
+    measured while they compete for the cores, as in training, and the CPU share measured here is
+    the one they get then.
     """
+    for i in range(arch.n_layers):
+        profile_layer(arch, i, micro_batch, device, repeats=0)
+    start()
     wall0, cpu0 = time.perf_counter(), time.process_time()
     layers = [profile_layer(arch, i, micro_batch, device) for i in range(arch.n_layers)]
     data: dict[str, Any] = {"layers": layers, "micro_batch": micro_batch, "device": str(device)}

@@ -10,6 +10,8 @@ group until its timeout. A Redis restart shorter than the timeout only delays th
 The group prefix is derived from the members' incarnations, so a process restarted under the same
 worker id never meets entries its dead predecessor left behind; a generation that completed with a
 predecessor cannot be joined by the successor (it waits for a newer plan).
+
+`start_together` is a plain counting barrier, for the start-up profile (see runtime.py).
 """
 
 from __future__ import annotations
@@ -45,6 +47,24 @@ if state then return state end
 redis.call('SET', KEYS[1], 'abandoned', 'EX', ARGV[1])
 return 'abandoned'
 """
+
+
+def start_together(
+    client: redis.Redis, key: str, me: str, count: int, timeout_seconds: float, ttl: int = 60
+) -> int:
+    """Arrive at a barrier (a hash of who arrived, kept `ttl` seconds) and wait until `count`
+    workers have, or `timeout_seconds` passed: returns how many had arrived. A worker counts once,
+    however often it arrives."""
+    pipe = client.pipeline()
+    pipe.hset(key, me, "1")
+    pipe.expire(key, ttl)
+    pipe.hlen(key)
+    arrived = int(pipe.execute()[-1])
+    deadline = time.monotonic() + timeout_seconds
+    while arrived < count and time.monotonic() < deadline:
+        time.sleep(0.002)
+        arrived = int(client.hlen(key))
+    return arrived
 
 
 class GenerationAbandoned(RuntimeError):

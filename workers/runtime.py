@@ -59,7 +59,7 @@ from workers.migrate import StateLost, reconcile
 from workers.model import Arch
 from workers.outbox import OUTAGE_ERRORS, through_outage
 from workers.profile import TrainingMeter, profile_model
-from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned
+from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned, start_together
 from workers.state import WorkerState
 from workers.step import StepRunner
 from workers.store import StoreAborted
@@ -69,6 +69,7 @@ DRAIN_SECONDS = 5.0  # at exit, how long kept events may wait for Redis
 # A generation that failed with nobody gone is built again after a pause: 0.1 s, doubling to 5 s.
 RETRY_FIRST_SECONDS = 0.1
 RETRY_MAX_SECONDS = 5.0
+PROFILE_TOGETHER_SECONDS = 10.0  # how long a new job's worker waits for its host's others
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,28 @@ class WorkerRuntime:
                 raise TimeoutError(f"no job spec under {self.keys.spec}")
             time.sleep(0.1)
 
+    def _profile_together(self, device: torch.device, on_host: int) -> None:
+        """At a new job's start, the workers sharing a CPU host time their start-up profiles
+        together. An op costs more CPU time while the host's workers compete for its cores (cache,
+        its frequency) than alone, by a fifth to a half on the development machine; workers
+        that start apart (one imports torch faster) would each measure most of their layers
+        alone, and the initial plan's forecast would be that much short. A worker
+        joining a job that already has a plan profiles at once: its peers are training."""
+        if device.type != "cpu" or on_host < 2 or self.redis.exists(self.keys.plan):
+            return
+        key = self.keys.profiling(self.host())
+        arrived = start_together(
+            self.redis, key, self.cfg.worker_id, on_host, PROFILE_TOGETHER_SECONDS
+        )
+        if arrived < on_host:
+            log.info(
+                "profiling with %d of the %d workers on this host: the others were not ready "
+                "within %gs",
+                arrived,
+                on_host,
+                PROFILE_TOGETHER_SECONDS,
+            )
+
     def register(self, corpus: Corpus) -> None:
         self.reporter.send(
             "register",
@@ -156,15 +179,29 @@ class WorkerRuntime:
         # initial plan (published once every worker registered) never waits in a rendezvous on a
         # worker that is still measuring.
         self._hosts = {w.id: w.host for w in spec.workers}
+        on_host = self._on_my_host(self._hosts)
         t0 = time.perf_counter()
         data = profile_model(
-            arch, spec.training.micro_batch, device, self.host(), self._on_my_host(self._hosts)
+            arch,
+            spec.training.micro_batch,
+            device,
+            self.host(),
+            on_host,
+            start=lambda: self._profile_together(device, on_host),
         )
         log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
         self._startup_profile = data["layers"]
         self.reporter.start()
-        self.register(corpus)
-        self.reporter.send("profile", {"data": json.dumps(data)})
+        # The daemon makes the initial plan once every worker of the spec has registered, so a
+        # worker of the spec sends its profile first: that plan is made from every worker's
+        # measurements. A worker new to the job is known to the daemon by its registration.
+        profile = ("profile", {"data": json.dumps(data)})
+        if self.cfg.worker_id in self._hosts:
+            self.reporter.send(*profile)
+            self.register(corpus)
+        else:
+            self.register(corpus)
+            self.reporter.send(*profile)
         self.heartbeat.start()
         self.watcher.start()
         state = WorkerState(arch, device)
