@@ -8,6 +8,7 @@ unfinished buffer instead of an error, so only the generation's own check can re
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -35,11 +36,40 @@ def test_peer_watch_reports_the_gone_peers_once_then_ends() -> None:
         seen.append(peers)
         done.set()
 
-    watch = PeerWatch(lambda: next(answers), on_gone, period=0.01)
+    watch = PeerWatch(lambda: next(answers), on_gone, period=0.01, confirm=0)
     watch.start()
     assert done.wait(5)
     watch.join(5)
     assert seen == [["w3"]] and not watch.is_alive()
+
+
+def test_peer_watch_ignores_a_peer_missing_for_less_than_confirm() -> None:
+    """A live worker whose connections dropped for a moment is back before `confirm`; a dead one
+    stays missing and is reported once it has been for `confirm` seconds."""
+    period, confirm = 0.01, 0.2
+    blip = int(0.1 / period)  # w2 missing for about 0.1 s, then back
+    answers = iter([[]] * 3 + [["w2"]] * blip + [[]] * 3 + [["w4"]] * 1000)
+    seen: list[tuple[list[str], float]] = []
+    done = threading.Event()
+    first_w4: list[float] = []
+
+    def find_gone() -> list[str]:
+        found = next(answers)
+        if found == ["w4"] and not first_w4:
+            first_w4.append(time.monotonic())
+        return found
+
+    def on_gone(peers: list[str]) -> None:
+        seen.append((peers, time.monotonic()))
+        done.set()
+
+    watch = PeerWatch(find_gone, on_gone, period=period, confirm=confirm)
+    watch.start()
+    assert done.wait(10)
+    watch.join(5)
+    [(peers, at)] = seen
+    assert peers == ["w4"]
+    assert at - first_w4[0] >= confirm
 
 
 def test_a_stopped_peer_watch_ends_without_a_report() -> None:

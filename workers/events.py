@@ -35,6 +35,9 @@ _STREAM_MAXLEN = 100_000
 # After a Redis restart every live worker reconnects within a heartbeat or two (redis-py's retries
 # back off to 1 s); until then a missing connection says nothing.
 RECONNECT_SECONDS = 3
+# A peer missing from the connection list counts as gone for PeerWatch after this long in a row
+# (a live worker whose connections dropped is back within a heartbeat).
+PEER_GONE_CONFIRM_SECONDS = 1.0
 
 
 def connection_name(job: str, worker: str, incarnation: str) -> str:
@@ -113,12 +116,16 @@ class Heartbeat(threading.Thread):
 
 class PeerWatch(threading.Thread):
     """Calls `on_gone` once with the peers `find_gone` returns (polled every `period` seconds),
-    until stopped.
+    once they have been gone for `confirm` seconds in a row, until stopped.
 
     gloo fails a survivor's pending operation within milliseconds of a peer's death, because the
     kernel closes the dead process's sockets. NCCL and HCCL do not: the survivors' device work
     waits until a timeout. A worker on those backends runs this watch for the life of a
-    generation and aborts the generation's groups when a member's process is gone.
+    generation and aborts the generation's groups when a member's process is gone. A live worker
+    whose Redis connections drop for a moment (a network blip at its host) is missing from the
+    connection list until it reconnects, within half a second (its heartbeat's next send): a peer
+    counts as gone only when it stays missing for `confirm` seconds, so the blip does not cost
+    the generation.
     """
 
     def __init__(
@@ -126,22 +133,28 @@ class PeerWatch(threading.Thread):
         find_gone: Callable[[], list[str]],
         on_gone: Callable[[list[str]], None],
         period: float = 0.1,
+        confirm: float = PEER_GONE_CONFIRM_SECONDS,
     ) -> None:
         super().__init__(name="peer-watch", daemon=True)
         self._find_gone = find_gone
         self._on_gone = on_gone
         self._period = period
+        self._confirm = confirm
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        missing: dict[str, float] = {}  # peer -> when it was first seen missing, in a row
         while not self._stop_event.wait(self._period):
             try:
                 found = self._find_gone()
             except (redis.RedisError, OSError) as e:
                 log.warning("peer watch: %s", e)
                 continue
-            if found:
-                self._on_gone(found)
+            now = time.monotonic()
+            missing = {w: missing.get(w, now) for w in found}
+            confirmed = sorted(w for w, since in missing.items() if now - since >= self._confirm)
+            if confirmed:
+                self._on_gone(confirmed)
                 return
 
     def stop(self) -> None:
