@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
+from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from chameleond.core.machine import Phase
 from chameleond.daemon.metrics import Metrics
 
+DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 NAMES = {
     "chameleon_events": "counter",
     "chameleon_decision_seconds": "histogram",
@@ -68,16 +72,38 @@ def test_promtool_check_metrics_passes() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_dashboard_queries_only_exported_series() -> None:
-    import json
-    import re
-    from pathlib import Path
-
-    dashboard = Path(__file__).resolve().parents[1] / "dashboards" / "chameleond.json"
-    text = json.dumps(json.loads(dashboard.read_text()))
-    exported = {
+def _exported() -> set[str]:
+    return {
         s.name for f in text_string_to_metric_families(populated().exposition().decode())
         for s in f.samples
     }  # fmt: skip
+
+
+def test_dashboard_queries_only_exported_series() -> None:
+    text = json.dumps(json.loads((DASHBOARDS / "chameleond.json").read_text()))
     used = set(re.findall(r"chameleon_[a-z_]+", text))
-    assert used and used <= exported, used - exported
+    assert used and used <= _exported(), used - _exported()
+
+
+def test_alerts_use_only_exported_series_and_phases() -> None:
+    text = (DASHBOARDS / "alerts.yml").read_text()
+    used = set(re.findall(r"chameleon_[a-z_]+", text))
+    assert used and used <= _exported(), used - _exported()
+    states = {s for m in re.findall(r'state=~?"([a-z_|]+)"', text) for s in m.split("|")}
+    assert states and states <= {p.value for p in Phase}, states
+
+
+def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
+    """tests/alerts_test.yml: each alert fires on the series it is for, after its `for`, and
+    stays quiet on the ones it is not (promtool's own rule evaluation)."""
+    check = subprocess.run(
+        ["/usr/bin/promtool", "check", "rules", str(DASHBOARDS / "alerts.yml")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+    tests = Path(__file__).resolve().parent / "alerts_test.yml"
+    result = subprocess.run(
+        ["/usr/bin/promtool", "test", "rules", tests.name],
+        cwd=tests.parent, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
