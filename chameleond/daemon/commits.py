@@ -25,6 +25,7 @@ from chameleond.daemon.broadcast import Broadcaster, Commit
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.views import progress
 from chameleond.protocol import Keys
 
@@ -48,6 +49,7 @@ class Committer:
         self.keys = keys
         self.job = job
         self.metrics = metrics
+        self.reachability = Reachability(metrics)  # this daemon's view of its Redis
         self.persist_interval_seconds = persist_interval_seconds
         self.broadcaster = Broadcaster(client, keys)
         self.lock = asyncio.Lock()
@@ -131,8 +133,10 @@ class Committer:
         while True:
             try:
                 await self.broadcaster.commit(c)
+                self.reachability.succeeded()
                 return
             except (RedisError, OSError) as e:
+                self.reachability.failed(e)
                 if "generation conflict" in str(e):
                     if retried and await self._landed(c):
                         return  # the connection broke after Redis ran it: the reply was lost

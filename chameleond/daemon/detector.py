@@ -44,7 +44,8 @@ class Detector:
         hold = max(2.0, cfg.heartbeat_timeout_seconds)
         # While Redis was away no heartbeat or ack could arrive; once it is back every worker
         # gets a whole timeout to be heard from again (their kept events come first).
-        if svc.ingest is None or svc.ingest.redis_error or now - svc.ingest.reachable_since < hold:
+        redis = svc.reachability
+        if redis is None or redis.error or now - redis.since < hold:
             return {}
         out: dict[str, str] = {}
         for w in m.plan_workers:

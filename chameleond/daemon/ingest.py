@@ -50,10 +50,6 @@ class Ingest:
         self.max_deliveries = max_deliveries
         self.observer = observer
         self.last_loop = time.monotonic()  # the read loop's last turn (liveness, /healthz)
-        self.redis_error = ""  # why the last read failed; "" once a read succeeds (/readyz)
-        # When reads last began to succeed: at start, and again when Redis is back after an
-        # outage. Nobody's silence before then counts against them (daemon/detector.py).
-        self.reachable_since = time.time()
 
     async def replay_own_pending(self) -> None:
         """Entries this consumer name read before a restart and never acknowledged."""
@@ -74,15 +70,10 @@ class Ingest:
                 entries = await self.consumer.read()
             except (RedisError, OSError) as e:
                 log.warning("XREADGROUP failed (%s); retrying", e)
-                self.redis_error = str(e) or type(e).__name__
-                self.metrics.redis_up.set(0)
+                self.committer.reachability.failed(e)
                 await asyncio.sleep(0.5)
                 continue
-            if self.redis_error:
-                log.info("Redis reachable again")
-                self.redis_error = ""
-                self.reachable_since = time.time()
-            self.metrics.redis_up.set(1)
+            self.committer.reachability.succeeded()
             if entries:
                 await self.process(entries)
 

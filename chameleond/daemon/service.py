@@ -37,6 +37,7 @@ from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.systemd import Notifier
 from chameleond.protocol import Keys, redact_url
 
@@ -74,6 +75,7 @@ class Service:
         self.broadcaster: Broadcaster
         self.decisions: Decisions | None = None
         self.ingest: Ingest | None = None
+        self.reachability: Reachability | None = None  # the daemon's view of Redis (once running)
         self._stop = asyncio.Event()
         self._stopped = asyncio.Event()
         self._running = False
@@ -116,7 +118,6 @@ class Service:
         tasks: list[asyncio.Task[Any]] = []
         try:
             await client.ping()
-            self.metrics.redis_up.set(1)
             consumer = StreamConsumer(
                 client, self.keys, cfg.consumer_name,
                 block_ms=cfg.block_ms, count=cfg.batch_count,
@@ -129,6 +130,7 @@ class Service:
                 persist_interval_seconds=cfg.persist_interval_seconds,
             )  # fmt: skip
             self.broadcaster = committer.broadcaster
+            self.reachability = committer.reachability
             decisions = self.decisions = Decisions(job, cfg, committer, self.metrics)
             ingest = self.ingest = Ingest(
                 job, consumer, committer, decisions, self.metrics,
@@ -267,6 +269,6 @@ class Service:
             return False, why
         if not self.ready:
             return False, "starting or stopping"
-        if self.ingest is not None and self.ingest.redis_error:
-            return False, f"Redis unreachable: {self.ingest.redis_error}"
+        if self.reachability is not None and self.reachability.error:
+            return False, f"Redis unreachable: {self.reachability.error}"
         return True, "ok"
