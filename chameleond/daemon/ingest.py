@@ -22,6 +22,7 @@ from chameleond.daemon.consumer import Entry, StreamConsumer
 from chameleond.daemon.decisions import Decisions
 from chameleond.daemon.job import Job
 from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.reachability import Reachability
 from chameleond.protocol import EVENT_TYPES, Event, EventError, parse_event
 
 log = logging.getLogger("chameleond")
@@ -38,6 +39,7 @@ class Ingest:
         committer: Committer,
         decisions: Decisions,
         metrics: Metrics,
+        reachability: Reachability,
         *,
         max_deliveries: int,
         observer: EventObserver | None = None,
@@ -47,6 +49,7 @@ class Ingest:
         self.committer = committer
         self.decisions = decisions
         self.metrics = metrics
+        self.reachability = reachability  # a failed read says Redis is away
         self.max_deliveries = max_deliveries
         self.observer = observer
         self.last_loop = time.monotonic()  # the read loop's last turn (liveness, /healthz)
@@ -70,10 +73,10 @@ class Ingest:
                 entries = await self.consumer.read()
             except (RedisError, OSError) as e:
                 log.warning("XREADGROUP failed (%s); retrying", e)
-                self.committer.reachability.failed(e)
+                self.reachability.failed(e)
                 await asyncio.sleep(0.5)
                 continue
-            self.committer.reachability.succeeded()
+            self.reachability.succeeded()
             if entries:
                 await self.process(entries)
 

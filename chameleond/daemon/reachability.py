@@ -1,10 +1,10 @@
 """Whether the daemon's Redis calls succeed: one view for every path that calls Redis.
 
-The read loop and the commits (the read loop's own, and each decision's) report each failure and
-success here; `/readyz`, `chameleon_redis_up` and the detector read it. A commit can fail while no
-read does (the read loop waits on the commit it is retrying), so the reads alone would not see an
-outage that hits a commit first, and the detector would count the silence it causes against the
-workers.
+The service makes one. The read loop and the commits (the read loop's own, and each decision's)
+report each failure and success to it; `/readyz`, `chameleon_redis_up` and the detector read it.
+A commit can fail while no read does (the read loop waits on the commit it is retrying), so the
+reads alone would not see an outage that hits a commit first, and the detector would count the
+silence it causes against the workers.
 """
 
 from __future__ import annotations

@@ -125,15 +125,15 @@ class Service:
             )  # fmt: skip
             await consumer.ensure_group()
             await self._restore(client)
+            reachability = self.reachability = Reachability(self.metrics)
             committer = Committer(
-                client, self.keys, job, self.metrics,
+                client, self.keys, job, self.metrics, reachability,
                 persist_interval_seconds=cfg.persist_interval_seconds,
             )  # fmt: skip
             self.broadcaster = committer.broadcaster
-            self.reachability = committer.reachability
             decisions = self.decisions = Decisions(job, cfg, committer, self.metrics)
             ingest = self.ingest = Ingest(
-                job, consumer, committer, decisions, self.metrics,
+                job, consumer, committer, decisions, self.metrics, reachability,
                 max_deliveries=cfg.max_deliveries, observer=self.observer,
             )  # fmt: skip
             if self.http is not None:
