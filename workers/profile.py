@@ -159,7 +159,7 @@ def profile_model(
     A first pass over the layers, not timed, pays the process's one-time costs (torch's lazy
     initialisation: over a second of CPU on the development machine, against tens of
     milliseconds for the timed pass). Then `start()` returns when the timed pass may begin: on a
-    shared CPU host, once the job's other workers there are ready too (runtime.py), so each op is
+    shared CPU host, once the job's other workers there are ready too (startup.py), so each op is
     measured while they compete for the cores, as in training, and the CPU share measured here is
     the one they get then.
     """

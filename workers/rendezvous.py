@@ -11,7 +11,7 @@ The group prefix is derived from the members' incarnations, so a process restart
 worker id never meets entries its dead predecessor left behind; a generation that completed with a
 predecessor cannot be joined by the successor (it waits for a newer plan).
 
-`start_together` is a plain counting barrier, for the start-up profile (see runtime.py).
+`start_together` is a plain counting barrier, for the start-up profile (see startup.py).
 """
 
 from __future__ import annotations

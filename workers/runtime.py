@@ -1,7 +1,7 @@
-"""The worker's life: wait for the spec, profile, register, then follow the plans generation by
-generation.
+"""The worker's life: join the job (startup.py: spec, profile, register), then follow the plans
+generation by generation.
 
-    spec -> profile -> register -> (heartbeat, plan watch) -> for each plan including this worker:
+    join -> (heartbeat, plan watch) -> for each plan including this worker:
       world group -> reconcile + migrate -> sync groups -> ack ready -> steps until a newer plan
     a fault in a generation -> discard the step, report the dead peer, wait for a newer plan
       (nobody dead: build the same generation again, attempt 2, 3, ...)
@@ -20,10 +20,7 @@ import functools
 import json
 import logging
 import math
-import os
-import socket
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,7 +29,6 @@ import redis
 import torch
 
 from chameleond.core.plan import Plan
-from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.protocol import Keys
 from workers import checkpoint
 from workers.backend import (
@@ -41,9 +37,7 @@ from workers.backend import (
     allreduce_sum,
     check_device_health,
     computing,
-    device_memory_bytes,
 )
-from workers.data import Corpus
 from workers.events import (
     Heartbeat,
     PeerWatch,
@@ -56,10 +50,10 @@ from workers.events import (
 from workers.generation import Generation
 from workers.hooks import migration_hook, step_hook, vote_hook
 from workers.migrate import StateLost, reconcile
-from workers.model import Arch
 from workers.outbox import OUTAGE_ERRORS, through_outage
-from workers.profile import TrainingMeter, profile_model
-from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned, start_together
+from workers.profile import TrainingMeter
+from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned
+from workers.startup import Joined, join
 from workers.state import WorkerState
 from workers.step import StepRunner
 from workers.store import StoreAborted
@@ -69,7 +63,6 @@ DRAIN_SECONDS = 5.0  # at exit, how long kept events may wait for Redis
 # A generation that failed with nobody gone is built again after a pause: 0.1 s, doubling to 5 s.
 RETRY_FIRST_SECONDS = 0.1
 RETRY_MAX_SECONDS = 5.0
-PROFILE_TOGETHER_SECONDS = 10.0  # how long a new job's worker waits for its host's others
 
 
 @dataclass(frozen=True)
@@ -114,101 +107,20 @@ class WorkerRuntime:
         # Set at this process's first commit: the job has trained (see migrate.plan_moves).
         self.trained_key = self.keys.prefix + "workers:trained"
         self._marked_trained = False
-        self._startup_profile: list[dict[str, object]] = []  # per layer, for TrainingMeter
-        self._hosts: dict[str, str] = {}  # worker -> host, from the spec
-
-    def host(self) -> str:
-        return self._hosts.get(self.cfg.worker_id) or socket.gethostname()
-
-    # start-up -----------------------------------------------------------------------------------
-
-    def wait_for_spec(self) -> JobSpec:
-        deadline = time.monotonic() + self.cfg.spec_timeout_seconds
-        while True:
-            raw = self.redis.get(self.keys.spec)
-            if raw is not None:
-                try:
-                    return parse_spec(json.loads(raw))
-                except (json.JSONDecodeError, SpecError) as e:
-                    raise SpecError(f"{self.keys.spec}: {e}") from e
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no job spec under {self.keys.spec}")
-            time.sleep(0.1)
-
-    def _profile_together(self, device: torch.device, on_host: int) -> None:
-        """At a new job's start, the workers sharing a CPU host time their start-up profiles
-        together. An op costs more CPU time while the host's workers compete for its cores (cache,
-        its frequency) than alone: 4 to 77% more on the development machine. Workers that start
-        apart (one imports torch faster) would each measure most of their layers alone, and the
-        initial plan's forecast would be that much short. A worker joining a job that already has
-        a plan profiles at once: its peers are training."""
-        if device.type != "cpu" or on_host < 2 or self.redis.exists(self.keys.plan):
-            return
-        key = self.keys.profiling(self.host())
-        arrived = start_together(
-            self.redis, key, self.cfg.worker_id, on_host, PROFILE_TOGETHER_SECONDS
-        )
-        if arrived < on_host:
-            log.info(
-                "profiling with %d of the %d workers on this host: the others were not ready "
-                "within %gs",
-                arrived,
-                on_host,
-                PROFILE_TOGETHER_SECONDS,
-            )
-
-    def register(self, corpus: Corpus) -> None:
-        self.reporter.send(
-            "register",
-            {
-                "host": self.host(),
-                "device": str(self.cfg.device),
-                "memory_bytes": device_memory_bytes(self.cfg.device),
-                "pid": os.getpid(),
-                "address": self.cfg.bind_address,
-                "corpus": corpus.digest,
-            },
-        )
 
     def run(self) -> int:
-        spec = self.wait_for_spec()
-        arch = Arch.from_mapping(spec.arch)
-        corpus = Corpus()
-        device = self.cfg.device.torch_device
-        # Profile first, then register: a registered worker is ready to train, so the daemon's
-        # initial plan (published once every worker registered) never waits in a rendezvous on a
-        # worker that is still measuring.
-        self._hosts = {w.id: w.host for w in spec.workers}
-        on_host = self._on_my_host(self._hosts)
-        t0 = time.perf_counter()
-        data = profile_model(
-            arch,
-            spec.training.micro_batch,
-            device,
-            self.host(),
-            on_host,
-            start=lambda: self._profile_together(device, on_host),
-        )
-        log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
-        self._startup_profile = data["layers"]
-        self.reporter.start()
-        # The daemon makes the initial plan once every worker of the spec has registered, so a
-        # worker of the spec sends its profile first: that plan is made from every worker's
-        # measurements. A worker new to the job is known to the daemon by its registration.
-        profile = ("profile", {"data": json.dumps(data)})
-        if self.cfg.worker_id in self._hosts:
-            self.reporter.send(*profile)
-            self.register(corpus)
-        else:
-            self.register(corpus)
-            self.reporter.send(*profile)
+        cfg = self.cfg
+        joined = join(
+            self.redis, self.keys, self.reporter, cfg.device, cfg.bind_address,
+            cfg.spec_timeout_seconds,
+        )  # fmt: skip
         self.heartbeat.start()
         self.watcher.start()
-        state = WorkerState(arch, device)
+        state = WorkerState(joined.arch, cfg.device.torch_device)
         if self.cfg.checkpoint_dir is not None:
             checkpoint.load(self.cfg.checkpoint_dir, self.cfg.worker_id, state)
         try:
-            code = self.follow_plans(state, corpus)
+            code = self.follow_plans(state, joined)
         finally:
             self.heartbeat.stop()
             self.watcher.stop()
@@ -222,7 +134,7 @@ class WorkerRuntime:
 
     # plans --------------------------------------------------------------------------------------
 
-    def follow_plans(self, state: WorkerState, corpus: Corpus) -> int:
+    def follow_plans(self, state: WorkerState, joined: Joined) -> int:
         """Run each newer plan that includes this worker. A generation that failed with nobody
         gone (a connection reset between live workers, a peer that gave the step up) brings no
         newer plan, since there is no one to exclude: it is built again (attempt 2, 3, ...,
@@ -255,7 +167,7 @@ class WorkerRuntime:
                 log.info("generation %d does not include %s: waiting", plan.generation, me)
                 continue
             try:
-                self.run_generation(plan, state, corpus, attempt)
+                self.run_generation(plan, state, joined, attempt)
             except Finished:
                 self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
                 log.info("step %d committed: finished", state.committed_step)
@@ -336,7 +248,7 @@ class WorkerRuntime:
             return []
 
     def run_generation(
-        self, plan: Plan, state: WorkerState, corpus: Corpus, attempt: int = 1
+        self, plan: Plan, state: WorkerState, joined: Joined, attempt: int = 1
     ) -> None:
         cfg, me = self.cfg, self.cfg.worker_id
         t0 = time.perf_counter()
@@ -407,7 +319,7 @@ class WorkerRuntime:
             )
             if self.cfg.max_steps and rec.committed_step + 1 >= self.cfg.max_steps:
                 raise Finished
-            self._train(gen, state, corpus, rec.committed_step + 1)
+            self._train(gen, state, joined, rec.committed_step + 1)
         except (RuntimeError, ValueError):
             self._failed_at = time.time()  # before the groups are torn down
             self._peers = gen.peers()
@@ -422,19 +334,12 @@ class WorkerRuntime:
         found = through_outage(lambda: self.redis.exists(self.trained_key), seconds, "reconcile")
         return bool(found)
 
-    def _on_my_host(self, workers: Iterable[str]) -> int:
-        return sum(1 for w in workers if self._hosts.get(w) == self.host())
-
-    def _train(self, gen: Generation, state: WorkerState, corpus: Corpus, step: int) -> None:
+    def _train(self, gen: Generation, state: WorkerState, joined: Joined, step: int) -> None:
         plan = gen.plan
         meter = TrainingMeter(
-            self._startup_profile,
-            state.device,
-            plan.micro_batch,
-            self.host(),
-            self._on_my_host(plan.workers),
+            joined.layers, state.device, plan.micro_batch, joined.host, joined.on_host(plan.workers)
         )
-        runner = StepRunner(gen, state, corpus, meter)
+        runner = StepRunner(gen, state, joined.corpus, meter)
         owned = plan.owned_layers(gen.me)
         after_vote = vote_hook(self.cfg.kill_at)
         on_op = step_hook(self.cfg.kill_at)

@@ -1,0 +1,132 @@
+"""A worker's start in a job: wait for the spec, profile the layers, report the profile, register.
+
+    spec -> untimed pass over the layers -> (a new job's shared CPU host: wait for its others)
+      -> timed pass -> profile + register (a worker of the spec: in that order)
+
+Profile first, then register: a registered worker is ready to train, so the daemon's initial plan
+(published once every worker of the spec registered) never waits in a rendezvous on a worker that
+is still measuring, and that plan is made from every worker's measurements. A worker new to the
+job registers first: the daemon knows it by its registration and rejects a profile before it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import torch
+
+from chameleond.core.spec import JobSpec, SpecError, parse_spec
+from chameleond.protocol import Keys
+from workers.backend import DeviceChoice, device_memory_bytes
+from workers.data import Corpus
+from workers.events import Reporter
+from workers.model import Arch
+from workers.profile import profile_model
+from workers.rendezvous import start_together
+
+log = logging.getLogger("chameleon.worker")
+PROFILE_TOGETHER_SECONDS = 10.0  # how long a new job's worker waits for its host's others
+
+
+@dataclass(frozen=True)
+class Joined:
+    """What a worker knows once it has joined its job."""
+
+    spec: JobSpec
+    arch: Arch
+    corpus: Corpus
+    hosts: Mapping[str, str]  # worker -> host, from the spec
+    host: str  # this worker's
+    layers: list[dict[str, Any]]  # the start-up profile, per layer (TrainingMeter splits by it)
+
+    def on_host(self, workers: Collection[str]) -> int:
+        """How many of these workers share this worker's host."""
+        return sum(1 for w in workers if self.hosts.get(w) == self.host)
+
+
+def wait_for_spec(client: redis.Redis, keys: Keys, timeout_seconds: float) -> JobSpec:
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        raw = client.get(keys.spec)
+        if raw is not None:
+            try:
+                return parse_spec(json.loads(raw))
+            except (json.JSONDecodeError, SpecError) as e:
+                raise SpecError(f"{keys.spec}: {e}") from e
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no job spec under {keys.spec}")
+        time.sleep(0.1)
+
+
+def profile_together(
+    client: redis.Redis, keys: Keys, host: str, me: str, device: torch.device, on_host: int
+) -> None:
+    """At a new job's start, the workers sharing a CPU host time their start-up profiles
+    together. An op costs more CPU time while the host's workers compete for its cores (cache,
+    its frequency) than alone: 4 to 77% more on the development machine. Workers that start apart
+    (one imports torch faster) would each measure most of their layers alone, and the initial
+    plan's forecast would be that much short. A worker joining a job that already has a plan
+    profiles at once: its peers are training."""
+    if device.type != "cpu" or on_host < 2 or client.exists(keys.plan):
+        return
+    arrived = start_together(client, keys.profiling(host), me, on_host, PROFILE_TOGETHER_SECONDS)
+    if arrived < on_host:
+        log.info(
+            "profiling with %d of the %d workers on this host: the others were not ready "
+            "within %gs",
+            arrived,
+            on_host,
+            PROFILE_TOGETHER_SECONDS,
+        )
+
+
+def join(
+    client: redis.Redis,
+    keys: Keys,
+    reporter: Reporter,
+    device: DeviceChoice,
+    bind_address: str,
+    spec_timeout_seconds: float,
+) -> Joined:
+    """Wait for the job's spec, profile, then send `profile` and `register` (the reporter is
+    started here)."""
+    me = reporter.worker
+    spec = wait_for_spec(client, keys, spec_timeout_seconds)
+    hosts = {w.id: w.host for w in spec.workers}
+    arch, corpus = Arch.from_mapping(spec.arch), Corpus()
+    host = hosts.get(me) or socket.gethostname()
+    on_host = sum(1 for h in hosts.values() if h == host)
+    t0 = time.perf_counter()
+    data = profile_model(
+        arch,
+        spec.training.micro_batch,
+        device.torch_device,
+        host,
+        on_host,
+        start=lambda: profile_together(client, keys, host, me, device.torch_device, on_host),
+    )
+    log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
+    reporter.start()
+    profile = ("profile", {"data": json.dumps(data)})
+    registration = (
+        "register",
+        {
+            "host": host,
+            "device": str(device),
+            "memory_bytes": device_memory_bytes(device),
+            "pid": os.getpid(),
+            "address": bind_address,
+            "corpus": corpus.digest,
+        },
+    )
+    for kind, fields in (profile, registration) if me in hosts else (registration, profile):
+        reporter.send(kind, fields)
+    return Joined(spec, arch, corpus, hosts, host, data["layers"])
