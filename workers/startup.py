@@ -49,7 +49,11 @@ class Joined:
 
     def on_host(self, workers: Collection[str]) -> int:
         """How many of these workers share this worker's host."""
-        return sum(1 for w in workers if self.hosts.get(w) == self.host)
+        return _sharing(self.hosts, self.host, workers)
+
+
+def _sharing(hosts: Mapping[str, str], host: str, workers: Collection[str]) -> int:
+    return sum(1 for w in workers if hosts.get(w) == host)
 
 
 def wait_for_spec(client: redis.Redis, keys: Keys, timeout_seconds: float) -> JobSpec:
@@ -103,7 +107,7 @@ def join(
     hosts = {w.id: w.host for w in spec.workers}
     arch, corpus = Arch.from_mapping(spec.arch), Corpus()
     host = hosts.get(me) or socket.gethostname()
-    on_host = sum(1 for h in hosts.values() if h == host)
+    on_host = _sharing(hosts, host, hosts)  # the spec's workers on this host
     t0 = time.perf_counter()
     data = profile_model(
         arch,
