@@ -1,6 +1,7 @@
 """`profile`: measured per-layer costs from a worker; they replace the spec's numbers (the mean
 over the workers' newest reports) for every later decision. A CPU worker's report also carries
-its host's measured capacity (cores the job's workers get), folded into the spec's host cores."""
+its host's measured capacity (cores the job's workers get, over the fraction of them the plan it
+was measured on keeps busy), folded into the spec's host cores."""
 
 from __future__ import annotations
 
@@ -22,8 +23,7 @@ def handle_profile(job: Job, event: Event, entry_id: str, now: float) -> Outcome
     data = json.loads(event.get("data"))  # parse_event checked: an object with 'layers'
     # Held in the job's base spec: a measurement like the profiles, re-sent periodically, so a
     # restarted daemon has it again within one reporting period.
-    plan_workers = job.plan.workers if job.plan is not None else None
-    spec, profile, has_host = fold_profile(job.base_spec, data, plan_workers)
+    spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
     rec = job.worker(event.worker)
     if rec.profile == profile and not has_host:
         return DUPLICATE

@@ -9,7 +9,8 @@ from dataclasses import asdict
 import pytest
 
 import handlers
-from chameleond.core.decide import initial_plan
+from chameleond.core.decide import decide, initial_plan
+from chameleond.core.estimator import Estimator
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.spec import parse_spec
 from chameleond.daemon.config import Config
@@ -87,3 +88,26 @@ def test_the_model_view_of_the_running_plan_follows_newer_profiles() -> None:
     view = status(j, Config())
     assert view["estimated_samples_per_second"] == pytest.approx(12 / published)
     assert view["model_samples_per_second"] == pytest.approx(12 / model)
+
+
+def test_cores_measured_on_a_plan_that_leaves_some_idle_count_what_it_could_have_used() -> None:
+    """The dynamic plan after w3's loss (one worker holding every layer beside two 2-stage
+    pipelines) keeps a fraction of the shared cores busy; the cores its workers measure are that
+    fraction of what they share, and the daemon folds in the cores, not the fraction."""
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    d = decide(j.spec, initial_plan(j.spec), ["w3"], mtbf_seconds=1e6, generation=2,
+               force="dynamic")  # fmt: skip
+    assert d.plan is not None
+    j.plan = d.plan
+    host = {"name": "localhost", "cores": 2, "busy_cores": 1.5}
+    for w in d.plan.workers * 20:
+        send(j, {"layers": LAYERS, "host": host, "generation": 2}, worker=w)
+    # The plan keeps `fraction` of the folded cores busy: 1.5 of them, as measured.
+    cores = j.spec.hosts["localhost"].cpu_cores
+    fraction = Estimator(j.spec).busy_fraction(d.plan.pipelines, d.plan.routing)["localhost"]
+    assert 0.5 < fraction < 0.99
+    assert cores * fraction == pytest.approx(1.5, rel=1e-3)
+    # Reports from another plan (an older generation, a start-up profile) are taken as they are.
+    for w in d.plan.workers * 20:
+        send(j, {"layers": LAYERS, "host": host, "generation": 1}, worker=w)
+    assert j.spec.hosts["localhost"].cpu_cores == pytest.approx(1.5, rel=1e-3)

@@ -16,7 +16,7 @@ from chameleond.core.estimator import (
     reroute_bound_seconds,
     ring_allreduce_seconds,
 )
-from chameleond.core.plan import SyncGroup
+from chameleond.core.plan import Pipeline, Stage, SyncGroup
 from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.spec import JobSpec, LinkSpec, parse_spec
 from chameleond.daemon.jobspec import spec_document
@@ -185,6 +185,18 @@ def test_rerouting_bound_is_conservative_against_the_schedule() -> None:
     assert closed_form_seconds(4, 8, 1.0, 2.0) < d.plan.estimates.step_seconds <= bound
 
 
+def on_host(spec: JobSpec, cores: float, step_cpu: float = 0.0, latency: float = 0.0) -> JobSpec:
+    """The spec with its workers sharing `cores` cores of host h0, on links of `latency`."""
+    link = {"bandwidth_bytes_per_second": 1e3, "latency_seconds": latency}
+    return parse_spec(
+        {
+            **spec_document(spec),
+            "hosts": {"h0": {"cpu_cores": cores, "step_cpu_seconds": step_cpu}},
+            "links": {"intra_host": link, "inter_host": link},
+        }
+    )
+
+
 def test_updates_add_the_slowest_owner_and_a_shared_host_bounds_the_step() -> None:
     layers = [{**layer(1.0, 2.0), "update_seconds": 0.5}] * 2
     spec = spec_of(4, 2, layers, 4)  # 2 pipelines x 2 stages, 2 micro-batches each, one host
@@ -193,28 +205,41 @@ def test_updates_add_the_slowest_owner_and_a_shared_host_bounds_the_step() -> No
     assert math.isclose(Estimator(spec).vote_seconds(plan.routing), vote)
     critical = closed_form_seconds(2, 2, 1.0, 2.0) + 0.5  # + one layer's update
     assert math.isclose(plan.estimates.step_seconds, critical + vote)
-    # The four workers on one core: every op (8 x 3 s), update (4 x 0.5 s) and per-step CPU
-    # (4 x 0.25 s) runs on it in turn.
-    one_core = parse_spec(
-        {**spec_document(spec), "hosts": {"h0": {"cpu_cores": 1, "step_cpu_seconds": 0.25}}}
-    )
+    # The four workers on one core: every op (8 x 3 s), per-step CPU (4 x 0.25 s) and update
+    # (4 x 0.5 s) runs on it in turn; with instant transfers someone can always run.
+    one_core = on_host(spec, 1, step_cpu=0.25)
+    instant_vote = Estimator(one_core).vote_seconds(plan.routing)
     shared = initial_plan(one_core).estimates.step_seconds
-    assert math.isclose(shared, 8 * 3.0 + 4 * 0.5 + 4 * 0.25 + vote)
+    assert math.isclose(shared, 8 * 3.0 + 4 * 0.25 + 4 * 0.5 + instant_vote)
     assert math.isclose(
-        Estimator(one_core).host_seconds(plan.pipelines, plan.routing), shared - vote
+        Estimator(one_core).shared_seconds(plan.pipelines, plan.routing), shared - instant_vote
     )
-    # Enough cores: the critical path is the step again.
-    many = parse_spec({**spec_document(spec), "hosts": {"h0": {"cpu_cores": 64}}})
+    # Enough cores: nobody shares, and the critical path is the step again.
+    many = on_host(spec, 64, latency=0.01)
+    assert Estimator(many).shared_seconds(plan.pipelines, plan.routing) == 0.0
     assert math.isclose(initial_plan(many).estimates.step_seconds, critical + vote)
 
 
 def test_a_rerouted_plan_moves_the_failed_workers_cpu_work_to_its_peers() -> None:
-    layers = [layer(1.0, 2.0)] * 2
-    base = spec_of(4, 2, layers, 4)
-    spec = parse_spec({**spec_document(base), "hosts": {"h0": {"cpu_cores": 1}}})
+    spec = on_host(spec_of(4, 2, [layer(1.0, 2.0)] * 2, 4), 1)
     plan = initial_plan(spec)
     d = decide(spec, plan, {"w0"}, mtbf_seconds=1e6, generation=2, force="reroute")
     assert d.plan is not None
-    # The same ops on three workers: the host's work does not change, only who does it.
+    # The same ops on three workers of one core: the host's work does not change, only who does it.
     est = Estimator(spec)
-    assert math.isclose(est.host_seconds(d.plan.pipelines, d.plan.routing), 8 * 3.0)
+    assert math.isclose(est.shared_seconds(d.plan.pipelines, d.plan.routing), 8 * 3.0)
+
+
+def test_an_uneven_plan_leaves_shared_cores_idle() -> None:
+    """Three one-stage pipelines on two cores: the 4-micro-batch one runs alone at the end, on one
+    core, while the other core idles (a bound of work / cores would say 6 / 2 = 3 s)."""
+    spec = on_host(spec_of(3, 1, [layer(0.5, 0.5)], 6), 2)
+    est = Estimator(spec)
+    pipes = [
+        Pipeline((Stage(w, 0, 1),), first, n)
+        for w, first, n in (("w0", 0, 4), ("w1", 4, 1), ("w2", 5, 1))
+    ]
+    routing = [[[p.stages[0].worker] * p.micro_batches] for p in pipes]
+    # 1 s of w1's and w2's work at 2/3 speed (1.5 s), then w0's last 3 s alone.
+    assert math.isclose(est.shared_seconds(pipes, routing), 1.5 + 3.0)
+    assert math.isclose(est.makespan(pipes, routing), 4.0)

@@ -40,7 +40,7 @@ def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
          "param_bytes": 4, "optimizer_bytes": 8, "activation_bytes": 0, "output_bytes": 4}
         for i, f in enumerate((1.0, 3.0, 5.0))
     ]  # fmt: skip
-    meter = TrainingMeter(startup, CPU, micro_batch=2, host="h0", workers_on_host=1)
+    meter = TrainingMeter(startup, CPU, micro_batch=2, host="h0", workers_on_host=1, generation=7)
     ticks = iter(float(t) for t in range(100))
     meter.clock = lambda: next(ticks)  # each call one "second" later
     for _ in range(2):  # two steps, each: 2 forwards, 2 backwards of layers 0-1, one update
@@ -51,6 +51,7 @@ def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
         meter.update((0, 1))
         data = meter.step_done()
     assert data is not None and data["steps"] == 2 and data["source"] == "training"
+    assert data["generation"] == 7  # the plan it measured
     got = {d["index"]: d for d in data["layers"]}
     assert set(got) == {0, 1}  # layer 2 never ran here
     # Each op took 1 s, split 1:3 between the layers; per micro-batch.

@@ -195,8 +195,10 @@ class TrainingMeter:
         micro_batch: int,
         host: str,
         workers_on_host: int,
+        generation: int = 0,
     ) -> None:
         self.startup = startup
+        self.generation = generation  # the plan measured, named in each report (0: none)
         self.device = device
         self.micro_batch = micro_batch
         self.host = host
@@ -309,6 +311,8 @@ class TrainingMeter:
             "steps": self.steps,
             "seconds_per_step": wall / self.steps,
         }
+        if self.generation:
+            data["generation"] = self.generation
         if self.device.type == "cpu" and self.host:
             # The cores the job gets while it computes: the estimator adds the vote apart.
             vote = self.fastest_vote if math.isfinite(self.fastest_vote) else 0.0

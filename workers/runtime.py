@@ -337,7 +337,12 @@ class WorkerRuntime:
     def _train(self, gen: Generation, state: WorkerState, joined: Joined, step: int) -> None:
         plan = gen.plan
         meter = TrainingMeter(
-            joined.layers, state.device, plan.micro_batch, joined.host, joined.on_host(plan.workers)
+            joined.layers,
+            state.device,
+            plan.micro_batch,
+            joined.host,
+            joined.on_host(plan.workers),
+            plan.generation,
         )
         runner = StepRunner(gen, state, joined.corpus, meter)
         owned = plan.owned_layers(gen.me)

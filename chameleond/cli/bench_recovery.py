@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ import redis
 
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
-from chameleond.core.spec import JobSpec, load_spec
+from chameleond.core.spec import JobSpec, LayerProfile, load_spec
 from chameleond.daemon.jobspec import fold_profile, measured_layers
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
@@ -129,14 +129,19 @@ def _vote_latency_seconds(mon: StreamMonitor, gen: int) -> list[float]:
     return [v for _, v in sorted(fastest.items())]
 
 
-def _spec_by(base: JobSpec, mon: StreamMonitor, workers: Sequence[str], until: float) -> JobSpec:
+def _spec_by(base: JobSpec, mon: StreamMonitor, until: float) -> JobSpec:
     """The daemon's view of the job at `until`: every profile event up to then folded into the
-    base spec as handlers/profile.py folds them (`fold_profile`), with each worker's newest
-    layers."""
-    spec, profiles = base, {}
+    base spec as handlers/profile.py folds them (`fold_profile`, under the plan each was measured
+    on), with each worker's newest layers."""
+    spec = base
+    profiles: dict[str, dict[int, LayerProfile]] = {}
+    plans = {g: plan_from_dict(p) for g, p in mon.plans.items()}
     for entry_id, f in mon.events:
         if f.get("type") == "profile" and entry_seconds(entry_id) <= until:
-            spec, profiles[f["worker"]], _ = fold_profile(spec, json.loads(f["data"]), workers)
+            data = json.loads(f["data"])
+            model = spec.with_layers(measured_layers(spec.layers, list(profiles.values())))
+            plan = plans.get(data.get("generation"))  # None: a start-up profile
+            spec, profiles[f["worker"]], _ = fold_profile(spec, data, plan, model)
     return spec.with_layers(measured_layers(spec.layers, list(profiles.values())))
 
 
@@ -164,7 +169,7 @@ def plan_rows(mon: StreamMonitor, run: str, base: JobSpec) -> list[dict[str, Any
         measured = statistics.median(gaps)
         est = float(plan["estimates"]["step_seconds"])
         p = plan_from_dict(plan)
-        spec = _spec_by(base, mon, p.workers, commits[-1][1])
+        spec = _spec_by(base, mon, commits[-1][1])
         model = Estimator(spec).step_seconds(p.pipelines, p.routing, p.sync_groups)
         slowest = _slowest_worker_seconds(mon, gen)[1:]  # the first pays for the warm-up
         vote = _vote_latency_seconds(mon, gen)[1:]

@@ -1,9 +1,9 @@
 """The performance model: step time, gradient sync time and peak memory of a plan (PAPER.md 4-5).
 
 Step time = the 1F1B makespan of the plan's routed schedule + the gradient sync of its groups +
-the slowest worker's optimizer update; on a host whose CPU cores the workers share
-(`spec.hosts`), never less than the host's CPU work per step divided by its cores; plus the
-commit vote (a ring all-reduce of a few bytes over every executing worker: 2(n-1) latencies).
+the slowest worker's optimizer update; on hosts whose CPU cores more workers share than there are
+cores (`spec.hosts`), never less than that step simulated with the cores shared; plus the commit
+vote (a ring all-reduce of a few bytes over every executing worker: 2(n-1) latencies).
 
 * Makespan: `schedule.build_schedule(...).makespan`, the exact longest path over the dependency
   graph, with stage durations summed from the per-layer profile (embedding and head are layers) and
@@ -16,22 +16,27 @@ commit vote (a ring all-reduce of a few bytes over every executing worker: 2(n-1
   lasts as long as its slowest group), rounds run one after another.
 * Update: each executing owner steps its layers' optimizer once per step, after the commit vote;
   the next step's pipelines wait for the slowest.
-* Shared host: workers whose device is the host's CPU compete for its cores, so the step cannot be
-  shorter than the sum of every op and update that the host's workers execute, plus each worker's
-  per-step CPU beyond its layers (messages, collectives, the commit vote), divided by its cores.
-  With more workers than cores (a local CPU job) this bound, not the critical path, is the step
-  time: the pipeline bubbles of one worker are filled by the others' work.
+* Shared host: workers whose device is the host's CPU compete for its cores. `shared_seconds`
+  runs the schedule with processor sharing (core/sharing.py): k runnable workers on a host of C
+  cores each compute at min(1, C/k) of full speed, so one worker's bubbles are filled by the
+  others' work, and cores idle only while fewer workers than cores can run (an uneven plan whose
+  short pipelines finish first). Each worker's per-step CPU beyond its layers (messages,
+  collectives, the commit vote) is spread over its ops; the updates after the vote share the
+  cores too. With more workers than cores (a local CPU job) this, not the critical path, is the
+  step time.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Collection, Sequence
 from functools import lru_cache
 from itertools import accumulate
 
 from chameleond.core.plan import Pipeline, SyncGroup
-from chameleond.core.schedule import BACKWARD, FORWARD, slot_queue
+from chameleond.core.schedule import BACKWARD, FORWARD, Op, build_schedule, slot_queue
+from chameleond.core.sharing import shared_jobs_seconds, shared_makespan
 from chameleond.core.spec import JobSpec, LinkSpec
 
 Routing = Sequence[Sequence[Sequence[str]]]
@@ -304,33 +309,75 @@ class Estimator:
                     out[st.worker] = out.get(st.worker, 0.0) + u
         return out
 
-    def host_seconds(self, pipelines: Sequence[Pipeline], routing: Routing) -> float:
-        """The busiest shared host's CPU work per step over its cores (0 where none is listed).
+    def shared_seconds(self, pipelines: Sequence[Pipeline], routing: Routing) -> float:
+        """The step's ops and the optimizer updates after them, simulated with each shared host's
+        cores shared among its runnable workers (core/sharing.py); 0 when no host listed in
+        `spec.hosts` has more of the plan's executing workers than cores.
 
-        Work = every forward and backward its workers execute (own and rerouted micro-batches),
-        their optimizer updates, and `step_cpu_seconds` per executing worker.
+        Each executing worker on a shared host also spends `step_cpu_seconds` per step beyond its
+        layers (messages, collectives, the step loop), spread evenly over its ops.
         """
+        shared = self._shared(pipelines, routing)
+        return shared[0] if shared else 0.0
+
+    def busy_fraction(self, pipelines: Sequence[Pipeline], routing: Routing) -> dict[str, float]:
+        """Per shared host, the fraction of its cores the plan keeps busy over `shared_seconds`:
+        its workers' CPU work per step over (cores x that time). 1 on a saturated host; less
+        where the plan leaves cores idle (an uneven plan's short pipelines done early). A worker
+        that measures the cores the job got while this plan ran measures that fraction of the
+        cores it may share (handlers/profile.py divides it out)."""
+        shared = self._shared(pipelines, routing)
+        if not shared or shared[0] <= 0:
+            return {}
+        seconds, work = shared
         hosts = self.spec.hosts
-        if not hosts:
-            return 0.0
-        t = self.table
-        work: dict[str, float] = {}
-        for pipe, rt in zip(pipelines, routing, strict=True):
-            for st, executors in zip(pipe.stages, rt, strict=True):
-                a, b = st.first_layer, st.end_layer
-                op = t.forward_seconds(a, b) + t.backward_seconds(a, b)
-                for w in executors:
-                    host = self._host[w]
-                    if host in hosts:
-                        work[host] = work.get(host, 0.0) + op
+        return {h: min(1.0, w / (hosts[h].cpu_cores * seconds)) for h, w in work.items()}
+
+    def _shared(
+        self, pipelines: Sequence[Pipeline], routing: Routing
+    ) -> tuple[float, dict[str, float]] | None:
+        """(the shared step's seconds, CPU work per step of each shared host), or None when no
+        host is shared by more executing workers than it has cores."""
+        hosts, host_of = self.spec.hosts, self._host
         executing = {w for rt in routing for stage in rt for w in stage}
-        updates = self._update_per_worker(pipelines, routing)
-        for w in executing:
-            host = self._host[w]
-            if host in hosts:
-                extra = updates.get(w, 0.0) + hosts[host].step_cpu_seconds
-                work[host] = work.get(host, 0.0) + extra
-        return max((seconds / hosts[h].cpu_cores for h, seconds in work.items()), default=0.0)
+        crowd = Counter(host_of[w] for w in executing if host_of[w] in hosts)
+        if all(n <= hosts[h].cpu_cores for h, n in crowd.items()):
+            return None
+        cores = {h: hosts[h].cpu_cores for h in crowd}
+        t = self.table
+
+        def op_seconds(p: int, s: int, kind: str, _w: str) -> float:
+            st = pipelines[p].stages[s]
+            if kind == FORWARD:
+                return t.forward_seconds(st.first_layer, st.end_layer)
+            return t.backward_seconds(st.first_layer, st.end_layer)
+
+        def comm(p: int, s: int, _kind: str, src: str, dst: str) -> float:
+            return self.transfer_seconds(pipelines[p], s, src, dst)
+
+        ops = build_schedule(pipelines, routing, op_seconds, comm).ops
+        beyond = {
+            w: hosts[host_of[w]].step_cpu_seconds / len(q) if host_of[w] in hosts else 0.0
+            for w, q in ops.items()
+        }
+
+        def work(op: Op) -> float:
+            return op_seconds(op.pipeline, op.stage, op.kind, op.worker) + beyond[op.worker]
+
+        updates: dict[str, list[float]] = {}
+        for w, u in self._update_per_worker(pipelines, routing).items():
+            updates.setdefault(host_of[w], []).append(u)
+        seconds = shared_makespan(ops, work, comm, host_of, cores) + max(
+            (shared_jobs_seconds(u, cores.get(h)) for h, u in updates.items()), default=0.0
+        )
+        busy = dict.fromkeys(cores, 0.0)
+        for w, q in ops.items():
+            if host_of[w] in busy:
+                busy[host_of[w]] += sum(work(op) for op in q)
+        for h, per_worker in updates.items():
+            if h in busy:
+                busy[h] += sum(per_worker)
+        return seconds, busy
 
     def vote_seconds(self, routing: Routing) -> float:
         """The commit vote: an all-reduce of a few numbers per worker over every executing worker,
@@ -343,14 +390,15 @@ class Estimator:
     def step_seconds(
         self, pipelines: Sequence[Pipeline], routing: Routing, groups: Sequence[SyncGroup]
     ) -> float:
-        """The critical path (makespan, gradient sync, update) or, on a shared host, its CPU work
-        over its cores, whichever is longer; plus the commit vote, during which nobody computes."""
+        """The critical path (makespan, gradient sync, update) or, on shared hosts, the step with
+        their cores shared, whichever is longer; plus the commit vote, during which nobody
+        computes."""
         critical = (
             self.makespan(pipelines, routing)
             + self.sync_seconds(groups)
             + self.update_seconds(pipelines, routing)
         )
-        return max(critical, self.host_seconds(pipelines, routing)) + self.vote_seconds(routing)
+        return max(critical, self.shared_seconds(pipelines, routing)) + self.vote_seconds(routing)
 
     # -- memory ----------------------------------------------------------------------------
 

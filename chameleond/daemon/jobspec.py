@@ -9,10 +9,12 @@ always sees the mean of the newest measurements.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from chameleond.core.estimator import Estimator
+from chameleond.core.plan import Plan
 from chameleond.core.spec import HostSpec, JobSpec, LayerProfile
 from chameleond.protocol import EventError
 
@@ -140,17 +142,21 @@ def parse_host_report(data: Mapping[str, Any]) -> HostReport | None:
     return HostReport(raw["name"], _positive(raw, "cores"), _positive(raw, "busy_cores"), step)
 
 
-def fold_host_report(spec: JobSpec, report: HostReport, reporters: int) -> JobSpec:
+def fold_host_report(
+    spec: JobSpec, report: HostReport, reporters: int, busy_fraction: float = 1.0
+) -> JobSpec:
     """The spec with the host's figures moved toward this report.
 
     A report says how many cores the job's workers on the host got, at most the host's cores:
     while more workers than cores compete, that is the capacity left to the job by everything
-    else running there. Each of the host's `reporters` workers reports in turn, so a weight of
-    1/reporters keeps a running mean over the newest round. `step_cpu_seconds` is folded the same
-    way when the report has it (from training); until then the spec's value stands.
+    else running there. A plan that keeps only `busy_fraction` of those cores busy (the model's,
+    `Estimator.busy_fraction`) got that fraction of them, so the capacity is the report over it.
+    Each of the host's `reporters` workers reports in turn, so a weight of 1/reporters keeps a
+    running mean over the newest round. `step_cpu_seconds` is folded the same way when the report
+    has it (from training); until then the spec's value stands.
     """
     weight = 1.0 / max(1, reporters)
-    cores = min(report.cores, report.busy_cores)
+    cores = min(report.cores, report.busy_cores / max(busy_fraction, 1e-3))
     old = spec.hosts.get(report.host)
     if old is None:
         new = HostSpec(cores, report.step_cpu_seconds or 0.0)
@@ -163,17 +169,29 @@ def fold_host_report(spec: JobSpec, report: HostReport, reporters: int) -> JobSp
 
 
 def fold_profile(
-    spec: JobSpec, data: Mapping[str, Any], plan_workers: Collection[str] | None
+    spec: JobSpec, data: Mapping[str, Any], plan: Plan | None, model: JobSpec
 ) -> tuple[JobSpec, dict[int, LayerProfile], bool]:
     """One `profile` event's data applied to the job's base spec: (the spec with its host report
     folded in, the worker's layer profile, whether it carried a host report). A host report is a
-    running mean over the workers on that host that take part in the plan (all of the spec's
-    workers there before the first plan)."""
+    running mean over the workers on that host that take part in `plan`, the plan in force (all
+    of the spec's workers there before the first plan); one measured on that plan (its
+    `generation`) is divided by the plan's busy fraction of the host under `model` (the job's
+    spec with the measured layers)."""
     profile = parse_profile(data, len(spec.layers))
     host = parse_host_report(data)
     if host is None:
         return spec, profile, False
     on_host = [w.id for w in spec.workers if w.host == host.host]
-    if plan_workers is not None:
-        on_host = [w for w in on_host if w in plan_workers]
-    return fold_host_report(spec, host, len(on_host)), profile, True
+    fraction = 1.0
+    if plan is not None:
+        on_host = [w for w in on_host if w in plan.workers]
+        if data.get("generation") == plan.generation:
+            fraction = _busy_fraction(model, plan).get(host.host, 1.0)
+    return fold_host_report(spec, host, len(on_host), fraction), profile, True
+
+
+def _busy_fraction(model: JobSpec, plan: Plan) -> dict[str, float]:
+    try:
+        return Estimator(model).busy_fraction(plan.pipelines, plan.routing)
+    except KeyError:  # a worker of the plan the spec no longer lists
+        return {}
