@@ -17,7 +17,6 @@ from chameleond.core.estimator import (
     ring_allreduce_seconds,
 )
 from chameleond.core.plan import Pipeline, Stage, SyncGroup
-from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.spec import JobSpec, LinkSpec, parse_spec
 from chameleond.daemon.jobspec import spec_document
 
@@ -53,19 +52,8 @@ def layer(
 
 
 def reference_makespan(spec: JobSpec, pipelines: Any, routing: Any) -> float:
-    est = Estimator(spec)
-    t = est.table
-
-    def op(p: int, s: int, kind: str, _w: str) -> float:
-        x = pipelines[p].stages[s]
-        if kind == FORWARD:
-            return t.forward_seconds(x.first_layer, x.end_layer)
-        return t.backward_seconds(x.first_layer, x.end_layer)
-
-    def comm(p: int, s: int, _k: str, a: str, b: str) -> float:
-        return est.transfer_seconds(pipelines[p], s, a, b)
-
-    return build_schedule(pipelines, routing, op, comm).makespan
+    """build_schedule's makespan: the op lists the workers run, built op by op."""
+    return Estimator(spec).schedule(pipelines, routing).makespan
 
 
 @given(

@@ -35,7 +35,16 @@ from functools import lru_cache
 from itertools import accumulate
 
 from chameleond.core.plan import Pipeline, SyncGroup
-from chameleond.core.schedule import BACKWARD, FORWARD, Op, build_schedule, slot_queue
+from chameleond.core.schedule import (
+    BACKWARD,
+    FORWARD,
+    CommSeconds,
+    Op,
+    OpSeconds,
+    Schedule,
+    build_schedule,
+    slot_queue,
+)
 from chameleond.core.sharing import shared_jobs_seconds, shared_makespan
 from chameleond.core.spec import JobSpec, LinkSpec
 
@@ -278,6 +287,25 @@ class Estimator:
             makespan = max(makespan, end)
         return makespan
 
+    def schedule(self, pipelines: Sequence[Pipeline], routing: Routing) -> Schedule:
+        """`build_schedule` with this model's op and transfer times: the order the workers run,
+        whose makespan `makespan` computes without building it."""
+        return build_schedule(pipelines, routing, *self._timing(pipelines))
+
+    def _timing(self, pipelines: Sequence[Pipeline]) -> tuple[OpSeconds, CommSeconds]:
+        t = self.table
+
+        def op_seconds(p: int, s: int, kind: str, _w: str) -> float:
+            st = pipelines[p].stages[s]
+            if kind == FORWARD:
+                return t.forward_seconds(st.first_layer, st.end_layer)
+            return t.backward_seconds(st.first_layer, st.end_layer)
+
+        def comm(p: int, s: int, _kind: str, src: str, dst: str) -> float:
+            return self.transfer_seconds(pipelines[p], s, src, dst)
+
+        return op_seconds, comm
+
     def sync_seconds(self, groups: Sequence[SyncGroup]) -> float:
         """Gradient all-reduce: ring per group; a round lasts its slowest group; rounds add up."""
         by_round: dict[int, float] = {}
@@ -344,17 +372,7 @@ class Estimator:
         if all(n <= hosts[h].cpu_cores for h, n in crowd.items()):
             return None
         cores = {h: hosts[h].cpu_cores for h in crowd}
-        t = self.table
-
-        def op_seconds(p: int, s: int, kind: str, _w: str) -> float:
-            st = pipelines[p].stages[s]
-            if kind == FORWARD:
-                return t.forward_seconds(st.first_layer, st.end_layer)
-            return t.backward_seconds(st.first_layer, st.end_layer)
-
-        def comm(p: int, s: int, _kind: str, src: str, dst: str) -> float:
-            return self.transfer_seconds(pipelines[p], s, src, dst)
-
+        op_seconds, comm = self._timing(pipelines)
         ops = build_schedule(pipelines, routing, op_seconds, comm).ops
         beyond = {
             w: hosts[host_of[w]].step_cpu_seconds / len(q) if host_of[w] in hosts else 0.0
