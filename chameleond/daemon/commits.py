@@ -70,9 +70,16 @@ class Committer:
         async with self.lock:
             await self._job_commit(acks, dead=dead, progress=progress_doc)
         if job.spec_version != self.spec_written:
+            # The spec the workers read, derived from the job: a write lost to a Redis outage is
+            # made again by the next batch (at the latest the next housekeeping tick).
             version = job.spec_version
-            await self.client.set(self.keys.spec, json.dumps(spec_document(job.spec)))
-            self.spec_written = version
+            try:
+                await self.client.set(self.keys.spec, json.dumps(spec_document(job.spec)))
+            except (RedisError, OSError) as e:
+                self.reachability.failed(e)
+                log.warning("spec not written (%s); the next batch writes it", e)
+            else:
+                self.spec_written = version
         for r in _drain(job.recoveries):
             self.metrics.recovery_seconds.labels(r.policy).observe(r.seconds)
             decisions_log.info("recovered generation=%d policy=%s seconds=%.3f",
