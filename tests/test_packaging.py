@@ -52,6 +52,9 @@ def test_the_wheel_holds_every_package_the_job_spec_and_the_console_scripts(
         assert f"{package}/__init__.py" in modules
         assert modules <= names, f"missing from the wheel: {sorted(modules - names)}"
     assert "chameleond/jobs/cpu-small.toml" in names
+    traces = {p.relative_to(ROOT).as_posix() for p in (ROOT / "chameleond" / "traces").iterdir()
+              if p.name.endswith(".csv") or p.name.startswith("LICENSE")}  # fmt: skip
+    assert "chameleond/traces/oobleck-p3-trace.csv" in traces and traces <= names
     assert not any(n.startswith("tests/") for n in names)
     assert dict(scripts["console_scripts"]) == {
         "chameleond": "chameleond.daemon.cli:main",

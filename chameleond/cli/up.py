@@ -43,7 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"faults to inject, e.g. kill:w3@step=5,event:w1@t=20s:ECC (default: {DEFAULT_FAULTS};"
         " 'none' for a failure-free run)",
     )
-    src.add_argument("--trace", type=Path, help="replay a time_ms,add|remove,nodeN trace file")
+    src.add_argument(
+        "--trace",
+        type=Path,
+        help="replay a time_ms,add|remove,nodeN trace: a file, or a packaged trace by name "
+        "(oobleck-10m, oobleck-p3-trace, ...; see chameleond/traces)",
+    )
     parser.add_argument(
         "--time-scale",
         type=float,
@@ -158,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             replay = r.steps
             print(
                 f"trace {args.trace}: {len(r.steps)} actions on {len(r.mapping)} mapped nodes, "
-                f"{r.skipped} events skipped (nodes beyond the cluster or no-ops)"
+                f"{r.skipped} events skipped (nodes beyond the local cluster, or no change)"
             )
     except (SpecError, FaultSpecError, TraceError) as e:
         print(f"chameleonctl up: {e}", file=err)

@@ -1,11 +1,16 @@
-"""Replay of availability traces (`time_ms,add|remove,nodeN`, ../shared/traces) onto local workers.
+"""Replay of availability traces (`time_ms,add|remove,nodeN`; chameleond/traces) onto local workers.
 
-Mapping: the nodes added at t=0 are the starting cluster; in the order of those adds they map one to
-one onto the local workers (1st node -> w0, ...), which all start before training. Events on nodes
-that map to no local worker (beyond the cluster's size, or first added later) are skipped, and the
-replay says how many. A `remove` kill -9s the mapped worker; a later `add` of a mapped node whose
-worker is down starts that worker again (it rejoins under its own id). Time is compressed: an event
-at `time_ms` fires `time_ms / 1000 / time_scale` seconds after training's first committed step.
+Mapping: the local workers are slots for the trace's nodes. They all start with the job, and the
+first nodes the trace adds take them in order (1st node -> w0, ...), whenever they come (the AWS
+and GCP traces add their first nodes minutes in). A `remove` of a node that holds a worker
+kill -9s that worker and frees its slot. A later `add` takes a free slot and starts its worker
+again (the worker rejoins under its id): its own former slot if that is free, else the first free
+one. Spot traces bring capacity back as new node names, so the local job shrinks and grows with
+the trace's availability, up to its size. Events that change nothing locally are skipped, and the
+replay says how many: a node added while every worker holds one (beyond the local cluster), the
+removal of a node that holds none, an add of a node that already holds one. Time is compressed:
+an event at `time_ms` fires `time_ms / 1000 / time_scale` seconds after training's first
+committed step.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from chameleond.traces import packaged_trace_path, packaged_traces
 
 TRACE_ACTIONS = ("add", "remove")
 
@@ -74,11 +81,16 @@ def parse_trace(lines: Iterable[str], *, source: str = "trace") -> tuple[TraceEv
 
 
 def load_trace(path: str | Path) -> tuple[TraceEvent, ...]:
+    """A trace file, or a packaged trace by name (`oobleck-p3-trace`: see chameleond.traces) when
+    no file of that name exists."""
     p = Path(path)
+    if not p.exists() and len(p.parts) == 1:
+        p = packaged_trace_path(p.name) or p
     try:
         text = p.read_text()
     except OSError as e:
-        raise TraceError(f"{p}: {e.strerror}") from e
+        names = ", ".join(packaged_traces())
+        raise TraceError(f"{p}: {e.strerror} (packaged traces: {names})") from e
     return parse_trace(text.splitlines(), source=str(p))
 
 
@@ -88,27 +100,30 @@ def plan_replay(
     """Turn trace events into kill/start actions on `workers` with time compressed by time_scale."""
     if time_scale <= 0:
         raise TraceError(f"time scale must be > 0, got {time_scale}")
-    mapping: dict[str, str] = {}
-    free = list(workers)
-    up: set[str] = set()
+    mapping: dict[str, str] = {}  # node -> the worker it runs (or last ran) as
+    node_of: dict[str, str | None] = dict.fromkeys(workers)  # running worker -> its node
     steps: list[ReplayStep] = []
     skipped = 0
     for ev in events:
-        if ev.node not in mapping and ev.action == "add" and ev.time_ms == 0 and free:
-            mapping[ev.node] = free.pop(0)
-            up.add(mapping[ev.node])
-            continue
         worker = mapping.get(ev.node)
-        if worker is None:
-            skipped += 1
-            continue
+        holds = worker is not None and node_of.get(worker) == ev.node
         seconds = ev.time_ms / 1000.0 / time_scale
-        if ev.action == "remove" and worker in up:
-            up.discard(worker)
+        if ev.action == "remove" and worker is not None and holds:
+            del node_of[worker]
             steps.append(ReplayStep(seconds, "kill", worker, ev.node, ev.time_ms))
-        elif ev.action == "add" and worker not in up:
-            up.add(worker)
-            steps.append(ReplayStep(seconds, "start", worker, ev.node, ev.time_ms))
+            continue
+        if ev.action == "remove" or holds:
+            skipped += 1  # a node that runs no worker goes, or one that does is added again
+            continue
+        unbound = [w for w, n in node_of.items() if n is None]
+        down = [w for w in workers if w not in node_of]
+        if down:  # its own worker again if that is down, else the first one down
+            slot = worker if worker in down else down[0]
+            steps.append(ReplayStep(seconds, "start", slot, ev.node, ev.time_ms))
+        elif unbound:  # the workers start with the job: the first nodes added take them
+            slot = unbound[0]
         else:
-            skipped += 1  # remove of a node already down, or add of one already up
+            skipped += 1  # every worker runs: a node beyond the local cluster
+            continue
+        mapping[ev.node], node_of[slot] = slot, ev.node
     return Replay(tuple(steps), mapping, skipped)
