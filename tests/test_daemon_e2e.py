@@ -170,3 +170,32 @@ def test_rejoin_takes_a_repaired_worker_back(
     assert any(st["worker"] == "w1" for p in plan["pipelines"] for st in p["stages"])
     decision = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
     assert json.loads(decision["joined"]) == ["w1"] and "w1 rejoined" in decision["cause"]
+
+
+def test_a_worker_kept_out_stays_on_standby_offered_to_the_next_decision(
+    daemon_factory: type[Daemon], redis_client: redis.Redis
+) -> None:
+    # Forced reroute keeps the current plan at a rejoin: w1 comes back but is kept out.
+    daemon = daemon_factory("--policy", "reroute").start().wait_ready()
+    workers = Workers(redis_client)
+    training(workers, daemon)
+    workers.send(type="fault", worker="w1", cause="power")
+    wait_for(lambda: workers.generation() == 2, 15, "generation 2")
+    workers.ready(2, [w for w in WORKERS if w != "w1"])
+    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
+    workers.send(type="rejoin", worker="w1")
+
+    def decisions() -> list[dict[str, str]]:
+        return [d for d in workers.decisions() if d.get("kind") == "decision"]
+
+    wait_for(lambda: json.loads(decisions()[-1].get("joined", "[]")) == ["w1"], 15, "a decision")
+    assert workers.generation() == 2 and decisions()[-1]["selected"] == ""  # kept out
+    # Alive and offered back: waiting, not a fenced worker "declared failed but still heartbeating".
+    wait_for(lambda: daemon.status()["workers"]["w1"]["state"] == "waiting", 5, "w1 waiting")
+    workers.send(type="fault", worker="w3", cause="ECC")
+    wait_for(lambda: workers.generation() == 3, 15, "generation 3")
+    answer = decisions()[-1]
+    # The fault's decision names w3's fault alone, and offers w1 back without a new rejoin.
+    assert json.loads(answer["faults"]) == ["w3"] and json.loads(answer["joined"]) == ["w1"]
+    assert answer["cause"].startswith("w3: ECC") and "rejoined" not in answer["cause"]
+    assert "fenced w1" not in daemon.output()

@@ -120,6 +120,38 @@ def test_join_waits_for_the_transition_to_finish() -> None:
     assert commit and m.phase is Phase.TRAINING and transitions[0].cause == "current plan kept"
 
 
+def test_a_worker_kept_out_stays_on_standby_and_is_offered_to_the_next_decisions() -> None:
+    m = PolicyMachine()
+    m.initial(1, WORKERS[:4], now=0.0)
+    for w in WORKERS[:4]:
+        m.ready(w, 1, 1.0)
+    m.join("w4", 2.0)
+    request, _ = m.next_request(2.1)
+    assert request is not None and request.joined == {"w4"}
+    m.decided(request, DecisionResult(None, None), 2.2)  # the current plan was kept
+    assert m.standby == {"w4"} and m.next_request(2.3) == (None, [])  # standby alone: no decision
+    restored = PolicyMachine.restore(m.snapshot(), ready_timeout_seconds=30.0)
+    assert restored.standby == {"w4"}  # a restarted daemon still knows its spares
+    # A fault's decision may use w4, though w4 sent nothing new; its cause names the fault only.
+    m.fault("w1", "ECC", 3.0)
+    request, _ = m.next_request(3.1)
+    assert request is not None and request.joined == {"w4"} and request.cause == "w1: ECC"
+    # A later rejoin is offered together with w4; a plan that takes w5 only leaves w4 on standby.
+    m.decided(request, DecisionResult(2, "reroute", ("w0", "w2", "w3")), 3.2)
+    for w in ("w0", "w2", "w3"):
+        m.ready(w, 2, 3.5)
+    m.join("w5", 4.0)
+    request, _ = m.next_request(4.1)
+    assert request is not None and request.joined == {"w4", "w5"}
+    m.decided(request, DecisionResult(3, "dynamic", ("w0", "w2", "w3", "w5")), 4.2)
+    assert m.standby == {"w4"}
+    # A worker on standby that fails is no longer offered, and needs no new plan.
+    for w in ("w0", "w2", "w3", "w5"):
+        m.ready(w, 3, 4.5)
+    assert m.fault("w4", "heartbeat lapse", 5.0) == (True, [])
+    assert m.standby == set() and "w4" in m.failed and m.next_request(5.1) == (None, [])
+
+
 def test_overdue_acks_and_recovery_time() -> None:
     m = training(ready_timeout=5.0)
     m.fault("w3", "x", 100.0)

@@ -11,6 +11,10 @@ deadline still means something after a restart). The daemon feeds it events; it 
 Faults that arrive while a decision is under way are folded: they wait in `pending_faults` and
 the running decision, if its plan still uses one of those workers, is superseded instead of
 published, so a burst of faults yields a handful of plans, not one per fault.
+
+A worker that came back (`join`) and was not taken into the plan that answered it (the current
+plan was kept) is on `standby`: alive, holding nothing, and offered again to every later decision,
+so the next fault or rejoin can use it. It leaves standby when a plan takes it, or when it fails.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class PolicyMachine:
     ready_deadline: float = 0.0
     pending_faults: dict[str, str] = field(default_factory=dict)
     pending_joins: set[str] = field(default_factory=set)
+    standby: set[str] = field(default_factory=set)  # back, but in no plan yet (module docstring)
     pending_since: float | None = None
     in_flight: DecisionRequest | None = None
     recovery: _RecoveryWatch | None = None
@@ -106,6 +111,7 @@ class PolicyMachine:
     def _adopt(self, workers: Iterable[str], now: float) -> None:
         """A new plan is published: its workers owe an acknowledgement and a first step."""
         self.plan_workers = tuple(sorted(workers))
+        self.standby -= set(self.plan_workers)
         self.awaiting_ready = set(self.plan_workers)
         self.awaiting_step = set(self.plan_workers)
         self.ready_deadline = now + self.ready_timeout_seconds
@@ -118,6 +124,7 @@ class PolicyMachine:
         if worker in self.failed or worker in self.pending_faults or worker in in_flight:
             return False, []
         self.pending_joins.discard(worker)
+        self.standby.discard(worker)
         joining = self.in_flight.joined if self.in_flight else frozenset()
         if self.phase is not Phase.WAITING and worker not in {*self.plan_workers, *joining}:
             # Not running anything: no plan changes, it is simply no longer available.
@@ -140,6 +147,7 @@ class PolicyMachine:
         if in_plan or worker in self.pending_joins or worker in in_flight:
             return False, []
         self.failed.discard(worker)
+        self.standby.discard(worker)  # a new process of a worker on standby: joins again
         self.pending_joins.add(worker)
         if self.pending_since is None:
             self.pending_since = now
@@ -156,6 +164,7 @@ class PolicyMachine:
         The faults reported so far are answered by it: those workers are out."""
         self.failed |= set(self.pending_faults)
         self.pending_faults.clear()
+        self.standby |= self.pending_joins
         self.pending_joins.clear()
         self.pending_since = None
         return self._move(Phase.UNRECOVERABLE, cause, now)
@@ -189,7 +198,7 @@ class PolicyMachine:
         parts += [f"{w} rejoined" for w in sorted(joins)]
         request = DecisionRequest(
             failed=frozenset(self.failed | set(faults)),
-            joined=frozenset(joins),
+            joined=frozenset(joins | (self.standby - set(faults))),
             faults=faults,
             cause="; ".join(parts),
             first_event_at=self.pending_since if self.pending_since is not None else now,
@@ -210,14 +219,16 @@ class PolicyMachine:
         if result.generation is not None and set(self.pending_faults) & set(result.workers):
             for w, c in request.faults.items():
                 self.pending_faults.setdefault(w, c)
-            self.pending_joins |= request.joined
+            self.pending_joins |= request.joined - self.standby
             self.pending_since = min(self.pending_since or now, request.first_event_at)
             return False, self._move(Phase.FAULT_DETECTED, "superseded by later faults", now)
         self.failed |= request.failed
         if result.unrecoverable is not None:
+            self.standby |= request.joined - request.failed
             return True, self._move(Phase.UNRECOVERABLE, result.unrecoverable, now)
         if result.generation is None or result.policy is None:
             self.failed -= request.joined
+            self.standby |= request.joined - request.failed
             back = Phase.TRANSITIONING if self.awaiting_ready else Phase.TRAINING
             return True, self._move(back, "current plan kept", now)
         if result.generation <= self.generation:
@@ -225,6 +236,7 @@ class PolicyMachine:
         self.generation = result.generation
         self._adopt(result.workers, now)
         self.failed -= set(self.plan_workers)
+        self.standby |= request.joined - request.failed - set(self.plan_workers)
         if request.faults:
             self.recovery = _RecoveryWatch(
                 result.generation, result.policy, request.first_event_at, set(self.plan_workers)
@@ -293,6 +305,7 @@ class PolicyMachine:
             "phase": phase.value,
             "generation": self.generation,
             "failed": sorted(self.failed),
+            "standby": sorted(self.standby),
             "plan_workers": list(self.plan_workers),
             "awaiting_ready": sorted(self.awaiting_ready),
             "awaiting_step": sorted(self.awaiting_step),
@@ -315,6 +328,7 @@ class PolicyMachine:
             phase=Phase(d["phase"]),
             generation=int(d["generation"]),
             failed=set(d["failed"]),
+            standby=set(d.get("standby", ())),
             plan_workers=tuple(d["plan_workers"]),
             awaiting_ready=set(d["awaiting_ready"]),
             awaiting_step=set(d.get("awaiting_step", ())),

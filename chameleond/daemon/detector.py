@@ -35,7 +35,7 @@ class Detector:
         self.fenced_logged: set[str] = set()
 
     def suspects(self, now: float) -> dict[str, str]:
-        """Workers of the current plan to declare failed now, with the reason."""
+        """Workers of the current plan or on standby to declare failed now, with the reason."""
         svc = self.service
         job, cfg = svc.job, svc.cfg
         m = job.machine
@@ -48,7 +48,8 @@ class Detector:
         if redis is None or redis.error or now - redis.since < hold:
             return {}
         out: dict[str, str] = {}
-        for w in m.plan_workers:
+        # A worker on standby is offered to every decision: one that died must not be planned in.
+        for w in (*m.plan_workers, *sorted(m.standby)):
             if w in m.failed or job.pending(w) or now - self.reported.get(w, 0.0) < hold:
                 continue
             age = now - job.worker(w).last_heartbeat

@@ -313,6 +313,8 @@ class Job:
     def worker_state(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> str | None:
         m = self.machine
         alive = now - rec.last_heartbeat <= heartbeat_timeout and rec.last_heartbeat > 0
+        if rec.id in m.standby or rec.id in m.pending_joins:
+            return "waiting"  # back, offered to the next decision (core/machine.py)
         if rec.id in m.failed or (self.plan and rec.id in self.plan.excluded):
             if rec.stopped_generation >= m.generation and m.generation:
                 return "stopped"
