@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -182,7 +184,7 @@ def test_fault_during_a_transition_plans_from_the_published_plan() -> None:
 
 
 def test_reroute_now_and_switch_later_when_it_pays() -> None:
-    spec = job(2, 4, 8, 16)
+    spec = replace(job(2, 4, 8, 16), restart_seconds=0.0)  # the paper's score: no risk term
     current = initial_plan(spec)
     rr, dyn = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
     assert rr.feasible and dyn.feasible and dyn.step_seconds < rr.step_seconds
@@ -207,6 +209,47 @@ def test_reroute_now_and_switch_later_when_it_pays() -> None:
     # Long enough for the direct switch: dynamic now, nothing to follow.
     long = decide(spec, current, ["w1"], mtbf_seconds=direct * 2, generation=2)
     assert long.selected == "dynamic" and long.follow_up is None
+
+
+def test_a_plan_holding_some_layer_once_pays_the_restart_it_risks() -> None:
+    # 2 x 4: after w1's loss the rerouted plan holds layers 2-3 on w5 alone (1 of 7 workers);
+    # the dynamic plan over the 7 survivors keeps two copies of everything.
+    spec = job(2, 4, 8, 16)
+    current = initial_plan(spec)
+    rr, dyn = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
+    assert rr.at_risk == pytest.approx(1 / 7) and dyn.at_risk == 0.0
+    # A window short enough that the paper's score picks reroute (the migration does not pay)
+    even = selector.break_even_seconds(
+        rr.step_seconds, rr.transition_seconds, dyn.step_seconds, dyn.transition_seconds
+    )
+    assert even is not None
+    paper = replace(spec, restart_seconds=0.0)
+    assert decide(paper, current, ["w1"], mtbf_seconds=even / 2, generation=2).selected == (
+        "reroute"
+    )
+    # ... picks dynamic once w5's loss would cost the 600 s restart, with probability 1/7.
+    risky = decide(spec, current, ["w1"], mtbf_seconds=even / 2, generation=2)
+    assert risky.selected == "dynamic"
+    rr = risky.candidates[0]
+    b = spec.training.global_batch
+    assert rr.score == pytest.approx(
+        selector.score(b, rr.step_seconds, rr.transition_seconds, even / 2, 1 / 7, 600.0)
+    )
+    # Over a window of a day, the expected restart costs under 0.1%.
+    day = decide(spec, current, ["w1"], mtbf_seconds=86400.0, generation=2).candidates[0]
+    paper_day = selector.score(b, day.step_seconds, day.transition_seconds, 86400.0)
+    assert 0.999 * paper_day < day.score < paper_day
+
+
+def test_the_risk_term_is_a_probability_of_a_restart() -> None:
+    # B = 10, t_step = 1 s, no transition, D = 100 s: 10 samples/s; a certain 100 s restart
+    # halves the average over window and pause.
+    assert selector.score(10, 1.0, 0.0, 100.0, 1.0, 100.0) == pytest.approx(5.0)
+    assert selector.score(10, 1.0, 0.0, 100.0, 0.0, 100.0) == pytest.approx(10.0)
+    assert selector.score(10, 1.0, 0.0, math.inf, 1.0, 100.0) == pytest.approx(10.0)
+    for bad in (-0.1, 1.5, math.nan):
+        with pytest.raises(ValueError, match="at_risk"):
+            selector.score(10, 1.0, 0.0, 100.0, bad, 100.0)
 
 
 def test_bad_requests_are_errors_not_results() -> None:

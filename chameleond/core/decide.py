@@ -58,6 +58,7 @@ class Candidate:
     score: float  # samples/s over the expected window; 0 when infeasible
     peak_memory_bytes: int  # the largest per-worker peak of the plan
     plan: Plan | None
+    at_risk: float = 0.0  # the share of the plan's workers that are some layer's only holder
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,14 @@ def _plan(
         estimates=Estimates(
             step_seconds=step,
             transition_seconds=transition,
-            score=selector.score(spec.training.global_batch, step, transition, mtbf),
+            score=selector.score(
+                spec.training.global_batch,
+                step,
+                transition,
+                mtbf,
+                at_risk(pipelines, routing),
+                spec.restart_seconds,
+            ),
             mtbf_seconds=mtbf,
             peak_memory_bytes=memory,
         ),
@@ -150,7 +158,27 @@ def _candidate(policy: str, plan: Plan, oom: str | None) -> Candidate:
     peak = max(e.peak_memory_bytes.values(), default=0)
     if oom:
         return Candidate(policy, False, oom, e.step_seconds, e.transition_seconds, 0.0, peak, None)
-    return Candidate(policy, True, "", e.step_seconds, e.transition_seconds, e.score, peak, plan)
+    risk = at_risk(plan.pipelines, plan.routing)
+    return Candidate(
+        policy, True, "", e.step_seconds, e.transition_seconds, e.score, peak, plan, risk
+    )
+
+
+def at_risk(
+    pipelines: Sequence[Pipeline], routing: tuple[tuple[tuple[str, ...], ...], ...]
+) -> float:
+    """The share of the plan's workers whose loss would leave some layer with no copy: those
+    that are a layer's only holder among the workers the plan runs (a rerouted slot's owner
+    is gone and holds nothing)."""
+    running = {w for pipe in routing for stage in pipe for w in stage}
+    holders: dict[int, set[str]] = {}
+    for pipe in pipelines:
+        for st in pipe.stages:
+            if st.worker in running:
+                for layer in st.layers:
+                    holders.setdefault(layer, set()).add(st.worker)
+    sole = {next(iter(ws)) for ws in holders.values() if len(ws) == 1}
+    return len(sole) / len(running) if running else 0.0
 
 
 def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None = None) -> Plan:
@@ -368,7 +396,12 @@ def _dynamic_candidate(
             plan.estimates,
             transition_seconds=switch_seconds,
             score=selector.score(
-                spec.training.global_batch, plan.estimates.step_seconds, switch_seconds, mtbf
+                spec.training.global_batch,
+                plan.estimates.step_seconds,
+                switch_seconds,
+                mtbf,
+                at_risk(pipelines, routing),
+                spec.restart_seconds,
             ),
         ),
     )
@@ -388,6 +421,7 @@ def candidate_to_dict(c: Candidate) -> dict[str, Any]:
         "step_seconds": _finite(c.step_seconds),
         "transition_seconds": _finite(c.transition_seconds),
         "score": c.score,
+        "at_risk": c.at_risk,
         "peak_memory_bytes": c.peak_memory_bytes,
         "generation": c.plan.generation if c.plan is not None else None,
     }

@@ -1,7 +1,11 @@
 """The selector: a candidate's score (PAPER.md section 3) and the online estimate of D.
 
-score = (B / t_step) * ((D - t_transition) / D) is the average throughput over one fault-to-fault
-window of length D: nothing is trained during the transition, then B samples every t_step. The
+score = (B / t_step) * ((D - t_transition) / (D + p R)) is the average throughput over one
+fault-to-fault window of length D: nothing is trained during the transition, then B samples every
+t_step. p R is beyond the paper: with probability p the next fault takes the only copy of some
+layer's state (p = the share of the plan's workers that are a layer's only holder), and training
+resumes only after a restart from checkpoint, R = `restart_seconds` later; that expected pause
+belongs to the window. With every layer held twice, p = 0 and the score is the paper's. The
 estimator of D and its choices are documented in docs/restorer.md ("The D estimator").
 """
 
@@ -24,9 +28,15 @@ def _finite(name: str, value: float, *, positive: bool = False) -> float:
 
 
 def score(
-    global_batch: int, step_seconds: float, transition_seconds: float, mtbf_seconds: float
+    global_batch: int,
+    step_seconds: float,
+    transition_seconds: float,
+    mtbf_seconds: float,
+    at_risk: float = 0.0,
+    restart_seconds: float = 0.0,
 ) -> float:
-    """Samples per second averaged over the expected window D to the next fault.
+    """Samples per second averaged over the expected window D to the next fault, and the
+    restart that fault forces with probability `at_risk` (module docstring).
 
     0 when D <= t_transition: the plan would not finish switching before the next fault.
     D may be infinite (no fault expected): the score is then the steady throughput B / t_step.
@@ -42,7 +52,11 @@ def score(
         return 0.0
     if math.isinf(d):
         return global_batch / t_step
-    return (global_batch / t_step) * ((d - t_tr) / d)
+    p = _finite("at_risk", at_risk)
+    if p > 1:
+        raise ValueError(f"at_risk: must be a probability, got {at_risk!r}")
+    pause = p * _finite("restart_seconds", restart_seconds)
+    return (global_batch / t_step) * ((d - t_tr) / (d + pause))
 
 
 def break_even_seconds(

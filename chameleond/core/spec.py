@@ -93,6 +93,9 @@ class JobSpec:
     search: SearchLimits = field(default_factory=SearchLimits)
     # Expected seconds to build communicators for a new plan (paid by every policy).
     rebuild_seconds: float = 0.05
+    # Seconds from a fault that loses the last copy of some layer's state to training again:
+    # a restart from checkpoint, with the work since it (the selector's risk term).
+    restart_seconds: float = 600.0
     # The model's architecture for the workers (d_model, heads, blocks, seq_len, vocab, seed, lr);
     # opaque to the planner, which only sees `layers`.
     arch: Mapping[str, Any] = field(default_factory=dict)
@@ -236,6 +239,9 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
             min_stages=int(lim.get("min_stages", 1)), max_stages=int(lim.get("max_stages", 64))
         ),
         rebuild_seconds=float(job.get("rebuild_seconds", 0.05)),
+        restart_seconds=_num(job, "restart_seconds", "job", positive=False)
+        if "restart_seconds" in job
+        else 600.0,
         arch=dict(model.get("arch", {})),
         hosts=host_specs,
     )

@@ -33,6 +33,7 @@ def spec_document(spec: JobSpec) -> dict[str, Any]:
             "name": spec.name,
             "mtbf_prior_seconds": spec.mtbf_prior_seconds,
             "rebuild_seconds": spec.rebuild_seconds,
+            "restart_seconds": spec.restart_seconds,
         },
         "workers": [asdict(w) for w in spec.workers],
         "links": {"intra_host": asdict(spec.intra_host), "inter_host": asdict(spec.inter_host)},
