@@ -146,3 +146,37 @@ def test_table_prints_each_fault(tmp_path: Path) -> None:
     print_table(report, out)
     text = out.getvalue()
     assert "w4" in text and "reroute" in text and "why:" in text
+
+
+def test_a_second_loss_of_a_worker_is_matched_to_the_decision_that_answers_it() -> None:
+    """w4 is lost (generation 2), comes back and is kept out on standby, then, a second time,
+    is lost while on standby; w1 is lost later. The cumulative `failed` of w1's decision names
+    w4 too: only the decision whose new `faults` name w4 answers a loss of w4."""
+    events, decisions = recorded()
+    kept = decision(2000, 2, ["w4"], "")
+    kept[1].update(joined=json.dumps(["w4"]), faults="[]", generation="2")
+    later = decision(3000, 3, ["w1", "w4"], "dynamic")
+    later[1]["faults"] = json.dumps(["w1"])
+    decisions[0][1]["faults"] = json.dumps(["w4"])
+    events += step_events(3, 12, 3200.0, ["w0", "w2", "w3", "w5"])
+    at = [(T0 + ms) / 1000 for ms in (1100, 1900, 2500, 2900)]
+    report = build_report(
+        job="default",
+        global_batch=48,
+        injections=[
+            Injection(at[0], "w4", "kill", "kill", "step=4"),
+            Injection(at[1], "w4", "start", "trace: node9 added", "trace"),
+            Injection(at[2], "w4", "kill", "kill", "trace"),
+            Injection(at[3], "w1", "kill", "kill", "trace"),
+        ],
+        events=events,
+        decisions=[*decisions, kept, later],
+    )
+    first, second, w1 = report["faults"]
+    assert first["generation"] == 2 and first["recovery_seconds"] == 0.304
+    # The spare's loss changed no plan: no decision, nothing recovered, never a negative time.
+    assert second["policy"] is None and second["recovery_seconds"] is None
+    assert w1["policy"] == "dynamic" and w1["generation"] == 3 and w1["recovery_seconds"] > 0
+    [rejoin] = report["rejoins"]
+    # Kept out: the current plan was kept, so no "back to training" time.
+    assert rejoin["policy"] is None and rejoin["recovery_seconds"] is None

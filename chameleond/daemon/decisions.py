@@ -188,7 +188,7 @@ class Decisions:
         summary: dict[str, Any] = decision_to_dict(decision) if decision is not None else {}
         summary.update(
             cause=request.cause, at=now, failed=sorted(request.failed),
-            joined=sorted(request.joined), error=error,
+            faults=sorted(request.faults), joined=sorted(request.joined), error=error,
             decision_seconds=now - request.first_event_at,
         )  # fmt: skip
         job.last_decision = summary
@@ -200,6 +200,7 @@ class Decisions:
             "unrecoverable": result.unrecoverable or "",
             "mtbf_seconds": f"{mtbf:.3f}",
             "failed": json.dumps(sorted(request.failed)),
+            "faults": json.dumps(sorted(request.faults)),
             "joined": json.dumps(sorted(request.joined)),
             "candidates": json.dumps(summary.get("candidates", [])),
             "search_seconds": f"{summary.get('search_seconds', 0.0):.6f}",

@@ -94,7 +94,7 @@ def build_report(
                 for d in records
                 if d.at >= inj.at
                 and (
-                    inj.worker in (d.failed if is_fault else d.joined) or not (d.failed or d.joined)
+                    inj.worker in (d.faults if is_fault else d.joined) or not (d.failed or d.joined)
                 )
             ),
             None,
@@ -111,8 +111,10 @@ def build_report(
             )
         if detected is None and decision is not None and decision.received_at is not None:
             detected = decision.received_at
-        gen = decision.generation if decision else None
-        on_new = [s for s in steps if gen is not None and s.generation == gen]
+        # A decision that published nothing (current plan kept, unrecoverable) has no new plan
+        # to recover on.
+        gen = decision.generation if decision and decision.selected else None
+        on_new = [s for s in steps if gen is not None and s.generation == gen and s.at >= inj.at]
         recovered = on_new[0].at if on_new else None
         before = [s for s in steps if s.at <= inj.at][-WINDOW:]
         after = on_new[1:] if len(on_new) > 2 else on_new

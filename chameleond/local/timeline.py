@@ -41,8 +41,8 @@ class DecisionRecord:
     at: float  # when the daemon recorded it (entry id)
     generation: int | None
     selected: str | None
-    failed: tuple[str, ...]
-    joined: tuple[str, ...]
+    failed: tuple[str, ...]  # every worker out, this decision's faults and earlier ones
+    joined: tuple[str, ...]  # the workers offered back: new joins and those on standby
     cause: str
     mtbf_seconds: float | None
     candidates: tuple[Mapping[str, Any], ...]
@@ -50,6 +50,7 @@ class DecisionRecord:
     received_at: float | None  # when the daemon received the fault that triggered it, if recorded
     unrecoverable: str | None
     raw: Mapping[str, Any] = field(default_factory=dict)
+    faults: tuple[str, ...] = ()  # the new faults this decision answers
 
 
 def committed_steps(
@@ -162,6 +163,7 @@ def parse_decision(entry_id: str, fields: Mapping[str, str]) -> DecisionRecord:
         received_at=received,
         unrecoverable=str(merged["unrecoverable"]) if merged.get("unrecoverable") else None,
         raw=merged,
+        faults=_ids(merged.get("faults", merged.get("failed", ()))),
     )
 
 
