@@ -153,17 +153,23 @@ def test_heartbeat_lapse_ack_timeout_and_fencing(
         thread.join()
 
 
-def test_rejoin_takes_a_repaired_worker_back(
-    daemon_factory: type[Daemon], redis_client: redis.Redis
-) -> None:
-    daemon = daemon_factory("--policy", "dynamic").start().wait_ready()
-    workers = Workers(redis_client)
+def w1_lost_then_back(daemon: Daemon, client: redis.Redis) -> tuple[Daemon, Workers]:
+    """A training job loses w1 (generation 2, acknowledged), then w1 rejoins."""
+    daemon.start().wait_ready()
+    workers = Workers(client)
     training(workers, daemon)
     workers.send(type="fault", worker="w1", cause="power")
     wait_for(lambda: workers.generation() == 2, 15, "generation 2")
     workers.ready(2, [w for w in WORKERS if w != "w1"])
     wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
     workers.send(type="rejoin", worker="w1")
+    return daemon, workers
+
+
+def test_rejoin_takes_a_repaired_worker_back(
+    daemon_factory: type[Daemon], redis_client: redis.Redis
+) -> None:
+    _, workers = w1_lost_then_back(daemon_factory("--policy", "dynamic"), redis_client)
     wait_for(lambda: workers.generation() == 3, 15, "generation 3")
     plan = workers.plan()
     assert plan is not None and "w1" not in plan["excluded"]
@@ -176,14 +182,7 @@ def test_a_worker_kept_out_stays_on_standby_offered_to_the_next_decision(
     daemon_factory: type[Daemon], redis_client: redis.Redis
 ) -> None:
     # Forced reroute keeps the current plan at a rejoin: w1 comes back but is kept out.
-    daemon = daemon_factory("--policy", "reroute").start().wait_ready()
-    workers = Workers(redis_client)
-    training(workers, daemon)
-    workers.send(type="fault", worker="w1", cause="power")
-    wait_for(lambda: workers.generation() == 2, 15, "generation 2")
-    workers.ready(2, [w for w in WORKERS if w != "w1"])
-    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
-    workers.send(type="rejoin", worker="w1")
+    daemon, workers = w1_lost_then_back(daemon_factory("--policy", "reroute"), redis_client)
 
     def decisions() -> list[dict[str, str]]:
         return [d for d in workers.decisions() if d.get("kind") == "decision"]
