@@ -85,17 +85,20 @@ def _order(spec: JobSpec) -> dict[str, int]:
     return {w.id: i for i, w in enumerate(spec.workers)}
 
 
-def _lost_layers(spec: JobSpec, current: Plan, out: set[str]) -> str | None:
-    """'layers 4-7 lost every replica (workers w3, w7 failed)', or None."""
-    alive = set()
-    holders_of: dict[int, set[str]] = {}
-    for pipe in current.pipelines:
+def _holders(pipelines: Sequence[Pipeline]) -> dict[int, set[str]]:
+    """Layer -> the workers whose stages hold it."""
+    out: dict[int, set[str]] = {}
+    for pipe in pipelines:
         for st in pipe.stages:
             for layer in st.layers:
-                holders_of.setdefault(layer, set()).add(st.worker)
-                if st.worker not in out:
-                    alive.add(layer)
-    lost = [layer for layer in range(len(spec.layers)) if layer not in alive]
+                out.setdefault(layer, set()).add(st.worker)
+    return out
+
+
+def _lost_layers(spec: JobSpec, current: Plan, out: set[str]) -> str | None:
+    """'layers 4-7 lost every replica (workers w3, w7 failed)', or None."""
+    holders_of = _holders(current.pipelines)
+    lost = [layer for layer in range(len(spec.layers)) if not holders_of.get(layer, set()) - out]
     if not lost:
         return None
     order = _order(spec)
@@ -171,13 +174,8 @@ def at_risk(
     that are a layer's only holder among the workers the plan runs (a rerouted slot's owner
     is gone and holds nothing)."""
     running = {w for pipe in routing for stage in pipe for w in stage}
-    holders: dict[int, set[str]] = {}
-    for pipe in pipelines:
-        for st in pipe.stages:
-            if st.worker in running:
-                for layer in st.layers:
-                    holders.setdefault(layer, set()).add(st.worker)
-    sole = {next(iter(ws)) for ws in holders.values() if len(ws) == 1}
+    held = [ws & running for ws in _holders(pipelines).values()]
+    sole = {next(iter(ws)) for ws in held if len(ws) == 1}
     return len(sole) / len(running) if running else 0.0
 
 

@@ -223,12 +223,11 @@ class PolicyMachine:
             self.pending_since = min(self.pending_since or now, request.first_event_at)
             return False, self._move(Phase.FAULT_DETECTED, "superseded by later faults", now)
         self.failed |= request.failed
+        self.standby |= request.joined - request.failed  # until a plan takes them (_adopt)
         if result.unrecoverable is not None:
-            self.standby |= request.joined - request.failed
             return True, self._move(Phase.UNRECOVERABLE, result.unrecoverable, now)
         if result.generation is None or result.policy is None:
             self.failed -= request.joined
-            self.standby |= request.joined - request.failed
             back = Phase.TRANSITIONING if self.awaiting_ready else Phase.TRAINING
             return True, self._move(back, "current plan kept", now)
         if result.generation <= self.generation:
@@ -236,7 +235,6 @@ class PolicyMachine:
         self.generation = result.generation
         self._adopt(result.workers, now)
         self.failed -= set(self.plan_workers)
-        self.standby |= request.joined - request.failed - set(self.plan_workers)
         if request.faults:
             self.recovery = _RecoveryWatch(
                 result.generation, result.policy, request.first_event_at, set(self.plan_workers)
