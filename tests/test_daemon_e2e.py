@@ -8,6 +8,7 @@ import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -198,3 +199,67 @@ def test_a_worker_kept_out_stays_on_standby_offered_to_the_next_decision(
     assert json.loads(answer["faults"]) == ["w3"] and json.loads(answer["joined"]) == ["w1"]
     assert answer["cause"].startswith("w3: ECC") and "rejoined" not in answer["cause"]
     assert "fenced w1" not in daemon.output()
+
+
+def w1_planned_back(daemon: Daemon, client: redis.Redis) -> tuple[Workers, set[str]]:
+    """w1 is lost (generation 2 acknowledged and committed), then rejoins and generation 3 plans
+    it back with layers it must receive. Returns the workers and those that held (after
+    generation 2's commit) some layer w1 is to receive."""
+    daemon.start().wait_ready()
+    workers = Workers(client)
+    training(workers, daemon)
+    workers.send(type="fault", worker="w1", cause="power")
+    wait_for(lambda: workers.generation() == 2, 15, "generation 2")
+    second = workers.plan()
+    assert second is not None
+    running = [w for w in WORKERS if w != "w1"]
+    workers.ready(2, running)
+    for w in running:  # a step of generation 2 commits: its owners hold exactly their layers
+        workers.send(type="step", worker=w, generation=2, step=0, samples=8, seconds=0.1, loss=5)
+    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
+    workers.send(type="rejoin", worker="w1")
+    wait_for(lambda: workers.generation() == 3, 15, "generation 3")
+    third = workers.plan()
+    assert third is not None
+    received = {layer for t in third["migration"] if t["dst"] == "w1" for layer in t["layers"]}
+    assert received, "generation 3 gives w1 layers to receive"
+    holders = {
+        st["worker"]
+        for p in second["pipelines"]
+        for st in p["stages"]
+        if st["worker"] not in second["excluded"]
+        and received & set(range(st["first_layer"], st["end_layer"]))
+    }
+    return workers, holders
+
+
+def test_a_receiver_that_never_acknowledged_holds_nothing_when_its_sources_die(
+    daemon_factory: type[Daemon], redis_client: redis.Redis
+) -> None:
+    daemon = daemon_factory("--policy", "dynamic")
+    workers, holders = w1_planned_back(daemon, redis_client)
+    for w in sorted(holders):  # every copy of the layers w1 was to receive dies before w1's ack
+        workers.send(type="fault", worker=w, cause="preempted")
+    wait_for(lambda: daemon.status()["state"] == "unrecoverable", 15, "unrecoverable")
+    assert workers.generation() == 3  # no plan on a w1 that holds nothing
+    last = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
+    assert "lost every replica" in last["unrecoverable"]
+
+
+def test_a_receiver_that_acknowledged_holds_its_layers_when_its_sources_die(
+    daemon_factory: type[Daemon], redis_client: redis.Redis
+) -> None:
+    daemon = daemon_factory("--policy", "dynamic")
+    workers, holders = w1_planned_back(daemon, redis_client)
+    workers.ready(3, ["w1"])  # w1 finished the migration: it holds the layers now
+    wait_for(lambda: "w1" not in daemon.status().get("awaiting_ready", ["w1"]), 15, "w1's ack")
+    for w in sorted(holders):
+        workers.send(type="fault", worker=w, cause="preempted")
+
+    def without_sources() -> dict[str, Any] | None:
+        plan = workers.plan()
+        return plan if plan and holders <= set(plan["excluded"]) else None
+
+    plan = wait_for(without_sources, 15, "a plan without every source")
+    assert "w1" in json.dumps(plan["routing"])  # w1 trains on what it received
+    assert daemon.status()["state"] != "unrecoverable"

@@ -24,13 +24,13 @@ from chameleond.core.colouring import (
     schedule_seconds,
     weighted_rounds,
 )
+from chameleond.core.holdings import of_plan
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
 from chameleond.core.restorer import (
     LostLayers,
     RestoreError,
     _cost_matrix,
     assign,
-    holdings,
     layer_ranges,
     match_slots,
     min_cost_assignment,
@@ -111,7 +111,7 @@ def test_published_example_through_assign() -> None:
     shape = [[(0, 2), (2, 4), (4, 6), (6, 9)]]
     survivors = ["w0", "w1", "w2", "w3"]
     slots = [(0, s, a, b) for s, (a, b) in enumerate(shape[0])]
-    held = holdings(current, set(survivors))
+    held = of_plan(current, set(survivors))
     costs = _cost_matrix(survivors, held, slots, np.array([3] * 9, np.int64)) // 3
     assert costs.tolist() == PUBLISHED
     r = assign(spec, current, shape, [4], survivors)

@@ -126,6 +126,12 @@ def finish(job: Job, steps: int, timeout: float = 150.0) -> None:
     )
     for w in last.workers:
         assert job.workers.procs[w].returncode == 0, job.workers.log(w)[-3000:]
+    # The workers sent their last step events before they exited; the reader may lag behind.
+    job.controller.wait_for(
+        "every worker's last step event",
+        lambda: step_workers(job).get(steps - 1, set()) >= set(last.workers),
+        timeout=10,
+    )
 
 
 def step_workers(job: Job) -> dict[int, set[str]]:

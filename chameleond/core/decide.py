@@ -19,9 +19,11 @@ wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
    D > prep + that; whoever switches re-checks the remaining window when the plan is ready.
 2. Rejoin: `joined` workers are survivors of the dynamic candidate (a scale-up plan); reroute is
    then "keep the current layout" (the joined workers stay idle), scored the same way.
-3. A fault during a transition: decide works from `current` (the last published plan) and the
-   cumulative failed set; state that has not been acknowledged at its new owner still counts at
-   its old owner (sources keep it until every receiver acknowledges).
+3. A fault during a transition: decide works from `current` (the last published plan), the
+   cumulative failed set and `holdings` (core.holdings: the copies the workers acknowledged).
+   State that has not been acknowledged at its new owner still counts at its old owner (sources
+   keep it until the plan's first commit), and a kept layout whose owners lack some of their
+   layers gets the repairs in its migration.
 4. Unrecoverable: some layer has no surviving owner; the Decision has selected=None and
    `unrecoverable` names the layers and the failed workers that held them. Never an exception.
 """
@@ -36,6 +38,7 @@ from typing import Any
 
 from chameleond.core import restorer, selector
 from chameleond.core.estimator import Estimator
+from chameleond.core.holdings import Held, of_plan
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
 from chameleond.core.reroute import reroute
 from chameleond.core.search import ShapeModel, micro_batch_floor, search
@@ -85,28 +88,27 @@ def _order(spec: JobSpec) -> dict[str, int]:
     return {w.id: i for i, w in enumerate(spec.workers)}
 
 
-def _holders(pipelines: Sequence[Pipeline]) -> dict[int, set[str]]:
-    """Layer -> the workers whose stages hold it."""
+def _holders(held: Held) -> dict[int, set[str]]:
+    """Layer -> the workers that hold it."""
     out: dict[int, set[str]] = {}
-    for pipe in pipelines:
-        for st in pipe.stages:
-            for layer in st.layers:
-                out.setdefault(layer, set()).add(st.worker)
+    for w, intervals in held.items():
+        for a, b in intervals:
+            for layer in range(a, b):
+                out.setdefault(layer, set()).add(w)
     return out
 
 
-def _lost_layers(spec: JobSpec, current: Plan, out: set[str]) -> str | None:
+def _lost_layers(spec: JobSpec, held: Held, out: set[str]) -> str | None:
     """'layers 4-7 lost every replica (workers w3, w7 failed)', or None."""
-    holders_of = _holders(current.pipelines)
+    holders_of = _holders(held)
     lost = [layer for layer in range(len(spec.layers)) if not holders_of.get(layer, set()) - out]
     if not lost:
         return None
     order = _order(spec)
     who = sorted({w for layer in lost for w in holders_of.get(layer, ())}, key=order.__getitem__)
     word = "layer" if len(lost) == 1 else "layers"
-    return (
-        f"{word} {restorer.layer_ranges(lost)} lost every replica (workers {', '.join(who)} failed)"
-    )
+    last = f"workers {', '.join(who)} failed" if who else "no worker acknowledged a copy"
+    return f"{word} {restorer.layer_ranges(lost)} lost every replica ({last})"
 
 
 def _plan(
@@ -174,7 +176,11 @@ def at_risk(
     that are a layer's only holder among the workers the plan runs (a rerouted slot's owner
     is gone and holds nothing)."""
     running = {w for pipe in routing for stage in pipe for w in stage}
-    held = [ws & running for ws in _holders(pipelines).values()]
+    owned: dict[str, list[tuple[int, int]]] = {}
+    for pipe in pipelines:
+        for st in pipe.stages:
+            owned.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
+    held = [ws & running for ws in _holders(owned).values()]
     sole = {next(iter(ws)) for ws in held if len(ws) == 1}
     return len(sole) / len(running) if running else 0.0
 
@@ -238,8 +244,10 @@ def decide(
     joined: Iterable[str] = (),
     force: str | None = None,
     cause: str = "",
+    holdings: Held | None = None,
 ) -> Decision:
-    """Both candidates for the cumulative failed set (and any joined workers), and the choice."""
+    """Both candidates for the cumulative failed set (and any joined workers), and the choice.
+    `holdings`: who holds which layers (core.holdings); by default what `current` gives them."""
     order = _order(spec)
     out, back = set(failed), set(joined)
     unknown = sorted((out | back) - set(order))
@@ -257,18 +265,20 @@ def decide(
     # Workers fenced by the current plan hold nothing usable, even when they come back.
     fenced = out | set(current.excluded)
     mtbf = float(mtbf_seconds)
+    every = of_plan(current) if holdings is None else holdings
 
-    lost = _lost_layers(spec, current, fenced)
+    lost = _lost_layers(spec, every, fenced)
     if lost is not None:
         cands = (_infeasible("reroute", lost), _infeasible("dynamic", lost))
         return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause)
 
+    held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
     est = Estimator(spec)
-    rr = _reroute_candidate(spec, est, current, fenced, generation, mtbf, cause)
+    rr = _reroute_candidate(spec, est, current, fenced, held, generation, mtbf, cause)
     owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
     survivors = sorted((owners - fenced) | back, key=order.__getitem__)
     dyn, switch, search_seconds, considered = _dynamic_candidate(
-        spec, est, current, survivors, generation, mtbf, cause
+        spec, est, current, survivors, held, generation, mtbf, cause
     )
 
     selected, note = select(rr, dyn, force)
@@ -335,6 +345,7 @@ def _reroute_candidate(
     est: Estimator,
     current: Plan,
     fenced: set[str],
+    held: Held,
     generation: int,
     mtbf: float,
     cause: str,
@@ -343,10 +354,15 @@ def _reroute_candidate(
     if result.routing is None:
         return _infeasible("reroute", result.reason, spec.rebuild_seconds)
     excluded = sorted(fenced, key=_order(spec).__getitem__)
+    running = {w for pipe in result.routing for stage in pipe for w in stage}
+    try:  # owners that never acknowledged the layers the layout gives them receive them now
+        repairs, seconds = restorer.repairs(spec, current.pipelines, running, held)
+    except restorer.LostLayers as e:
+        return _infeasible("reroute", str(e), spec.rebuild_seconds)
     unchanged = result.routing == current.routing and set(current.excluded) == fenced
-    transition = 0.0 if unchanged else spec.rebuild_seconds
+    transition = 0.0 if unchanged and not repairs else spec.rebuild_seconds + seconds
     plan, oom = _plan(
-        spec, est, "reroute", generation, current.pipelines, result.routing, excluded, (),
+        spec, est, "reroute", generation, current.pipelines, result.routing, excluded, repairs,
         transition, mtbf, cause,
     )  # fmt: skip
     return _candidate("reroute", plan, oom)
@@ -357,6 +373,7 @@ def _dynamic_candidate(
     est: Estimator,
     current: Plan,
     survivors: Sequence[str],
+    held: Held,
     generation: int,
     mtbf: float,
     cause: str,
@@ -371,7 +388,7 @@ def _dynamic_candidate(
         return _infeasible("dynamic", reason), None, search_seconds, found.plans_considered
     try:
         restored = restorer.assign(
-            spec, current, found.layout.shape, found.layout.micro_batches, survivors
+            spec, current, found.layout.shape, found.layout.micro_batches, survivors, held
         )
     except (restorer.RestoreError, restorer.LostLayers) as e:
         return _infeasible("dynamic", str(e)), None, search_seconds, found.plans_considered

@@ -15,6 +15,10 @@ published, so a burst of faults yields a handful of plans, not one per fault.
 A worker that came back (`join`) and was not taken into the plan that answered it (the current
 plan was kept) is on `standby`: alive, holding nothing, and offered again to every later decision,
 so the next fault or rejoin can use it. It leaves standby when a plan takes it, or when it fails.
+
+The machine also keeps the job's `holdings` (core.holdings): who holds a current copy of which
+layer, from the plans it adopts and the acknowledgements and commits it sees. Decisions restore
+from these, not from the current plan's stage owners.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from chameleond.core.holdings import Holdings, Interval
 
 
 class Phase(StrEnum):
@@ -63,6 +69,7 @@ class DecisionResult:
     policy: str | None
     workers: tuple[str, ...] = ()
     unrecoverable: str | None = None
+    layers: Mapping[str, list[Interval]] = field(default_factory=dict)  # the plan's, per worker
 
 
 @dataclass(frozen=True)
@@ -98,6 +105,7 @@ class PolicyMachine:
     pending_since: float | None = None
     in_flight: DecisionRequest | None = None
     recovery: _RecoveryWatch | None = None
+    holdings: Holdings = field(default_factory=Holdings)
 
     # ---- transitions -------------------------------------------------------------------------
 
@@ -108,8 +116,11 @@ class PolicyMachine:
         self.phase = target
         return [t]
 
-    def _adopt(self, workers: Iterable[str], now: float) -> None:
+    def _adopt(
+        self, workers: Iterable[str], now: float, layers: Mapping[str, list[Interval]]
+    ) -> None:
         """A new plan is published: its workers owe an acknowledgement and a first step."""
+        self.holdings.published(self.generation, layers)
         self.plan_workers = tuple(sorted(workers))
         self.standby -= set(self.plan_workers)
         self.awaiting_ready = set(self.plan_workers)
@@ -148,15 +159,23 @@ class PolicyMachine:
             return False, []
         self.failed.discard(worker)
         self.standby.discard(worker)  # a new process of a worker on standby: joins again
+        self.holdings.lost(worker)  # a new process: whatever the old one held is gone
         self.pending_joins.add(worker)
         if self.pending_since is None:
             self.pending_since = now
         return True, []
 
-    def initial(self, generation: int, workers: Iterable[str], now: float) -> list[Transition]:
-        """Generation `generation` (the spec's layout) is published."""
+    def initial(
+        self,
+        generation: int,
+        workers: Iterable[str],
+        now: float,
+        layers: Mapping[str, list[Interval]] | None = None,
+    ) -> list[Transition]:
+        """Generation `generation` (the spec's layout) is published; `layers`: its owners'."""
         self.generation = generation
-        self._adopt(workers, now)
+        self._adopt(workers, now, layers or {})
+        self.holdings.initial(generation, layers or {})
         return self._move(Phase.TRANSITIONING, "initial plan", now)
 
     def unrecoverable(self, cause: str, now: float) -> list[Transition]:
@@ -170,7 +189,12 @@ class PolicyMachine:
         return self._move(Phase.UNRECOVERABLE, cause, now)
 
     def switch(
-        self, generation: int, workers: Iterable[str], now: float, cause: str
+        self,
+        generation: int,
+        workers: Iterable[str],
+        now: float,
+        cause: str,
+        layers: Mapping[str, list[Interval]] | None = None,
     ) -> list[Transition]:
         """Switch from a running reroute plan to the dynamic plan prepared alongside it (no new
         fault: the decision was made with the reroute, the switch only pays off later)."""
@@ -179,7 +203,7 @@ class PolicyMachine:
         if generation <= self.generation:
             raise ValueError(f"generation {generation} does not follow {self.generation}")
         self.generation = generation
-        self._adopt(workers, now)
+        self._adopt(workers, now, layers or {})
         self.failed -= set(self.plan_workers)
         return self._move(Phase.TRANSITIONING, cause, now)
 
@@ -233,7 +257,7 @@ class PolicyMachine:
         if result.generation <= self.generation:
             raise ValueError(f"generation {result.generation} does not follow {self.generation}")
         self.generation = result.generation
-        self._adopt(result.workers, now)
+        self._adopt(result.workers, now, result.layers)
         self.failed -= set(self.plan_workers)
         if request.faults:
             self.recovery = _RecoveryWatch(
@@ -247,6 +271,7 @@ class PolicyMachine:
         if generation != self.generation or worker not in self.awaiting_ready:
             return False, []
         self.awaiting_ready.discard(worker)
+        self.holdings.ready(worker, generation)
         if not self.awaiting_ready and self.phase is Phase.TRANSITIONING:
             cause = f"every worker runs generation {generation}"
             return True, self._move(Phase.TRAINING, cause, now)
@@ -261,6 +286,7 @@ class PolicyMachine:
             transitions = self.ready(worker, generation, now)[1]
         if generation == self.generation:
             self.awaiting_step.discard(worker)
+            self.holdings.committed(generation, self.failed | set(self.pending_faults))
         watch = self.recovery
         if watch is None or generation != watch.generation:
             return None, transitions
@@ -308,6 +334,7 @@ class PolicyMachine:
             "awaiting_ready": sorted(self.awaiting_ready),
             "awaiting_step": sorted(self.awaiting_step),
             "ready_deadline": self.ready_deadline,
+            "holdings": self.holdings.to_json(),
             "recovery": None
             if rec is None
             else {
@@ -331,6 +358,7 @@ class PolicyMachine:
             awaiting_ready=set(d["awaiting_ready"]),
             awaiting_step=set(d.get("awaiting_step", ())),
             ready_deadline=float(d["ready_deadline"]),
+            holdings=Holdings.from_json(d["holdings"]) if "holdings" in d else Holdings(),
             recovery=None
             if not rec
             else _RecoveryWatch(

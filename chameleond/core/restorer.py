@@ -29,10 +29,9 @@ import numpy.typing as npt
 from scipy.optimize import linear_sum_assignment
 
 from chameleond.core.colouring import rounds, weighted_rounds
+from chameleond.core.holdings import Held, Interval, of_plan
 from chameleond.core.plan import Pipeline, Plan, Stage, SyncGroup, Transfer
 from chameleond.core.spec import JobSpec, LinkSpec
-
-Interval = tuple[int, int]  # [first_layer, end_layer)
 
 
 class RestoreError(ValueError):
@@ -87,30 +86,6 @@ def min_cost_assignment(
     return pairs, float(m[rows, cols].sum())
 
 
-def holdings(current: Plan, alive: Collection[str]) -> dict[str, list[Interval]]:
-    """Layer intervals whose state each live worker holds under `current` (merged, sorted).
-
-    A worker holds the layers of the stages it owns; workers in `current.excluded` (failed or
-    fenced earlier) and workers not in `alive` hold nothing usable.
-    """
-    excluded = set(current.excluded)
-    raw: dict[str, list[Interval]] = {}
-    for pipe in current.pipelines:
-        for st in pipe.stages:
-            if st.worker in alive and st.worker not in excluded and st.end_layer > st.first_layer:
-                raw.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
-    merged: dict[str, list[Interval]] = {}
-    for w, ivs in raw.items():
-        out: list[Interval] = []
-        for a, b in sorted(ivs):
-            if out and a <= out[-1][1]:
-                out[-1] = (out[-1][0], max(out[-1][1], b))
-            else:
-                out.append((a, b))
-        merged[w] = out
-    return merged
-
-
 def _check_shape(
     shape: Sequence[Sequence[tuple[int, int]]], micro_batches: Sequence[int], spec: JobSpec
 ) -> None:
@@ -145,15 +120,16 @@ def assign(
     shape: Sequence[Sequence[tuple[int, int]]],
     micro_batches: Sequence[int],
     survivors: Sequence[str],
+    held: Held | None = None,
 ) -> Restoration:
     """Put the survivors into the slots of `shape` moving the fewest bytes; plan the migration.
 
-    Raises `RestoreError` on inconsistent input and `LostLayers` when some layer has no surviving
-    replica (the caller turns that into the unrecoverable result).
+    `held`: what each worker holds (core.holdings); by default what `current` gives it. Raises
+    `RestoreError` on inconsistent input and `LostLayers` when some layer has no surviving replica
+    (the caller turns that into the unrecoverable result).
     """
     _check_shape(shape, micro_batches, spec)
     order = {w.id: i for i, w in enumerate(spec.workers)}
-    host = {w.id: w.host for w in spec.workers}
     unknown = [w for w in survivors if w not in order]
     if unknown:
         raise RestoreError(f"survivors: {', '.join(map(str, unknown[:5]))} not workers of the job")
@@ -166,15 +142,10 @@ def assign(
     # Rows in the job's worker order, columns in (pipeline, stage) order: the matrix, and so the
     # matching, does not depend on the order the caller listed the survivors in.
     rows = sorted(survivors, key=order.__getitem__)
-    held = holdings(current, set(rows))
-    layer_bytes = np.array([lp.param_bytes + lp.optimizer_bytes for lp in spec.layers], np.int64)
-    replicas = _Replicas(held, len(spec.layers))
-    # A layer without parameters or optimizer state (an activation, a reshape) has nothing to lose.
-    lost = [layer for layer in replicas.unheld if layer_bytes[layer] > 0]
-    if lost:
-        raise LostLayers(lost)
-
-    owner = {j: rows[r] for j, r in enumerate(match_slots(rows, held, slots, layer_bytes))}
+    have = _held_by(rows, of_plan(current) if held is None else held)
+    layer_bytes = _layer_bytes(spec)
+    replicas = _replicas(have, layer_bytes)
+    owner = {j: rows[r] for j, r in enumerate(match_slots(rows, have, slots, layer_bytes))}
 
     pipelines: list[Pipeline] = []
     first_mb, j = 0, 0
@@ -186,10 +157,42 @@ def assign(
         pipelines.append(Pipeline(tuple(out), first_mb, micro_batches[p]))
         first_mb += micro_batches[p]
 
-    prefix = np.concatenate(([0], np.cumsum(layer_bytes))).tolist()
-    links = _Links(spec, host)
-    migration, seconds = _migration(pipelines, held, replicas, prefix, order, links)
+    migration, seconds = _migration(spec, pipelines, have, replicas, layer_bytes)
     return Restoration(tuple(pipelines), migration, seconds, sum(t.nbytes for t in migration))
+
+
+def repairs(
+    spec: JobSpec, pipelines: Sequence[Pipeline], workers: Collection[str], held: Held
+) -> tuple[tuple[Transfer, ...], float]:
+    """The migration that gives each of `workers` the layers of its stages in `pipelines` that it
+    does not hold yet (a layout kept while its last transition was cut short), and its seconds.
+    Raises `LostLayers` when some layer has no holder among `workers`."""
+    ws = set(workers)
+    running = [
+        Pipeline(tuple(st for st in p.stages if st.worker in ws), p.first_micro_batch,
+                 p.micro_batches)
+        for p in pipelines
+    ]  # fmt: skip
+    kept = _held_by(sorted(ws), held)
+    layer_bytes = _layer_bytes(spec)
+    return _migration(spec, running, kept, _replicas(kept, layer_bytes), layer_bytes)
+
+
+def _held_by(workers: Iterable[str], held: Held) -> dict[str, list[Interval]]:
+    return {w: list(held[w]) for w in workers if held.get(w)}
+
+
+def _layer_bytes(spec: JobSpec) -> npt.NDArray[np.int64]:
+    return np.array([lp.param_bytes + lp.optimizer_bytes for lp in spec.layers], np.int64)
+
+
+def _replicas(held: dict[str, list[Interval]], layer_bytes: npt.NDArray[np.int64]) -> _Replicas:
+    replicas = _Replicas(held, len(layer_bytes))
+    # A layer without parameters or optimizer state (an activation, a reshape) has nothing to lose.
+    lost = [layer for layer in replicas.unheld if layer_bytes[layer] > 0]
+    if lost:
+        raise LostLayers(lost)
+    return replicas
 
 
 # Above this many (row class x column class) pairs the flow over classes stops paying off.
@@ -373,13 +376,15 @@ class _Sources:
 
 
 def _migration(
+    spec: JobSpec,
     pipelines: Sequence[Pipeline],
     held: dict[str, list[Interval]],
     replicas: _Replicas,
-    prefix: list[int],
-    order: dict[str, int],
-    links: _Links,
+    layer_bytes: npt.NDArray[np.int64],
 ) -> tuple[tuple[Transfer, ...], float]:
+    order = {w.id: i for i, w in enumerate(spec.workers)}
+    links = _Links(spec, {w.id: w.host for w in spec.workers})
+    prefix = np.concatenate(([0], np.cumsum(layer_bytes))).tolist()
     # Every missing piece (destination, segment, layer range) with bytes to send.
     pieces: list[tuple[int, str, int, int, int]] = []
     for pipe in pipelines:

@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from chameleond.core.decide import Decision, DecisionError, decide, decision_to_dict, initial_plan
+from chameleond.core.holdings import of_plan
 from chameleond.core.machine import DecisionRequest, DecisionResult
 from chameleond.core.plan import Plan
 from chameleond.daemon.commits import Committer
@@ -91,7 +92,7 @@ class Decisions:
             now = time.time()
             job.started = now
             job.follow_up = None
-            job.record(job.machine.initial(generation, plan.workers, now))
+            job.record(job.machine.initial(generation, plan.workers, now, of_plan(plan)))
             for w in spec.workers:
                 if w.id in plan.workers and not job.workers[w.id].registered:
                     job.machine.fault(w.id, "not registered when the initial plan was made", now)
@@ -122,6 +123,7 @@ class Decisions:
         spec, current, force = job.spec, job.plan, job.force()
         assert current is not None  # next_request asks only once a plan exists
         mtbf = job.mtbf(time.time())
+        holdings = dict(job.machine.holdings.held)  # a copy: handlers move on while it plans
         loop = asyncio.get_running_loop()
         decision: Decision | None = None
         error = None
@@ -131,7 +133,7 @@ class Decisions:
                 lambda: decide(
                     spec, current, request.failed, mtbf_seconds=mtbf,
                     generation=request.generation, joined=request.joined,
-                    force=force, cause=request.cause,
+                    force=force, cause=request.cause, holdings=holdings,
                 ),
             )  # fmt: skip
         except DecisionError as e:
@@ -149,6 +151,7 @@ class Decisions:
                 policy=decision.selected if plan is not None and decision is not None else None,
                 workers=plan.workers if plan is not None else (),
                 unrecoverable=error or (decision.unrecoverable if decision is not None else None),
+                layers=of_plan(plan) if plan is not None else {},
             )
             commit, transitions = job.machine.decided(request, result, now)
             job.record(transitions)
@@ -237,7 +240,7 @@ class Decisions:
             why = f"switch pays after {follow_up.after_seconds:.1f} s (D {mtbf:.0f} s)"
             plan = replace(follow_up.plan, generation=generation,
                            cause=f"switch to the prepared plan: {why}")  # fmt: skip
-            job.record(m.switch(generation, plan.workers, now, plan.cause))
+            job.record(m.switch(generation, plan.workers, now, plan.cause, of_plan(plan)))
             record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{mtbf:.3f}")
             published = await self.committer.publish(plan, record, [])
         self._published(published, published.cause, None)

@@ -13,6 +13,7 @@ from typing import Any
 
 from chameleond.core import selector
 from chameleond.core.estimator import Estimator
+from chameleond.core.holdings import of_plan
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recovery, Transition
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
@@ -284,6 +285,9 @@ class Job:
 
     def restore(self, snap: dict[str, Any], plan: Plan | None, *, ready_timeout: float) -> None:
         self.machine = PolicyMachine.restore(snap["machine"], ready_timeout_seconds=ready_timeout)
+        if "holdings" not in snap["machine"] and plan is not None:
+            # A snapshot from before holdings were kept: the current plan's owners hold its layers.
+            self.machine.holdings.initial(plan.generation, of_plan(plan))
         self.plan = plan
         self.started = float(snap.get("started", 0.0))
         self.fault_times = [float(t) for t in snap.get("fault_times", [])]

@@ -1,0 +1,109 @@
+"""Holdings: which worker holds a current copy of which layer. The planner restores from these.
+
+A plan says who *should* hold what. What the workers acknowledged says who *does*, and the two
+differ while a transition is in flight. Take a plan whose new receiver is cut off from its only
+source by a fault: the receiver owns layers in the plan but holds nothing. Planning from the
+plan's stage owners would then publish a plan on a worker with no state. The rules follow the
+worker runtime (workers.migrate, workers.runtime):
+
+* `published(plan)`: nothing moves yet. A new owner holds its layers only once it acknowledges.
+* `ready(worker)`: the worker finished the generation's migration. It holds what the plan gives
+  it, and still holds what it held before: sources keep their layers until the first commit.
+* `committed()`: a step of the current generation committed. A step commits on every worker of
+  the plan or on none, so each worker of the plan holds exactly its own layers. Workers drop
+  unowned layers after that commit, and any copy outside the plan is now a step behind.
+* `lost(worker)`: a worker that comes back is a new process and holds nothing. A failed worker's
+  entry is simply ignored: `decide` drops the failed workers before it reads holdings.
+
+Pure and plain: intervals [first_layer, end_layer), merged and sorted, keyed by worker id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from chameleond.core.plan import Plan
+
+Interval = tuple[int, int]  # [first_layer, end_layer)
+Held = Mapping[str, list[Interval]]
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, with overlapping or touching intervals joined."""
+    out: list[Interval] = []
+    for a, b in sorted(intervals):
+        if b <= a:
+            continue
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def of_plan(plan: Plan, alive: Collection[str] | None = None) -> dict[str, list[Interval]]:
+    """The layers each worker owns under `plan`, i.e. what it holds once the plan is in place.
+    Workers in `plan.excluded`, and those not in `alive` when it is given, hold nothing."""
+    excluded = set(plan.excluded)
+    raw: dict[str, list[Interval]] = {}
+    for pipe in plan.pipelines:
+        for st in pipe.stages:
+            if st.worker in excluded or (alive is not None and st.worker not in alive):
+                continue
+            raw.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
+    return {w: merge(ivs) for w, ivs in raw.items()}
+
+
+@dataclass
+class Holdings:
+    """Current copies, per worker, as the workers' acknowledgements establish them."""
+
+    held: dict[str, list[Interval]] = field(default_factory=dict)
+    planned: dict[str, list[Interval]] = field(default_factory=dict)  # the current generation's
+    generation: int = 0  # the current generation
+    committed_generation: int = 0  # the generation whose first commit `held` reflects
+
+    def published(self, generation: int, planned: Mapping[str, list[Interval]]) -> None:
+        self.generation = generation
+        self.planned = {w: list(ivs) for w, ivs in planned.items()}
+
+    def initial(self, generation: int, planned: Mapping[str, list[Interval]]) -> None:
+        """The first plan: its layers are built from the seed, so each owner holds them."""
+        self.published(generation, planned)
+        self.held = {w: list(ivs) for w, ivs in planned.items()}
+
+    def ready(self, worker: str, generation: int) -> None:
+        if generation == self.generation and worker in self.planned:
+            self.held[worker] = merge([*self.held.get(worker, ()), *self.planned[worker]])
+
+    def committed(self, generation: int, out: Collection[str] = ()) -> None:
+        """A step of `generation` committed; `out` are workers known to have failed since."""
+        if generation != self.generation or generation == self.committed_generation:
+            return
+        self.committed_generation = generation
+        self.held = {w: list(ivs) for w, ivs in self.planned.items() if w not in out}
+
+    def lost(self, worker: str) -> None:
+        self.held.pop(worker, None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "held": {w: [list(iv) for iv in ivs] for w, ivs in sorted(self.held.items())},
+            "planned": {w: [list(iv) for iv in ivs] for w, ivs in sorted(self.planned.items())},
+            "generation": self.generation,
+            "committed_generation": self.committed_generation,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Holdings:
+        def intervals(m: Mapping[str, Any]) -> dict[str, list[Interval]]:
+            return {str(w): [(int(a), int(b)) for a, b in ivs] for w, ivs in m.items()}
+
+        return cls(
+            intervals(d["held"]),
+            intervals(d["planned"]),
+            int(d["generation"]),
+            int(d["committed_generation"]),
+        )
