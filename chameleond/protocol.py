@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 CONSUMER_GROUP = "chameleond"
-EVENT_TYPES = ("fault", "rejoin", "register", "heartbeat", "profile", "step", "ack")
+EVENT_TYPES = ("fault", "rejoin", "register", "heartbeat", "profile", "step", "ack", "checkpoint")
 ACK_PHASES = ("ready", "stopped")
 MAX_ID_LEN = 128
 # Where every process of a job may take its Redis URL from instead of a flag, so that a password in
@@ -159,6 +159,17 @@ def _ident(f: Mapping[str, str], key: str) -> str:
     return v
 
 
+def checkpoint_layers(text: str) -> list[int]:
+    """A `checkpoint` event's `layers`: comma-separated layer ids, e.g. "0,1,2"."""
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise EventError(f"field 'layers' must be comma-separated ids, got {text!r}") from None
+    if any(x < 0 for x in layers):
+        raise EventError(f"field 'layers' must list layer ids >= 0, got {text!r}")
+    return layers
+
+
 def parse_event(raw: Mapping[Any, Any]) -> Event:
     """Validate one stream entry's fields. Raises EventError(reason)."""
     f = _decode(raw)
@@ -189,6 +200,9 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
         _int(f, "samples")
         _float(f, "seconds")
         _float(f, "loss")
+    elif kind == "checkpoint":
+        _int(f, "step")
+        checkpoint_layers(f.get("layers", ""))
     elif kind == "ack":
         _int(f, "generation", minimum=1)
         if f.get("phase") not in ACK_PHASES:

@@ -56,7 +56,16 @@ def dispatch(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
 
 
 # Importing the modules registers their handlers.
-from handlers import ack, fault, heartbeat, profile, register, rejoin, step  # noqa: E402
+from handlers import (  # noqa: E402
+    ack,
+    checkpoint,
+    fault,
+    heartbeat,
+    profile,
+    register,
+    rejoin,
+    step,
+)
 
 __all__ = [
     "DUPLICATE",
@@ -64,6 +73,7 @@ __all__ = [
     "HANDLERS",
     "Outcome",
     "ack",
+    "checkpoint",
     "dispatch",
     "fault",
     "handles",

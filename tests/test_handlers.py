@@ -162,3 +162,22 @@ def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worke
     assert request is not None
     j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
     assert j.switch_due() is None and j.follow_up is None
+
+
+def test_checkpoints_count_once_their_files_cover_every_layer_and_survive_a_restart() -> None:
+    j = training_job()
+    n = len(j.spec.layers)
+    half = ",".join(map(str, range(n // 2)))
+    rest = ",".join(map(str, range(n // 2, n)))
+    assert send(j, type="checkpoint", worker="w0", step=9, layers=half) == handlers.HANDLED
+    assert j.checkpoints.newest(n) is None  # half the model is on storage: nothing to restore
+    assert send(j, type="checkpoint", worker="w2", step=9, layers=half) == handlers.DUPLICATE
+    assert send(j, type="checkpoint", worker="w1", step=9, layers=rest) == handlers.HANDLED
+    assert j.checkpoints.newest(n) == 9 and j.dirty
+    with pytest.raises(EventError, match="the job has layers"):
+        send(j, type="checkpoint", worker="w1", step=9, layers=str(n))
+    with pytest.raises(EventError, match="not a worker"):
+        send(j, type="checkpoint", worker="w99", step=9, layers=half)
+    again = job()
+    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    assert again.checkpoints.newest(n) == 9

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from test_decide import job, violations
 
 from chameleond.core.decide import decide, initial_plan
-from chameleond.core.holdings import Holdings, merge, of_plan
+from chameleond.core.holdings import Checkpoints, Holdings, merge, of_plan
 from chameleond.core.machine import DecisionResult, PolicyMachine
+from chameleond.core.plan import PlanError, plan_from_dict, plan_to_dict
 
 
 def test_merge_joins_touching_and_overlapping_intervals() -> None:
@@ -102,3 +106,57 @@ def test_a_kept_layout_sends_its_owners_the_layers_they_never_acknowledged() -> 
 
 def _layers(intervals: list[tuple[int, int]]) -> set[int]:
     return {layer for a, b in intervals for layer in range(a, b)}
+
+
+def test_the_newest_checkpoint_is_the_newest_step_whose_files_cover_every_layer() -> None:
+    c = Checkpoints()
+    assert c.add(4, [0, 1]) and c.add(4, [2, 3]) and not c.add(4, [1])
+    assert c.add(9, [0, 1])  # the kill came in the middle of this round
+    assert c.newest(4) == 4
+    assert c.add(9, [2, 3]) and c.newest(4) == 9
+    for step in (14, 19, 24):
+        c.add(step, [0])
+    assert sorted(c.covered) == [9, 14, 19, 24] and not c.add(2, [0, 1, 2, 3])  # KEEP newest
+    c.forget_after(14)  # restored step 14... which never covered everything: 9 is newest
+    assert sorted(c.covered) == [9, 14] and c.newest(4) == 9
+    assert Checkpoints.from_json(c.to_json()) == c
+
+
+def test_a_lost_layer_with_a_checkpoint_is_a_restore_plan_on_the_survivors() -> None:
+    spec = job(2, 2, 8, 4)  # w0, w2 hold layers 0-3; w1, w3 hold 4-7
+    start = initial_plan(spec)
+    lost = decide(spec, start, ["w0", "w2"], mtbf_seconds=100.0, generation=2)
+    assert lost.plan is None and lost.unrecoverable is not None
+    d = decide(spec, start, ["w0", "w2"], mtbf_seconds=100.0, generation=2, checkpoint_step=19)
+    plan = d.plan
+    assert d.selected == "restore" and d.unrecoverable is None and plan is not None
+    assert plan.policy == "restore" and plan.restore_step == 19 and plan.generation == 2
+    assert plan.workers == ("w1", "w3") and set(plan.excluded) == {"w0", "w2"}
+    assert plan.migration == () and violations(spec, plan) == []
+    assert "checkpoint of step 19" in d.note and "layers 0-3 lost" in d.note
+    assert not any(c.feasible for c in d.candidates)  # neither backup-free policy is possible
+    assert plan_from_dict(json.loads(json.dumps(plan_to_dict(plan)))) == plan
+    # A restore plan starts from nothing held: copies count once their workers acknowledge.
+    m = PolicyMachine()
+    m.initial(1, start.workers, 0.0, of_plan(start))
+    for w in ("w0", "w2"):
+        m.fault(w, "power", 1.0)
+    request, _ = m.next_request(1.0)
+    assert request is not None
+    m.decided(request, DecisionResult(2, "restore", plan.workers, layers=of_plan(plan)), 1.1)
+    assert m.holdings.held == {}
+    m.ready("w1", 2, 2.0)
+    assert m.holdings.held == {"w1": of_plan(plan)["w1"]}
+
+
+@pytest.mark.parametrize(
+    ("policy", "restore_step", "message"),
+    [("restore", None, "exactly when"), ("dynamic", 3, "exactly when"), ("restore", -1, ">= 0")],
+)
+def test_restore_step_goes_with_the_restore_policy(
+    policy: str, restore_step: int | None, message: str
+) -> None:
+    spec = job(2, 2, 8, 4)
+    doc = {**plan_to_dict(initial_plan(spec)), "policy": policy, "restore_step": restore_step}
+    with pytest.raises(PlanError, match=message):
+        plan_from_dict(doc)

@@ -45,6 +45,7 @@ def test_keys_live_under_the_job_prefix() -> None:
          "seconds": "0.5", "loss": "5.5"},
         {"type": "ack", "worker": "w3", "generation": "2", "phase": "ready"},
         {"type": "ack", "worker": "w3", "generation": "2", "phase": "stopped"},
+        {"type": "checkpoint", "worker": "w3", "step": "19", "layers": "0,1,2"},
     ],
 )  # fmt: skip
 def test_valid_events_parse(fields: dict[str, str]) -> None:
@@ -70,6 +71,10 @@ def test_valid_events_parse(fields: dict[str, str]) -> None:
         ({"type": "ack", "worker": "w3", "generation": "1", "phase": "ready", "attempt": "two"},
          "'attempt' must be an integer"),
         ({"type": "profile", "worker": "w3", "data": "{"}, "not JSON"),
+        ({"type": "checkpoint", "worker": "w3", "step": "4"}, "comma-separated ids"),
+        ({"type": "checkpoint", "worker": "w3", "step": "4", "layers": "0-3"},
+         "comma-separated ids"),
+        ({"type": "checkpoint", "worker": "w3", "step": "4", "layers": "1,-1"}, "ids >= 0"),
         ({"type": b"\xff\xfe"}, "not UTF-8"),
     ],
 )  # fmt: skip

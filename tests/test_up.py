@@ -85,3 +85,34 @@ def test_bad_fault_spec_is_one_clear_line(tmp_path: Path) -> None:
         "chameleonctl up: kill:w9@step=3: no worker 'w9'"
         " (the cluster runs w0, w1, w2, w3, w4, w5, w6)"
     )
+
+
+def test_up_restores_the_checkpoint_when_every_copy_of_some_layers_is_killed(
+    tmp_path: Path,
+) -> None:
+    # 3 pipelines x 2 stages: w0, w2 and w4 hold the first stage's layers, and all three die.
+    proc = chameleonctl(
+        "up", "--workers", "6", "--pp", "2", "--steps", "30", "--checkpoint-every", "5",
+        "--faults", "kill:w0@step=12,kill:w2@step=12,kill:w4@step=12",
+        "--report", str(tmp_path / "report"), "--timeout", "200",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["completed"], report["ended"]
+    restores = [f for f in report["faults"] if f["policy"] == "restore"]
+    assert restores, [f["why"] for f in report["faults"]]
+    assert "lost every replica" in restores[0]["why"] and "checkpoint of step" in restores[0]["why"]
+    generation = restores[0]["generation"]
+    before: dict[int, float] = {}
+    again: dict[int, float] = {}
+    for entry in report["timeline"]:
+        into = again if entry["generation"] == generation else before
+        into.setdefault(entry["step"], entry["loss"])
+    # Training resumes right after a checkpoint (every 5 steps: step 4 or 9 is the newest), and
+    # the steps trained again reproduce the losses they had before the faults.
+    assert min(again) in (5, 10), sorted(again)
+    retrained = sorted(set(before) & set(again))
+    assert retrained and retrained[0] == min(again)
+    for step in retrained:
+        assert again[step] == pytest.approx(before[step], rel=1e-5), step
+    assert max(again) == 29

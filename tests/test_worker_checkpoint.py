@@ -83,3 +83,37 @@ def test_restart_from_checkpoint_resumes_after_the_checkpointed_step(
         s = int(e["step"])
         if s in before:
             assert abs(float(e["loss"]) - before[s]) <= 1e-4 * before[s]
+
+
+def test_a_restore_reads_each_layer_from_whichever_file_of_the_step_has_it(tmp_path: Path) -> None:
+    import torch
+
+    from workers import checkpoint
+    from workers.migrate import StateLost
+    from workers.state import WorkerState
+
+    arch = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
+    cpu = torch.device("cpu")
+    n = arch.n_layers
+    for worker, owned in (("w0", range(n // 2)), ("w1", range(n // 2, n))):
+        state = WorkerState(arch, cpu)
+        for i in owned:
+            state.build_from_seed(i)
+        state.committed_step = 7
+        checkpoint.save(tmp_path, worker, state, tuple(owned))
+    later = WorkerState(arch, cpu)
+    later.build_from_seed(0)
+    later.committed_step = 12
+    checkpoint.save(tmp_path, "w1", later, (0,))  # a step the restore makes a discarded past
+    # w2 held something else at a later step: a restore replaces all of it.
+    restored = WorkerState(arch, cpu)
+    restored.build_from_seed(0)
+    restored.committed_step = 12
+    checkpoint.restore(tmp_path, restored, 7, tuple(range(n)))
+    assert restored.committed_step == 7 and sorted(restored.layers) == list(range(n))
+    assert all(layer.version == 7 for layer in restored.layers.values())
+    seed = WorkerState(arch, cpu).build_from_seed(n - 1).state_buffer()
+    assert torch.equal(restored.layer(n - 1).state_buffer(), seed)  # w1's file had it
+    assert checkpoint.written(tmp_path) == {"w0": {7}, "w1": {7}}  # step 12 is gone
+    with pytest.raises(StateLost, match="no checkpoint file of step 3"):
+        checkpoint.restore(tmp_path, WorkerState(arch, cpu), 3, (0,))

@@ -107,6 +107,7 @@ class WorkerRuntime:
         # Set at this process's first commit: the job has trained (see migrate.plan_moves).
         self.trained_key = self.keys.prefix + "workers:trained"
         self._marked_trained = False
+        self._restored = 0  # the last `restore` plan whose checkpoint this process loaded
 
     def run(self) -> int:
         cfg = self.cfg
@@ -282,6 +283,7 @@ class WorkerRuntime:
             connect(sync=False)
             self._took_part = True
             t_world = time.perf_counter()
+            self._restore(plan, state)
             rec = reconcile(
                 gen,
                 state,
@@ -328,6 +330,18 @@ class WorkerRuntime:
             if watch is not None:
                 watch.stop()
             gen.close()
+
+    def _restore(self, plan: Plan, state: WorkerState) -> None:
+        """A `restore` plan: load this worker's layers from the checkpoint it names, once per
+        process (a later attempt of the same generation finds the job past that step; the
+        reconciliation then brings this worker along like any other)."""
+        if plan.restore_step is None or plan.generation == self._restored:
+            return
+        if self.cfg.checkpoint_dir is None:
+            raise StateLost("a restore plan needs the job's checkpoints: give --checkpoint-dir")
+        owned = plan.owned_layers(self.cfg.worker_id)
+        checkpoint.restore(self.cfg.checkpoint_dir, state, plan.restore_step, owned)
+        self._restored = plan.generation
 
     def _job_trained(self) -> bool:
         seconds = self.cfg.group_timeout.total_seconds()
@@ -386,6 +400,8 @@ class WorkerRuntime:
             every, directory = self.cfg.checkpoint_every, self.cfg.checkpoint_dir
             if every and directory is not None and (step + 1) % every == 0:
                 checkpoint.save(directory, gen.me, state, owned)
+                layers = ",".join(map(str, owned))
+                self.reporter.send("checkpoint", {"step": step, "layers": layers})
             step += 1
             if self.cfg.max_steps and step >= self.cfg.max_steps:
                 raise Finished

@@ -28,6 +28,7 @@ from chameleond.local.trace import ReplayStep, TraceError, load_trace, plan_repl
 UP_SPEC = "cpu-mixed.toml"
 DEFAULT_FAULTS = "kill:w0@step=40,kill:w5@step=100"
 DEFAULT_STEPS = 160
+DEFAULT_CHECKPOINT_EVERY = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bind-addresses",
         default="",
         help="comma-separated loopback addresses, assigned to workers in turn (each is a host)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=DEFAULT_CHECKPOINT_EVERY,
+        help="workers checkpoint every N steps into the report directory; the daemon restores "
+        "the newest when a fault leaves some layer with no copy (0: never; default: %(default)s)",
     )
     parser.add_argument("--redis-url", help="use this Redis instead of an embedded one")
     parser.add_argument(
@@ -142,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         worker_ids = [w.id for w in spec.workers]
         if args.steps <= 0:
             raise SpecError("--steps must be positive")
+        if args.checkpoint_every < 0:
+            raise SpecError("--checkpoint-every must be >= 0")
         faults = (
             ()
             if args.trace
@@ -187,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
         redis_url=args.redis_url,
         bind_addresses=bind,
         timeout_seconds=args.timeout,
+        checkpoint_every=args.checkpoint_every,
     )
     progress = ProgressView(sys.stdout)
     try:

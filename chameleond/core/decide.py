@@ -24,8 +24,11 @@ wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
    State that has not been acknowledged at its new owner still counts at its old owner (sources
    keep it until the plan's first commit), and a kept layout whose owners lack some of their
    layers gets the repairs in its migration.
-4. Unrecoverable: some layer has no surviving owner; the Decision has selected=None and
-   `unrecoverable` names the layers and the failed workers that held them. Never an exception.
+4. Unrecoverable: some layer has no surviving owner. With a checkpoint that covers every layer
+   (`checkpoint_step`, PAPER.md section 9), the Decision selects `restore`: a plan searched over
+   the survivors whose workers all load that checkpoint (nobody's memory counts any more, so
+   nothing migrates). Without one, selected=None and `unrecoverable` names the layers and the
+   failed workers that held them. Never an exception.
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
-    selected: str | None  # "reroute" | "dynamic" | None (unrecoverable)
+    selected: str | None  # "reroute" | "dynamic" | "restore" | None (unrecoverable)
     plan: Plan | None
     candidates: tuple[Candidate, Candidate]  # (reroute, dynamic)
     unrecoverable: str | None
@@ -245,9 +248,11 @@ def decide(
     force: str | None = None,
     cause: str = "",
     holdings: Held | None = None,
+    checkpoint_step: int | None = None,
 ) -> Decision:
     """Both candidates for the cumulative failed set (and any joined workers), and the choice.
-    `holdings`: who holds which layers (core.holdings); by default what `current` gives them."""
+    `holdings`: who holds which layers (core.holdings); by default what `current` gives them.
+    `checkpoint_step`: the newest checkpoint that covers every layer, if the job has one."""
     order = _order(spec)
     out, back = set(failed), set(joined)
     unknown = sorted((out | back) - set(order))
@@ -267,16 +272,30 @@ def decide(
     mtbf = float(mtbf_seconds)
     every = of_plan(current) if holdings is None else holdings
 
+    owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
+    survivors = sorted((owners - fenced) | back, key=order.__getitem__)
+    est = Estimator(spec)
     lost = _lost_layers(spec, every, fenced)
     if lost is not None:
         cands = (_infeasible("reroute", lost), _infeasible("dynamic", lost))
-        return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause)
+        if checkpoint_step is None:
+            return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause)
+        # Every survivor loads its layers from the checkpoint: any of them suits any slot.
+        anywhere = {w: [(0, len(spec.layers))] for w in survivors}
+        dyn, _, search_seconds, considered = _dynamic_candidate(
+            spec, est, current, survivors, anywhere, generation, mtbf, cause
+        )
+        if dyn.plan is None:
+            why = f"{lost}; no plan to restore step {checkpoint_step} on: {dyn.reason}"
+            return Decision(None, None, cands, why, mtbf, search_seconds, considered, generation,
+                            cause)  # fmt: skip
+        plan = replace(dyn.plan, policy="restore", restore_step=checkpoint_step)
+        note = f"{lost}: every worker loads the checkpoint of step {checkpoint_step}"
+        return Decision("restore", plan, cands, None, mtbf, search_seconds, considered,
+                        generation, cause, note=note)  # fmt: skip
 
     held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
-    est = Estimator(spec)
     rr = _reroute_candidate(spec, est, current, fenced, held, generation, mtbf, cause)
-    owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
-    survivors = sorted((owners - fenced) | back, key=order.__getitem__)
     dyn, switch, search_seconds, considered = _dynamic_candidate(
         spec, est, current, survivors, held, generation, mtbf, cause
     )

@@ -16,6 +16,10 @@ worker runtime (workers.migrate, workers.runtime):
   entry is simply ignored: `decide` drops the failed workers before it reads holdings.
 
 Pure and plain: intervals [first_layer, end_layer), merged and sorted, keyed by worker id.
+
+`Checkpoints` are the other copies: the steps at which the workers wrote their layers to the job's
+checkpoint directory (`checkpoint` events). When some layer has lost every copy in memory, the
+newest step whose files cover every layer is what a `restore` plan loads.
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ class Holdings:
         self.generation = generation
         self.planned = {w: list(ivs) for w, ivs in planned.items()}
 
+    def restored(self, generation: int, planned: Mapping[str, list[Interval]]) -> None:
+        """A `restore` plan: every worker drops what it holds and loads the checkpoint, so no
+        copy counts until its worker acknowledges the plan."""
+        self.published(generation, planned)
+        self.held = {}
+
     def initial(self, generation: int, planned: Mapping[str, list[Interval]]) -> None:
         """The first plan: its layers are built from the seed, so each owner holds them."""
         self.published(generation, planned)
@@ -107,3 +117,41 @@ class Holdings:
             int(d["generation"]),
             int(d["committed_generation"]),
         )
+
+
+@dataclass
+class Checkpoints:
+    """Checkpoint steps and the layers written at each, the newest `KEEP` steps."""
+
+    KEEP = 4  # a few rounds: a kill can leave the newest round incomplete
+
+    covered: dict[int, set[int]] = field(default_factory=dict)
+
+    def add(self, step: int, layers: Iterable[int]) -> bool:
+        """Record a worker's files at `step`; False when it adds nothing (a repeat, or older
+        than every step kept)."""
+        have = self.covered.get(step, set())
+        new = set(layers) - have
+        if not new or (step not in self.covered and len(self.covered) >= self.KEEP
+                       and step < min(self.covered)):  # fmt: skip
+            return False
+        self.covered[step] = have | new
+        for old in sorted(self.covered)[: -self.KEEP]:
+            del self.covered[old]
+        return True
+
+    def newest(self, n_layers: int) -> int | None:
+        """The newest step whose files cover every layer, or None."""
+        full = [s for s, layers in self.covered.items() if layers >= set(range(n_layers))]
+        return max(full, default=None)
+
+    def forget_after(self, step: int) -> None:
+        """Training resumes after `step`: files of later steps describe a past that is gone."""
+        self.covered = {s: ls for s, ls in self.covered.items() if s <= step}
+
+    def to_json(self) -> dict[str, list[int]]:
+        return {str(s): sorted(ls) for s, ls in sorted(self.covered.items())}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Checkpoints:
+        return cls({int(s): {int(x) for x in ls} for s, ls in d.items()})

@@ -258,6 +258,8 @@ class PolicyMachine:
             raise ValueError(f"generation {result.generation} does not follow {self.generation}")
         self.generation = result.generation
         self._adopt(result.workers, now, result.layers)
+        if result.policy == "restore":
+            self.holdings.restored(result.generation, result.layers)
         self.failed -= set(self.plan_workers)
         if request.faults:
             self.recovery = _RecoveryWatch(

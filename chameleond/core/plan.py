@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-POLICIES = ("initial", "reroute", "dynamic")
+POLICIES = ("initial", "reroute", "dynamic", "restore")
 
 
 class PlanError(ValueError):
@@ -85,6 +85,9 @@ class Plan:
     estimates: Estimates
     excluded: tuple[str, ...] = ()  # failed or fenced workers: must not run this plan
     cause: str = ""
+    # policy "restore": some layer lost every copy, so every worker of the plan loads its layers
+    # from the job's checkpoint of this step and training resumes after it (docs/plan.md)
+    restore_step: int | None = None
 
     @property
     def workers(self) -> tuple[str, ...]:
@@ -172,8 +175,20 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
             ),
             excluded=tuple(str(w) for w in d.get("excluded", ())),
             cause=str(d.get("cause", "")),
+            restore_step=_restore_step(policy, d.get("restore_step")),
         )
     except PlanError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PlanError(f"plan does not decode: {type(e).__name__}: {e}") from e
+
+
+def _restore_step(policy: str, value: Any) -> int | None:
+    if (policy == "restore") != (value is not None):
+        raise PlanError("restore_step: given exactly when the policy is 'restore'")
+    if value is None:
+        return None
+    step = int(value)
+    if step < 0:
+        raise PlanError(f"restore_step: must be >= 0, got {step}")
+    return step

@@ -124,6 +124,7 @@ class Decisions:
         assert current is not None  # next_request asks only once a plan exists
         mtbf = job.mtbf(time.time())
         holdings = dict(job.machine.holdings.held)  # a copy: handlers move on while it plans
+        checkpoint = job.checkpoints.newest(len(spec.layers))
         loop = asyncio.get_running_loop()
         decision: Decision | None = None
         error = None
@@ -134,6 +135,7 @@ class Decisions:
                     spec, current, request.failed, mtbf_seconds=mtbf,
                     generation=request.generation, joined=request.joined,
                     force=force, cause=request.cause, holdings=holdings,
+                    checkpoint_step=checkpoint,
                 ),
             )  # fmt: skip
         except DecisionError as e:
@@ -170,6 +172,8 @@ class Decisions:
                                           result.unrecoverable or "current plan kept")  # fmt: skip
                 else:
                     job.follow_up = _follow_up(decision, plan, force)
+                    if plan.restore_step is not None:
+                        job.checkpoints.forget_after(plan.restore_step)
                     published = await self.committer.publish(plan, record, acks)
         if published is not None:
             seconds = time.time() - request.first_event_at if request.faults else None
@@ -212,6 +216,8 @@ class Decisions:
         }
         if decision is not None and decision.note:
             record["note"] = decision.note
+        if plan is not None:
+            record["step_seconds"] = f"{plan.estimates.step_seconds:.6f}"
         return record
 
     # ---- reroute first, switch later -----------------------------------------------------------

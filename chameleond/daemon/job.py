@@ -13,7 +13,7 @@ from typing import Any
 
 from chameleond.core import selector
 from chameleond.core.estimator import Estimator
-from chameleond.core.holdings import of_plan
+from chameleond.core.holdings import Checkpoints, of_plan
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recovery, Transition
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
@@ -110,6 +110,7 @@ class Job:
         self.fault_times: list[float] = []
         self.last_decision: dict[str, Any] | None = None
         self.follow_up: FollowUp | None = None
+        self.checkpoints = Checkpoints()  # what a restore plan can load (handlers/checkpoint.py)
         self.owed: dict[str, list[str]] = {}  # worker -> entry ids acked when its decision commits
         self.records: list[dict[str, str]] = []  # transitions awaiting a durable write
         self.dirty = False  # snapshot changed since the last commit
@@ -266,6 +267,7 @@ class Job:
             "fault_times": self.fault_times[-1000:],
             "last_decision": self.last_decision,
             "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
+            "checkpoints": self.checkpoints.to_json(),
             "extra_workers": [
                 {"id": w.id, "host": w.host, "memory_bytes": w.memory_bytes, "device": w.device}
                 for w in self.extra_workers.values()
@@ -294,6 +296,7 @@ class Job:
         self.last_decision = snap.get("last_decision")
         fu = snap.get("follow_up")
         self.follow_up = FollowUp.from_json(fu) if fu else None
+        self.checkpoints = Checkpoints.from_json(snap.get("checkpoints", {}))
         for w in snap.get("extra_workers", []):
             self.extra_workers[w["id"]] = WorkerSpec(
                 str(w["id"]), str(w["host"]), int(w["memory_bytes"]), str(w["device"])

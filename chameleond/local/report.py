@@ -58,6 +58,9 @@ def _why(d: DecisionRecord) -> str:
         elif c.get("score") is not None:
             parts.append(f"{c.get('policy')} score {float(c['score']):.2f}")
     d_text = f"D={d.mtbf_seconds:.0f}s" if d.mtbf_seconds is not None else "D unknown"
+    note = str(d.raw.get("note", ""))
+    if d.selected == "restore" and note:  # both candidates lost the same layers: say it once
+        return f"{note}, {d_text}"
     return ", ".join([*parts, d_text])
 
 

@@ -8,6 +8,7 @@ it, the cluster is torn down before `execute` returns.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class RunOptions:
     bind_addresses: dict[str, str] = field(default_factory=dict)
     timeout_seconds: float = 600.0
     daemon_args: Sequence[str] = ()
+    checkpoint_every: int = 0  # workers checkpoint into run_dir/checkpoints every N steps
 
 
 @dataclass
@@ -69,6 +71,7 @@ class LocalRun:
             redis_url=o.redis_url,
             bind_addresses=o.bind_addresses,
             daemon_args=o.daemon_args,
+            worker_args=_checkpoints(o),
         )
         with cluster:
             client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
@@ -170,3 +173,13 @@ class LocalRun:
             self.skipped.append(f"{trigger}: {e}")
             return
         self.injections.append(Injection(at, r.worker, r.action, cause, trigger))
+
+
+def _checkpoints(o: RunOptions) -> list[str]:
+    """The workers' checkpoint flags. A run starts from scratch: an earlier run's checkpoints in
+    the same directory are removed (a worker would otherwise resume from them)."""
+    directory = o.run_dir / "checkpoints"
+    shutil.rmtree(directory, ignore_errors=True)
+    if not o.checkpoint_every:
+        return []
+    return ["--checkpoint-dir", str(directory), "--checkpoint-every", str(o.checkpoint_every)]

@@ -144,6 +144,8 @@ def parse_decision(entry_id: str, fields: Mapping[str, str]) -> DecisionRecord:
         for c in candidates:
             if c.get("policy") == selected:
                 estimate = _float(c.get("step_seconds"))
+    if estimate is None:  # a plan that is neither candidate (restore): the record says it
+        estimate = _float(merged.get("step_seconds"))
     generation = merged.get("generation")
     if generation is None and isinstance(plan, dict):
         generation = plan.get("generation")

@@ -1,0 +1,27 @@
+"""`checkpoint`: a worker wrote the layers it owns at a committed step to the job's checkpoint
+directory. A step whose files together cover every layer is a checkpoint the daemon can restore
+when backup-free recovery is impossible (decide(checkpoint_step=...), policy `restore`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from chameleond.protocol import Event, EventError, checkpoint_layers
+from handlers import DUPLICATE, HANDLED, Outcome, handles
+
+if TYPE_CHECKING:
+    from chameleond.daemon.job import Job
+
+
+@handles("checkpoint")
+def handle_checkpoint(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+    if not job.knows(event.worker):
+        raise EventError(f"checkpoint from {event.worker!r}, not a worker of job {job.name!r}")
+    layers = checkpoint_layers(event.get("layers"))  # validated by parse_event
+    n = len(job.spec.layers)
+    if max(layers) >= n:
+        raise EventError(f"checkpoint of layer {max(layers)}: the job has layers 0-{n - 1}")
+    if not job.checkpoints.add(int(event.get("step")), layers):
+        return DUPLICATE
+    job.dirty = True
+    return HANDLED
