@@ -41,7 +41,7 @@ from typing import Any
 
 from chameleond.core import restorer, selector
 from chameleond.core.estimator import Estimator
-from chameleond.core.holdings import Held, of_plan
+from chameleond.core.holdings import Held, of_pipelines, of_plan
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
 from chameleond.core.reroute import reroute
 from chameleond.core.search import ShapeModel, micro_batch_floor, search
@@ -179,11 +179,7 @@ def at_risk(
     that are a layer's only holder among the workers the plan runs (a rerouted slot's owner
     is gone and holds nothing)."""
     running = {w for pipe in routing for stage in pipe for w in stage}
-    owned: dict[str, list[tuple[int, int]]] = {}
-    for pipe in pipelines:
-        for st in pipe.stages:
-            owned.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
-    held = [ws & running for ws in _holders(owned).values()]
+    held = [ws & running for ws in _holders(of_pipelines(pipelines)).values()]
     sole = {next(iter(ws)) for ws in held if len(ws) == 1}
     return len(sole) / len(running) if running else 0.0
 

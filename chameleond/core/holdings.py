@@ -24,11 +24,11 @@ newest step whose files cover every layer is what a `restore` plan loads.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from chameleond.core.plan import Plan
+from chameleond.core.plan import Pipeline, Plan
 
 Interval = tuple[int, int]  # [first_layer, end_layer)
 Held = Mapping[str, list[Interval]]
@@ -47,17 +47,25 @@ def merge(intervals: Iterable[Interval]) -> list[Interval]:
     return out
 
 
+def of_pipelines(
+    pipelines: Iterable[Pipeline], holds: Callable[[str], bool] = lambda w: True
+) -> dict[str, list[Interval]]:
+    """The layers each worker owns in `pipelines` (those `holds` accepts), merged."""
+    raw: dict[str, list[Interval]] = {}
+    for pipe in pipelines:
+        for st in pipe.stages:
+            if holds(st.worker):
+                raw.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
+    return {w: merge(ivs) for w, ivs in raw.items()}
+
+
 def of_plan(plan: Plan, alive: Collection[str] | None = None) -> dict[str, list[Interval]]:
     """The layers each worker owns under `plan`, i.e. what it holds once the plan is in place.
     Workers in `plan.excluded`, and those not in `alive` when it is given, hold nothing."""
     excluded = set(plan.excluded)
-    raw: dict[str, list[Interval]] = {}
-    for pipe in plan.pipelines:
-        for st in pipe.stages:
-            if st.worker in excluded or (alive is not None and st.worker not in alive):
-                continue
-            raw.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
-    return {w: merge(ivs) for w, ivs in raw.items()}
+    return of_pipelines(
+        plan.pipelines, lambda w: w not in excluded and (alive is None or w in alive)
+    )
 
 
 @dataclass
@@ -73,10 +81,9 @@ class Holdings:
         self.generation = generation
         self.planned = {w: list(ivs) for w, ivs in planned.items()}
 
-    def restored(self, generation: int, planned: Mapping[str, list[Interval]]) -> None:
-        """A `restore` plan: every worker drops what it holds and loads the checkpoint, so no
-        copy counts until its worker acknowledges the plan."""
-        self.published(generation, planned)
+    def restored(self) -> None:
+        """The published plan is a `restore`: every worker drops what it holds and loads the
+        checkpoint, so no copy counts until its worker acknowledges the plan."""
         self.held = {}
 
     def initial(self, generation: int, planned: Mapping[str, list[Interval]]) -> None:
@@ -130,10 +137,12 @@ class Checkpoints:
     def add(self, step: int, layers: Iterable[int]) -> bool:
         """Record a worker's files at `step`; False when it adds nothing (a repeat, or older
         than every step kept)."""
+        full = step not in self.covered and len(self.covered) >= self.KEEP
+        if full and step < min(self.covered):
+            return False
         have = self.covered.get(step, set())
         new = set(layers) - have
-        if not new or (step not in self.covered and len(self.covered) >= self.KEEP
-                       and step < min(self.covered)):  # fmt: skip
+        if not new:
             return False
         self.covered[step] = have | new
         for old in sorted(self.covered)[: -self.KEEP]:

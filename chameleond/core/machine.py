@@ -259,7 +259,7 @@ class PolicyMachine:
         self.generation = result.generation
         self._adopt(result.workers, now, result.layers)
         if result.policy == "restore":
-            self.holdings.restored(result.generation, result.layers)
+            self.holdings.restored()
         self.failed -= set(self.plan_workers)
         if request.faults:
             self.recovery = _RecoveryWatch(
