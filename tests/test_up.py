@@ -115,4 +115,4 @@ def test_up_restores_the_checkpoint_when_every_copy_of_some_layers_is_killed(
     assert retrained and retrained[0] == min(again)
     for step in retrained:
         assert again[step] == pytest.approx(before[step], rel=1e-5), step
-    assert max(again) == 29
+    assert max(again) >= 29  # trained on to the end (a step more may commit before the stop)
