@@ -159,6 +159,10 @@ def _ident(f: Mapping[str, str], key: str) -> str:
     return v
 
 
+# What a checkpoint cost its worker (workers.saver.Written), optional in a `checkpoint` event.
+CHECKPOINT_COSTS = ("bytes", "bubble_seconds", "stall_seconds")
+
+
 def checkpoint_layers(text: str) -> list[int]:
     """A `checkpoint` event's `layers`: comma-separated layer ids, e.g. "0,1,2"."""
     try:
@@ -202,7 +206,11 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
         _float(f, "loss")
     elif kind == "checkpoint":
         _int(f, "step")
+        _int(f, "generation", minimum=1)
         checkpoint_layers(f.get("layers", ""))
+        for key in CHECKPOINT_COSTS:
+            if key in f:
+                _float(f, key)
     elif kind == "ack":
         _int(f, "generation", minimum=1)
         if f.get("phase") not in ACK_PHASES:

@@ -1,6 +1,8 @@
 """`checkpoint`: a worker wrote the layers it owns at a committed step to the job's checkpoint
 directory. A step whose files together cover every layer is a checkpoint the daemon can restore
-when backup-free recovery is impossible (decide(checkpoint_step=...), policy `restore`)."""
+when backup-free recovery is impossible (decide(checkpoint_step=...), policy `restore`). A file
+of a step after a restore's, written before that restore's generation, is stale: its worker
+deletes it (workers.checkpoint.restore)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ def handle_checkpoint(job: Job, event: Event, entry_id: str, now: float) -> Outc
     n = len(job.spec.layers)
     if max(layers) >= n:
         raise EventError(f"checkpoint of layer {max(layers)}: the job has layers 0-{n - 1}")
-    if not job.checkpoints.add(int(event.get("step")), layers):
+    step, generation = int(event.get("step")), int(event.get("generation"))
+    if not job.checkpoints.add(step, layers, generation):
         return DUPLICATE
     job.dirty = True
     return HANDLED

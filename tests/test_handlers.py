@@ -164,20 +164,43 @@ def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worke
     assert j.switch_due() is None and j.follow_up is None
 
 
+def checkpoint(j: Job, worker: str, step: int, layers: str, generation: int = 1) -> object:
+    return send(
+        j, type="checkpoint", worker=worker, step=step, layers=layers, generation=generation
+    )
+
+
 def test_checkpoints_count_once_their_files_cover_every_layer_and_survive_a_restart() -> None:
     j = training_job()
     n = len(j.spec.layers)
     half = ",".join(map(str, range(n // 2)))
     rest = ",".join(map(str, range(n // 2, n)))
-    assert send(j, type="checkpoint", worker="w0", step=9, layers=half) == handlers.HANDLED
+    assert checkpoint(j, "w0", 9, half) == handlers.HANDLED
     assert j.checkpoints.newest(n) is None  # half the model is on storage: nothing to restore
-    assert send(j, type="checkpoint", worker="w2", step=9, layers=half) == handlers.DUPLICATE
-    assert send(j, type="checkpoint", worker="w1", step=9, layers=rest) == handlers.HANDLED
+    assert checkpoint(j, "w2", 9, half) == handlers.DUPLICATE
+    assert checkpoint(j, "w1", 9, rest) == handlers.HANDLED
     assert j.checkpoints.newest(n) == 9 and j.dirty
     with pytest.raises(EventError, match="the job has layers"):
-        send(j, type="checkpoint", worker="w1", step=9, layers=str(n))
+        checkpoint(j, "w1", 9, str(n))
     with pytest.raises(EventError, match="not a worker"):
-        send(j, type="checkpoint", worker="w99", step=9, layers=half)
+        checkpoint(j, "w99", 9, half)
     again = job()
     again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
     assert again.checkpoints.newest(n) == 9
+
+
+def test_a_checkpoint_written_before_a_restore_of_an_earlier_step_is_stale() -> None:
+    j = training_job()
+    n = len(j.spec.layers)
+    every = ",".join(map(str, range(n)))
+    assert checkpoint(j, "w0", 9, every) == handlers.HANDLED
+    j.checkpoints.restored(3, 9)  # generation 3 trains again from step 9
+    # Written under generation 2, reported late: its worker deletes the file in the restore.
+    assert checkpoint(j, "w1", 14, every, generation=2) == handlers.DUPLICATE
+    assert checkpoint(j, "w1", 4, every, generation=2) == handlers.HANDLED  # still on disk
+    assert j.checkpoints.newest(n) == 9
+    assert checkpoint(j, "w1", 14, every, generation=3) == handlers.HANDLED  # trained again
+    assert j.checkpoints.newest(n) == 14
+    again = job()
+    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    assert again.checkpoints == j.checkpoints

@@ -110,16 +110,20 @@ def _layers(intervals: list[tuple[int, int]]) -> set[int]:
 
 def test_the_newest_checkpoint_is_the_newest_step_whose_files_cover_every_layer() -> None:
     c = Checkpoints()
-    assert c.add(4, [0, 1]) and c.add(4, [2, 3]) and not c.add(4, [1])
-    assert c.add(9, [0, 1])  # the kill came in the middle of this round
+    assert c.add(4, [0, 1], 1) and c.add(4, [2, 3], 1) and not c.add(4, [1], 1)
+    assert c.add(9, [0, 1], 1)  # the kill came in the middle of this round
     assert c.newest(4) == 4
-    assert c.add(9, [2, 3]) and c.newest(4) == 9
+    assert c.add(9, [2, 3], 1) and c.newest(4) == 9
     for step in (14, 19, 24):
-        c.add(step, [0])
-    assert sorted(c.covered) == [9, 14, 19, 24] and not c.add(2, [0, 1, 2, 3])  # KEEP newest
-    c.forget_after(14)  # restored step 14... which never covered everything: 9 is newest
+        c.add(step, [0], 1)
+    assert sorted(c.covered) == [9, 14, 19, 24] and not c.add(2, [0, 1, 2, 3], 1)  # KEEP newest
+    c.restored(2, 14)  # restored step 14... which never covered everything: 9 is newest
     assert sorted(c.covered) == [9, 14] and c.newest(4) == 9
-    assert Checkpoints.from_json(c.to_json()) == c
+    assert not c.add(19, [1], 1)  # stale: written before generation 2 went back to step 14
+    assert c.add(19, [1], 2)
+    assert Checkpoints.from_json(json.loads(json.dumps(c.to_json()))) == c
+    older_daemon = {"9": [0, 1, 2, 3]}  # the snapshot of a daemon from before restores were kept
+    assert Checkpoints.from_json(older_daemon).newest(4) == 9
 
 
 def test_a_lost_layer_with_a_checkpoint_is_a_restore_plan_on_the_survivors() -> None:

@@ -26,6 +26,7 @@ NAMES = {
     "chameleon_generation_attempt": "gauge",
     "chameleon_redis_up": "gauge",
     "chameleon_job_state": "gauge",
+    "chameleon_checkpoint_step": "gauge",
 }
 
 
@@ -43,6 +44,7 @@ def populated() -> Metrics:
     m.generation.set(3)
     m.attempt.set(2)
     m.set_phase(Phase.TRANSITIONING)
+    m.checkpoint_step.set(19)
     return m
 
 

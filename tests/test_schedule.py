@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from chameleond.core.plan import Pipeline, Stage
-from chameleond.core.schedule import BACKWARD, FORWARD, Op, build_schedule, slot_queue
+from chameleond.core.schedule import (
+    BACKWARD,
+    FORWARD,
+    Op,
+    build_schedule,
+    idle_before,
+    slot_queue,
+)
 
 Routing = list[list[list[str]]]
 
@@ -111,3 +118,21 @@ def test_rerouting_fills_bubbles_below_the_conservative_bound() -> None:
     conservative = (n_stages + n_micro - 1 + n_micro * 1 / (2 - 1)) * 3.0
     failure_free = (n_stages + n_micro - 1) * 3.0
     assert failure_free < sch.makespan <= conservative
+
+
+@given(n_stages=st.integers(1, 6), n_micro=st.integers(1, 10))
+def test_the_bubbles_of_1f1b_are_where_each_stage_waits(n_stages: int, n_micro: int) -> None:
+    """Every stage is idle (p - 1)(F + B) of a step; the last waits only at the start, for its
+    first input; the first never waits at the start and finishes last."""
+    tf, tb = 1.0, 2.0
+    pipes, routing = _grid(1, n_stages, n_micro)
+    sch = build_schedule(pipes, routing, lambda p, s, k, w: tf if k == FORWARD else tb, _no_comm)
+    for s in range(n_stages):
+        idle = idle_before(sch.ops[f"w0.{s}"], sch.makespan)
+        assert len(idle) == len(sch.ops[f"w0.{s}"]) + 1
+        assert abs(sum(idle) - (n_stages - 1) * (tf + tb)) < 1e-9
+        assert abs(idle[0] - s * tf) < 1e-9  # the warm-up: waiting for the first activation
+    first = idle_before(sch.ops["w0.0"], sch.makespan)
+    last = idle_before(sch.ops[f"w0.{n_stages - 1}"], sch.makespan)
+    assert first[-1] == 0.0  # stage 0 runs the step's last backward
+    assert sum(last[1:-1]) == 0.0  # the last stage, once started, never waits mid-step

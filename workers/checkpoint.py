@@ -1,13 +1,24 @@
-"""Per-worker checkpoints: the baseline that backup-free recovery is measured against.
+"""Per-worker checkpoint files: the fallback when backup-free recovery is impossible, and the
+baseline it is measured against.
 
 With `--checkpoint-dir DIR --checkpoint-every N`, a worker writes the layers it owns (parameters
-and AdamW state, the same flat buffers a migration sends) after every N-th committed step,
-atomically, to `DIR/{worker}-{step}.pt`, keeping its two newest. A kill can interrupt one round of
-checkpoints, leaving workers at different steps; so a worker started with the same directory loads
-the newest step that every worker in the directory has written (the directory must be shared by
-the job's workers, as on one machine or a shared filesystem). Its layers come back at that step and
-the generation's reconciliation (workers.migrate) treats them like any other copy. No sample is
-repeated or skipped: the next step follows the step the job resumes from.
+and AdamW state, the flat buffers a migration sends: LayerState.state_buffer) after every N-th
+committed step to `DIR/{worker}-{step}.safetensors`, keeping its two newest. How the write is
+scheduled (in pipeline bubbles, or stopping training) is workers.saver's business; this module is
+the files.
+
+The format is safetensors (an 8-byte little-endian header length, a JSON header, the raw bytes):
+one float32 tensor `layer.{i}` per layer, and the step, the worker and the model's architecture
+in the header's `__metadata__`. It can be written a piece at a time, straight from the live
+tensors (`FileWriter`), and any safetensors reader opens it. A file gets its final name only once
+complete (written to `.tmp`, then renamed), so a crash never leaves a partial checkpoint.
+
+A kill can interrupt one round of checkpoints, leaving workers at different steps; so a worker
+started with the same directory loads the newest step that every worker in the directory has
+written (`load`; the directory must be shared by the job's workers, as on one machine or a shared
+filesystem). Its layers come back at that step and the generation's reconciliation
+(workers.migrate) treats them like any other copy. No sample is repeated or skipped: the next step
+follows the step the job resumes from.
 
 After each checkpoint the worker reports a `checkpoint` event (the step, the layers written). When
 a fault leaves some layer with no copy in any worker's memory, the daemon publishes a `restore`
@@ -18,53 +29,145 @@ replaces what it holds by its layers of that step, read from whichever worker's 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from workers.migrate import StateLost
-from workers.model import LayerState
+from workers.model import Arch, LayerState
 from workers.state import WorkerState
 
 log = logging.getLogger("chameleon.worker")
 
-
 KEEP = 2
+SUFFIX = ".safetensors"
+_F32 = 4  # bytes per element
 
 
 def checkpoint_path(directory: Path, worker: str, step: int) -> Path:
-    return directory / f"{worker}-{step:09d}.pt"
+    return directory / f"{worker}-{step:09d}{SUFFIX}"
 
 
 def written(directory: Path) -> dict[str, set[int]]:
     """worker -> steps with a complete checkpoint file in `directory`."""
     out: dict[str, set[int]] = {}
-    for path in directory.glob("*-*.pt"):
-        worker, _, step = path.stem.rpartition("-")
+    for path in directory.glob(f"*-*{SUFFIX}"):
+        worker, _, step = path.name.removesuffix(SUFFIX).rpartition("-")
         if step.isdigit():
             out.setdefault(worker, set()).add(int(step))
     return out
 
 
+class FileWriter:
+    """One checkpoint file, written piece by piece in the layers' order, then `commit`ted."""
+
+    def __init__(
+        self, directory: Path, worker: str, step: int, arch: Arch, numel: Mapping[int, int]
+    ) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory, self.worker, self.step = directory, worker, step
+        self.path = checkpoint_path(directory, worker, step)
+        self._tmp = self.path.with_suffix(".tmp")
+        header: dict[str, Any] = {
+            "__metadata__": {"step": str(step), "worker": worker, "arch": json.dumps(asdict(arch))}
+        }
+        offset = 0
+        for i, n in numel.items():
+            header[f"layer.{i}"] = {
+                "dtype": "F32",
+                "shape": [n],
+                "data_offsets": [offset, offset + n * _F32],
+            }
+            offset += n * _F32
+        self.nbytes = offset
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - open across a step's bubbles
+        self._file.write(struct.pack("<Q", len(text)) + text)
+
+    def write(self, piece: torch.Tensor) -> None:
+        """The next piece of the data, a flat float32 tensor (copied to the host if elsewhere)."""
+        data = piece.detach().to("cpu", torch.float32).contiguous()
+        self._file.write(data.numpy().data.cast("B"))
+
+    def commit(self) -> Path:
+        """Give the file its final name; delete this worker's files but the newest KEEP."""
+        self._file.close()
+        if os.path.getsize(self._tmp) < self.nbytes:
+            raise OSError(f"checkpoint {self._tmp} is shorter than its header says")
+        os.replace(self._tmp, self.path)
+        for old in sorted(written(self.directory).get(self.worker, set()))[:-KEEP]:
+            checkpoint_path(self.directory, self.worker, old).unlink(missing_ok=True)
+        return self.path
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
 def save(directory: Path, worker: str, state: WorkerState, owned: tuple[int, ...]) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_path(directory, worker, state.committed_step)
-    tmp = path.with_suffix(".tmp")
-    torch.save(
-        {
-            "step": state.committed_step,
-            "arch": asdict(state.arch),
-            "layers": {i: state.layer(i).state_buffer().cpu() for i in owned},
-        },
-        tmp,
-    )
-    os.replace(tmp, path)  # a crash mid-write leaves no partial checkpoint under a final name
-    for old in sorted(written(directory).get(worker, set()))[:-KEEP]:
-        checkpoint_path(directory, worker, old).unlink(missing_ok=True)
-    return path
+    """Write the layers `owned` at the committed step, all at once."""
+    parts = {i: state.layer(i).state_parts() for i in owned}
+    numel = {i: sum(p.numel() for p in ps) for i, ps in parts.items()}
+    out = FileWriter(directory, worker, state.committed_step, state.arch, numel)
+    for ps in parts.values():
+        for p in ps:
+            out.write(p)
+    return out.commit()
+
+
+def read(path: Path) -> tuple[int, dict[str, Any], dict[int, torch.Tensor]]:
+    """(step, arch as a mapping, layer -> state buffer) of one file. Raises OSError or
+    ValueError for a file that is not a complete checkpoint."""
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ValueError(f"{path}: not a checkpoint (too short)")
+    (n,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + n])
+        meta = header.pop("__metadata__")
+        step, arch = int(meta["step"]), json.loads(meta["arch"])
+        layers = {}
+        for name, t in header.items():
+            begin, end = (8 + n + o for o in t["data_offsets"])
+            if t["dtype"] != "F32" or end > len(data) or name[:6] != "layer.":
+                raise ValueError(f"tensor {name} is not a float32 layer inside the file")
+            layers[int(name[6:])] = torch.frombuffer(
+                bytearray(data[begin:end]), dtype=torch.float32
+            )
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: malformed checkpoint header ({e!r})") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return step, arch, layers
+
+
+def _readable(path: Path, arch: Arch) -> dict[int, torch.Tensor] | None:
+    """The layers of `path`, or None (logged) when it cannot be read or is of another model."""
+    try:
+        _, written_for, layers = read(path)
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable checkpoint %s: %s", path, e)
+        return None
+    if written_for != asdict(arch):
+        log.warning("ignoring checkpoint %s: written for another model %s", path, written_for)
+        return None
+    return layers
+
+
+def _install(state: WorkerState, layers: Mapping[int, torch.Tensor], step: int) -> None:
+    for i, buf in layers.items():
+        layer = LayerState(state.arch, i, state.device)
+        layer.load_buffer(buf.to(state.device), step)
+        state.layers[i] = layer
+    state.committed_step = step
 
 
 def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, ...]) -> None:
@@ -72,29 +175,18 @@ def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, .
     and delete the files of later steps. Raises StateLost when some layer is in no readable file
     of the step."""
     found: dict[int, torch.Tensor] = {}
-    for path in sorted(directory.glob(f"*-{step:09d}.pt")):
+    for path in sorted(directory.glob(f"*-{step:09d}{SUFFIX}")):
         if set(layers) <= found.keys():
             break
-        try:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError) as e:
-            log.warning("ignoring unreadable checkpoint %s: %s", path, e)
-            continue
-        if data.get("arch") != asdict(state.arch):
-            continue
-        for i, buf in data["layers"].items():
-            if int(i) in layers:
-                found.setdefault(int(i), buf)
+        for i, buf in (_readable(path, state.arch) or {}).items():
+            if i in layers:
+                found.setdefault(i, buf)
     missing = sorted(set(layers) - found.keys())
     if missing:
         raise StateLost(f"no checkpoint file of step {step} in {directory} has layers {missing}")
     state.discard_step()
     state.layers = {}
-    for i, buf in found.items():
-        layer = LayerState(state.arch, i, state.device)
-        layer.load_buffer(buf.to(state.device), step)
-        state.layers[i] = layer
-    state.committed_step = step
+    _install(state, found, step)
     log.info("restored layers %s from the checkpoint of step %d", sorted(found), step)
     # Later files describe a past the job now trains again: a later restore or restart must not
     # read them (every worker of the plan deletes them; the others are gone).
@@ -115,18 +207,9 @@ def load(directory: Path, worker: str, state: WorkerState) -> int | None:
         return None
     step = max(common)
     path = checkpoint_path(directory, worker, step)
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as e:
-        log.warning("ignoring unreadable checkpoint %s: %s", path, e)
+    layers = _readable(path, state.arch)
+    if layers is None:
         return None
-    if data.get("arch") != asdict(state.arch):
-        log.warning("ignoring checkpoint %s: written for another model %s", path, data.get("arch"))
-        return None
-    for i, buf in data["layers"].items():
-        layer = LayerState(state.arch, int(i), state.device)
-        layer.load_buffer(buf.to(state.device), step)
-        state.layers[int(i)] = layer
-    state.committed_step = step
-    log.info("loaded checkpoint %s: step %d, layers %s", path, step, sorted(state.layers))
+    _install(state, layers, step)
+    log.info("loaded checkpoint %s: step %d, layers %s", path, step, sorted(layers))
     return step

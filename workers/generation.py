@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from chameleond.core.plan import Plan, SyncGroup
-from chameleond.core.schedule import BACKWARD, Op, build_schedule
+from chameleond.core.schedule import BACKWARD, Op, build_schedule, idle_before
 from chameleond.protocol import Keys
 from workers.backend import DeviceChoice, build_communicator, new_group
 from workers.p2p import Batch, rendezvous_fault, step_batches
@@ -65,6 +65,9 @@ class Generation:
     world_group: Any = None
     sync_groups: dict[int, Any] = field(default_factory=dict)  # index in plan.sync_groups -> group
     aborted: str | None = None  # why the groups were aborted from another thread (see abort)
+    # Idle time in the op order's timeline before each op, then after the last (schedule.
+    # idle_before): where its checkpoint writes go until bubbles are measured (workers.saver).
+    idle: list[float] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -88,6 +91,9 @@ class Generation:
         batches = step_batches(plan, order, [me] if device.backend == "gloo" else None)
         mine = order.get(me, [])
         gen = cls(plan, me, device, plan.workers, mine, batches.get(me, []), incarnation, attempt)
+        gen.idle = idle_before(
+            mine, max((op.end for ops in order.values() for op in ops), default=0)
+        )
         gen.check_ownership()
         if device.backend != "gloo":  # no tags, and a send may wait for its receive
             why = rendezvous_fault(batches)

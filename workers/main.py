@@ -31,6 +31,7 @@ from workers.events import connection_name, new_incarnation
 from workers.hooks import fault_hook_error
 from workers.model import ArchError
 from workers.runtime import WorkerConfig, WorkerRuntime
+from workers.saver import BUBBLE, MODES
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -85,13 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         type=Path,
         default=None,
-        help="checkpoint directory shared by the job's workers ({worker}-{step}.pt), read at start",
+        help="checkpoint directory shared by the job's workers ({worker}-{step}.safetensors), "
+        "read at start",
     )
     p.add_argument(
         "--checkpoint-every",
         type=int,
         default=0,
         help="write a checkpoint after every N-th committed step (with --checkpoint-dir; 0: never)",
+    )
+    p.add_argument(
+        "--checkpoint-mode",
+        choices=MODES,
+        default=BUBBLE,
+        help="bubble: copy the state in the next step's pipeline bubbles and write it in the "
+        "background; sync: stop training to write it (default %(default)s)",
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING (default INFO)")
     return p
@@ -161,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
+        checkpoint_mode=args.checkpoint_mode,
     )
     runtime = WorkerRuntime(cfg, client)
 

@@ -164,7 +164,9 @@ class LayerState:
         """Parameters, then per parameter: AdamW step, exp_avg, exp_avg_sq."""
         return sum(1 + 3 * p.numel() for p in self.params())
 
-    def state_buffer(self) -> torch.Tensor:
+    def state_parts(self) -> list[torch.Tensor]:
+        """The pieces of `state_buffer`, in order, as flat views of the live state where they can
+        be (a checkpoint copies them one by one, in pipeline bubbles: workers.saver)."""
         parts: list[torch.Tensor] = []
         for p in self.params():
             parts.append(p.detach().reshape(-1).float())
@@ -175,7 +177,10 @@ class LayerState:
                 parts += [step, st["exp_avg"].reshape(-1), st["exp_avg_sq"].reshape(-1)]
             else:  # no step applied yet: zeros say "fresh"
                 parts.append(torch.zeros(1 + 2 * p.numel(), device=p.device))
-        return torch.cat(parts)
+        return parts
+
+    def state_buffer(self) -> torch.Tensor:
+        return torch.cat(self.state_parts())
 
     def load_buffer(self, buf: torch.Tensor, version: int) -> None:
         params = self.params()

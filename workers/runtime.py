@@ -53,6 +53,7 @@ from workers.migrate import StateLost, reconcile
 from workers.outbox import OUTAGE_ERRORS, through_outage
 from workers.profile import TrainingMeter
 from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned
+from workers.saver import BUBBLE, Saver, Written
 from workers.startup import Joined, join
 from workers.state import WorkerState
 from workers.step import StepRunner
@@ -81,6 +82,7 @@ class WorkerConfig:
     max_steps: int = 0  # stop after committing step max_steps - 1; 0: train until fenced
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0: none
+    checkpoint_mode: str = BUBBLE  # record them in pipeline bubbles, or stop and write (SYNC)
 
 
 class Fenced(Exception):
@@ -108,6 +110,7 @@ class WorkerRuntime:
         self.trained_key = self.keys.prefix + "workers:trained"
         self._marked_trained = False
         self._restored = 0  # the last `restore` plan whose checkpoint this process loaded
+        self.saver: Saver | None = None  # with --checkpoint-every, once the model is known
 
     def run(self) -> int:
         cfg = self.cfg
@@ -118,8 +121,13 @@ class WorkerRuntime:
         self.heartbeat.start()
         self.watcher.start()
         state = WorkerState(joined.arch, cfg.device.torch_device)
-        if self.cfg.checkpoint_dir is not None:
-            checkpoint.load(self.cfg.checkpoint_dir, self.cfg.worker_id, state)
+        if cfg.checkpoint_dir is not None:
+            checkpoint.load(cfg.checkpoint_dir, cfg.worker_id, state)
+            if cfg.checkpoint_every:
+                self.saver = Saver(
+                    cfg.checkpoint_dir, cfg.worker_id, joined.arch, cfg.checkpoint_every,
+                    self._checkpoint_written, cfg.checkpoint_mode,
+                )  # fmt: skip
         try:
             code = self.follow_plans(state, joined)
         finally:
@@ -343,6 +351,9 @@ class WorkerRuntime:
         checkpoint.restore(self.cfg.checkpoint_dir, state, plan.restore_step, owned)
         self._restored = plan.generation
 
+    def _checkpoint_written(self, written: Written) -> None:
+        self.reporter.send("checkpoint", written.fields())
+
     def _job_trained(self) -> bool:
         seconds = self.cfg.group_timeout.total_seconds()
         found = through_outage(lambda: self.redis.exists(self.trained_key), seconds, "reconcile")
@@ -363,50 +374,57 @@ class WorkerRuntime:
         after_vote = vote_hook(self.cfg.kill_at)
         on_op = step_hook(self.cfg.kill_at)
         first = True
-        while not self.stopping:
-            t0 = time.perf_counter()
-            result = runner.run(step, on_op=on_op)
-            state.mark_pending(step, result.layers)
-            vote = torch.zeros((len(gen.world), 3), dtype=torch.float64)
-            vote[gen.rank] = torch.tensor(
-                [result.loss_sum, 1.0, float(self.watcher.newest_generation)], dtype=torch.float64
-            )
-            voted = time.perf_counter()
-            vote = allreduce_sum(gen.world_group, vote, state.device)
-            gen.check()
-            if after_vote is not None:
-                after_vote(step)
-            vote_seconds = time.perf_counter() - voted
-            meter.vote(vote_seconds)
-            loss = float(vote[:, 0].sum().item()) / plan.global_batch
-            meter.begin()
-            with computing():
-                state.apply_pending(plan.global_batch)
-            meter.update(result.layers)
-            seconds = time.perf_counter() - t0
-            if first:
-                dropped = state.drop_except(owned)
-                if dropped:
-                    log.info("dropped layers %s: their new owners committed a step", dropped)
-            self._report_step(plan, step, loss, seconds, vote_seconds)
-            if first:
-                meter.restart()  # the first step pays for the generation's warm-up
-                first = False
-            elif (profile := meter.step_done()) is not None:
-                self.reporter.send("profile", {"data": json.dumps(profile)})
-            if not self._marked_trained:
-                self.reporter.set_key(self.trained_key, "1")  # before any later fault report
-                self._marked_trained = True
-            every, directory = self.cfg.checkpoint_every, self.cfg.checkpoint_dir
-            if every and directory is not None and (step + 1) % every == 0:
-                checkpoint.save(directory, gen.me, state, owned)
-                layers = ",".join(map(str, owned))
-                self.reporter.send("checkpoint", {"step": step, "layers": layers})
-            step += 1
-            if self.cfg.max_steps and step >= self.cfg.max_steps:
-                raise Finished
-            if int(vote[:, 2].max().item()) > plan.generation:
-                return
+        saver = self.saver
+        bubble = None if saver is None else saver.bubble
+        try:
+            while not self.stopping:
+                t0 = time.perf_counter()
+                result = runner.run(step, on_op=on_op, bubble=bubble)
+                state.mark_pending(step, result.layers)
+                vote = torch.zeros((len(gen.world), 3), dtype=torch.float64)
+                vote[gen.rank] = torch.tensor(
+                    [result.loss_sum, 1.0, float(self.watcher.newest_generation)],
+                    dtype=torch.float64,
+                )
+                voted = time.perf_counter()
+                vote = allreduce_sum(gen.world_group, vote, state.device)
+                gen.check()
+                if after_vote is not None:
+                    after_vote(step)
+                vote_seconds = time.perf_counter() - voted
+                meter.vote(vote_seconds)
+                loss = float(vote[:, 0].sum().item()) / plan.global_batch
+                if saver is not None:
+                    saver.flush()  # the update changes what it writes: finish it first
+                meter.begin()
+                with computing():
+                    state.apply_pending(plan.global_batch)
+                meter.update(result.layers)
+                seconds = time.perf_counter() - t0
+                if first:
+                    dropped = state.drop_except(owned)
+                    if dropped:
+                        log.info("dropped layers %s: their new owners committed a step", dropped)
+                self._report_step(plan, step, loss, seconds, vote_seconds)
+                if first:
+                    meter.restart()  # the first step pays for the generation's warm-up
+                    first = False
+                elif (profile := meter.step_done()) is not None:
+                    self.reporter.send("profile", {"data": json.dumps(profile)})
+                if not self._marked_trained:
+                    self.reporter.set_key(self.trained_key, "1")  # before any later fault report
+                    self._marked_trained = True
+                if saver is not None:
+                    saver.observe(plan.generation, runner.waits, vote_seconds)
+                    saver.committed(state, plan.generation, owned, gen.idle)
+                step += 1
+                if self.cfg.max_steps and step >= self.cfg.max_steps:
+                    raise Finished
+                if int(vote[:, 2].max().item()) > plan.generation:
+                    return
+        finally:
+            if saver is not None:
+                saver.flush()  # the checkpoint under way is of a committed step: finish it
 
     def _report_step(
         self, plan: Plan, step: int, loss: float, seconds: float, vote_seconds: float

@@ -15,6 +15,7 @@ division by B happens once, at commit (LayerState.apply_update).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,10 @@ class StepRunner:
         self._inbox: dict[int, tuple[Any, torch.Tensor]] = {}  # posted receives
         self._sent: list[tuple[Any, torch.Tensor]] = []
         self._local: dict[int, torch.Tensor] = {}  # messages to itself
+        # Wall seconds the last step waited before each op for its input, then after the last op
+        # for its sends and the gradient sync: the bubbles as they really are (workers.saver).
+        self.waits = [0.0] * (len(gen.ops) + 1)
+        self._waiting_since = 0.0
 
     # point-to-point ---------------------------------------------------------------------------
 
@@ -99,16 +104,19 @@ class StepRunner:
 
     # the step ---------------------------------------------------------------------------------
 
-    def run(self, step: int, on_op: Any = None) -> StepResult:
+    def run(self, step: int, on_op: Any = None, bubble: Any = None) -> StepResult:
+        """`bubble(i)`, if given, is called where the op order's timeline has this worker idle
+        before op i (i = number of ops: after the last): once the op's batches are issued, before
+        it waits for its input (workers.saver)."""
         try:
-            return self._run(step, on_op)
+            return self._run(step, on_op, bubble)
         finally:
             # Pending transfers hold the group; a failed step must not keep it (and its sockets)
             # open.
             for box in (self._outbox, self._inbox, self._sent, self._local):
                 box.clear()
 
-    def _run(self, step: int, on_op: Any) -> StepResult:
+    def _run(self, step: int, on_op: Any, bubble: Any) -> StepResult:
         plan, st = self.gen.plan, self.state
         dev = st.device
         stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -118,18 +126,21 @@ class StepRunner:
         for i, op in enumerate(self.gen.ops):
             if on_op is not None:
                 on_op(step, i, len(self.gen.ops))
-            if self.meter is not None:
-                self.meter.begin()
             while batch is not None and batch.before <= i:
                 self._issue(batch)
                 batch = next(batches, None)
+            if bubble is not None:
+                bubble(i)
+            if self.meter is not None:
+                self.meter.begin()  # after the bubble's work: not the op's
+            self._waiting_since = time.perf_counter()
             stages = plan.pipelines[op.pipeline].stages
             layers = [st.layer(j) for j in stages[op.stage].layers]
             last = op.stage == len(stages) - 1
             key = (op.pipeline, op.stage, op.micro_batch)
             if op.kind == FORWARD:
                 x = self._forward_input(op, step)
-                self._inputs_ready()
+                self._inputs_ready(i)
                 with computing():
                     out = run_layers(layers, x)
                     if last:
@@ -146,7 +157,7 @@ class StepRunner:
                 x, out = stash.pop(key)
                 grad_in = backward_input(op, len(stages))
                 grad = None if grad_in is None else self._recv(*grad_in)  # None: from the loss
-                self._inputs_ready()
+                self._inputs_ready(i)
                 with computing():
                     out.backward(grad)
                 grad_out = backward_output(op)
@@ -158,6 +169,9 @@ class StepRunner:
         while batch is not None:
             self._issue(batch)
             batch = next(batches, None)
+        if bubble is not None:
+            bubble(len(self.gen.ops))
+        self._waiting_since = time.perf_counter()
         for work, _ in self._sent:
             work.wait()
         self._sent.clear()
@@ -167,9 +181,14 @@ class StepRunner:
                 f"outputs not sent, {len(self._inbox)} messages received for no op"
             )
         self._sync_gradients()
+        self._waited(len(self.gen.ops))
         return StepResult(loss_sum, plan.owned_layers(self.gen.me))
 
-    def _inputs_ready(self) -> None:
+    def _waited(self, i: int) -> None:
+        self.waits[i] = time.perf_counter() - self._waiting_since
+
+    def _inputs_ready(self, i: int) -> None:
+        self._waited(i)
         if self.meter is not None:
             self.meter.inputs_ready()
 

@@ -1,4 +1,4 @@
-"""Benchmarks that print figures: `chameleonctl bench planner|ingest|recovery [--json]`."""
+"""Benchmarks that print figures: `chameleonctl bench BENCH [--json]`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ BENCHES = {
     "planner": "chameleond.cli.bench_planner",
     "ingest": "chameleond.cli.bench_ingest",
     "recovery": "chameleond.cli.bench_recovery",
+    "checkpoint": "chameleond.cli.bench_checkpoint",
 }
 
 

@@ -128,15 +128,22 @@ class Holdings:
 
 @dataclass
 class Checkpoints:
-    """Checkpoint steps and the layers written at each, the newest `KEEP` steps."""
+    """Checkpoint steps and the layers written at each, the newest `KEEP` steps.
+
+    A restore (generation g, step s) makes the files of steps after s a past that is gone: the
+    workers of g delete them, and a report of one, written before g and arriving after it, is
+    stale."""
 
     KEEP = 4  # a few rounds: a kill can leave the newest round incomplete
 
     covered: dict[int, set[int]] = field(default_factory=dict)
+    restore: tuple[int, int] | None = None  # (generation, step) of the newest restore plan
 
-    def add(self, step: int, layers: Iterable[int]) -> bool:
-        """Record a worker's files at `step`; False when it adds nothing (a repeat, or older
-        than every step kept)."""
+    def add(self, step: int, layers: Iterable[int], generation: int) -> bool:
+        """Record a worker's files at `step`, committed under `generation`; False when it adds
+        nothing (a repeat, older than every step kept, or stale)."""
+        if self.restore is not None and generation < self.restore[0] and step > self.restore[1]:
+            return False
         full = step not in self.covered and len(self.covered) >= self.KEEP
         if full and step < min(self.covered):
             return False
@@ -154,13 +161,22 @@ class Checkpoints:
         full = [s for s, layers in self.covered.items() if layers >= set(range(n_layers))]
         return max(full, default=None)
 
-    def forget_after(self, step: int) -> None:
-        """Training resumes after `step`: files of later steps describe a past that is gone."""
+    def restored(self, generation: int, step: int) -> None:
+        """Generation `generation` trains again from `step`."""
         self.covered = {s: ls for s, ls in self.covered.items() if s <= step}
+        self.restore = (generation, step)
 
-    def to_json(self) -> dict[str, list[int]]:
-        return {str(s): sorted(ls) for s, ls in sorted(self.covered.items())}
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "covered": {str(s): sorted(ls) for s, ls in sorted(self.covered.items())},
+            "restore": list(self.restore) if self.restore else None,
+        }
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> Checkpoints:
-        return cls({int(s): {int(x) for x in ls} for s, ls in d.items()})
+        covered = d.get("covered", d)  # an older daemon kept the steps alone
+        restore = d.get("restore")
+        return cls(
+            {int(s): {int(x) for x in ls} for s, ls in covered.items()},
+            (int(restore[0]), int(restore[1])) if restore else None,
+        )

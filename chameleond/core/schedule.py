@@ -174,3 +174,16 @@ def build_schedule(
             Op(op.kind, p, s, mb, w, op.upstream, op.downstream, ready, end)
         )
     return Schedule(ops=ops, makespan=makespan)
+
+
+def idle_before(ops: Sequence[Op], makespan: float) -> list[float]:
+    """One executor's idle time in the timeline: before each of its ops (the wait for that op's
+    input: the warm-up bubble, and the gaps of the steady phase and the cool-down), then, as one
+    more element, from its last op to the end of the step (the cool-down bubble of later stages).
+    These are the bubbles BAFT records checkpoints in (PAPER.md section 9)."""
+    idle, free = [], 0.0
+    for op in ops:
+        idle.append(max(0.0, op.start - free))
+        free = op.end
+    idle.append(max(0.0, makespan - free))
+    return idle

@@ -173,7 +173,7 @@ class Decisions:
                 else:
                     job.follow_up = _follow_up(decision, plan, force)
                     if plan.restore_step is not None:
-                        job.checkpoints.forget_after(plan.restore_step)
+                        job.checkpoints.restored(plan.generation, plan.restore_step)
                     published = await self.committer.publish(plan, record, acks)
         if published is not None:
             seconds = time.time() - request.first_event_at if request.faults else None

@@ -79,6 +79,12 @@ class Metrics:
             "failed with nobody gone and was built again.",
             registry=r,
         )
+        self.checkpoint_step = Gauge(
+            "chameleon_checkpoint_step",
+            "Newest step whose checkpoint files cover every layer: what a restore would load "
+            "(-1: none).",
+            registry=r,
+        )
         self.job_state = Gauge(
             "chameleon_job_state",
             "1 for the job's current phase, 0 for the others.",

@@ -1,0 +1,159 @@
+"""Checkpoints in pipeline bubbles (workers.saver): placement, a snapshot that is the committed
+step's state whatever runs meanwhile, and the background write. Real tensors and files; the end to
+end proof (a job restored from bubble checkpoints retrains the same losses) is in test_up.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from worker_harness import tiny_spec
+
+from chameleond.core.decide import initial_plan
+from chameleond.core.schedule import idle_before
+from chameleond.core.spec import parse_spec
+from workers import checkpoint
+from workers.generation import op_order
+from workers.model import Arch, run_layers
+from workers.saver import BUBBLE, MODES, SYNC, Saver, Snapshot, Written, place
+from workers.state import WorkerState
+
+ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
+CPU = torch.device("cpu")
+
+
+def test_pieces_fill_the_slots_in_proportion_to_their_idle_time() -> None:
+    assert place([1] * 8, [0.0, 3.0, 0.0, 1.0]) == [1, 1, 1, 1, 1, 1, 3, 3]
+    assert place([1, 1, 1], [0.0, 0.0]) == [1, 1, 1]  # no bubble: after the last op
+    slots = place([5, 1, 9, 2, 7], [0.5, 0.0, 2.0, 1.5])
+    assert slots == sorted(slots) and 1 not in slots  # in order; an idle-free slot gets nothing
+    with pytest.raises(ValueError):
+        place([1], [])
+
+
+def trained_state(owned: range, steps: int = 2) -> WorkerState:
+    """Layers with AdamW state after `steps` committed updates on random gradients."""
+    state = WorkerState(ARCH, CPU)
+    for i in owned:
+        state.build_from_seed(i)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(steps):
+        for i in owned:
+            for p in state.layer(i).params():
+                p.grad = torch.randn(p.shape, generator=gen)
+        state.mark_pending(step, owned)
+        state.apply_pending(12)
+    return state
+
+
+def idle_of_a_stage() -> list[float]:
+    """The bubbles of a stage-1 worker of a real plan (2 pipelines x 2 stages)."""
+    plan = initial_plan(parse_spec(tiny_spec("t", workers=4, stages=2)))
+    order = op_order(plan)
+    makespan = max(op.end for ops in order.values() for op in ops)
+    return idle_before(order[plan.pipelines[0].stages[1].worker], makespan)
+
+
+def test_a_checkpoint_written_across_a_step_is_the_committed_state(tmp_path: Path) -> None:
+    state = trained_state(range(ARCH.n_layers))
+    committed = {i: state.layer(i).state_buffer().clone() for i in state.layers}
+    idle = idle_of_a_stage()
+    assert sum(idle) > 0 and idle[0] > 0  # a later stage waits for its first activation
+    snap = Snapshot(tmp_path, "w1", state, 4, sorted(state.layers), idle)
+    x = torch.randint(0, ARCH.vocab, (2, ARCH.seq_len))
+    for slot in range(len(idle)):  # the next step runs: forwards and backwards between writes
+        assert checkpoint.written(tmp_path) == {}  # no final name before the last piece
+        snap.write(slot)
+        run_layers([state.layer(i) for i in sorted(state.layers)], x).sum().backward()
+    assert snap.complete and snap.stall_seconds == 0.0 and snap.bubble_seconds > 0
+    state.mark_pending(2, tuple(state.layers))
+    state.apply_pending(12)  # the next update
+    step, arch, layers = checkpoint.read(checkpoint.checkpoint_path(tmp_path, "w1", 1))
+    assert (step, arch["d_model"], layers.keys()) == (1, ARCH.d_model, committed.keys())
+    for i, buf in committed.items():
+        assert torch.equal(layers[i], buf)
+        assert not torch.equal(state.layer(i).state_buffer(), buf)
+
+
+def test_the_file_is_safetensors(tmp_path: Path) -> None:
+    """Any safetensors reader opens it: the format, checked by hand against its specification."""
+    import json
+    import struct
+
+    state = trained_state(range(2))
+    path = checkpoint.save(tmp_path, "w0", state, (0, 1))
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    assert n % 8 == 0 and header.pop("__metadata__")["step"] == "1"
+    ends = [0]
+    for i in (0, 1):
+        t = header[f"layer.{i}"]
+        assert t["dtype"] == "F32" and t["data_offsets"][0] == ends[-1]  # contiguous, in order
+        assert t["data_offsets"][1] - t["data_offsets"][0] == 4 * t["shape"][0]
+        ends.append(t["data_offsets"][1])
+    assert len(raw) == 8 + n + ends[-1]
+    got = torch.frombuffer(bytearray(raw[8 + n :][: ends[1]]), dtype=torch.float32)
+    assert torch.equal(got, state.layer(0).state_buffer())
+
+
+def test_bubble_and_sync_checkpoints_write_the_same_file(tmp_path: Path) -> None:
+    owned = (0, 1, 2)
+    reports: list[Written] = []
+    for mode in (BUBBLE, SYNC):
+        state = trained_state(range(3))
+        saver = Saver(tmp_path / mode, "w0", ARCH, 2, reports.append, mode)
+        saver.committed(state, 5, owned, [0.0, 1.0, 2.0])
+        for slot in range(3):
+            saver.bubble(slot)
+        saver.flush()
+    bubble, sync = reports
+    assert (bubble.step, bubble.generation, bubble.layers) == (1, 5, owned)  # steps 0, 1: due
+    assert bubble.bytes == sync.bytes > 0
+    assert bubble.stall_seconds == 0.0 and bubble.bubble_seconds > 0
+    assert sync.bubble_seconds == 0.0 and sync.stall_seconds > 0
+    files = [checkpoint.checkpoint_path(tmp_path / m, "w0", 1).read_bytes() for m in MODES]
+    assert files[0] == files[1]
+
+
+def test_a_step_ended_early_writes_the_rest_before_anything_changes(tmp_path: Path) -> None:
+    reports: list[Written] = []
+    state = trained_state(range(2))
+    (tmp_path / "w1-000000000.tmp").write_bytes(b"partial")  # a kill mid-write, earlier
+    saver = Saver(tmp_path, "w1", ARCH, 1, reports.append)
+    assert not list(tmp_path.glob("*.tmp"))
+    saver.committed(state, 3, (0, 1), [1.0, 1.0, 1.0])
+    saver.bubble(0)  # a fault ends the step here
+    assert reports == []
+    saver.flush()
+    assert [w.step for w in reports] == [1] and reports[0].stall_seconds > 0
+    assert checkpoint.written(tmp_path) == {"w1": {1}}
+    saver.flush()  # nothing under way: nothing happens
+    assert len(reports) == 1
+
+
+def test_measured_bubbles_place_the_next_checkpoint(tmp_path: Path) -> None:
+    """After a measured step, the pieces follow where the worker really waited (plus what it
+    wrote there), not the op order's timeline; a new generation starts from the timeline again."""
+    state = trained_state(range(3))
+    saver = Saver(tmp_path, "w0", ARCH, 1, lambda w: None)
+    timeline = [1.0, 0.0, 0.0, 1.0]
+    saver.observe(7, [0.0, 0.0, 0.004, 0.0], vote_seconds=0.0)  # the wait is before op 2
+    saver.committed(state, 7, (0, 1, 2), timeline)
+    for slot in (0, 1):
+        saver.bubble(slot)
+        assert saver._snapshot is None  # nothing begins before the measured bubble
+    saver.bubble(2)
+    assert saver._snapshot is None and checkpoint.written(tmp_path) == {"w0": {1}}  # all there
+    # The next step waited 1 ms at op 2 after writing there: its idle is wait + write, averaged.
+    wrote = saver._wrote[2]
+    saver.observe(7, [0.0, 0.0, 0.001, 0.0], vote_seconds=0.002)
+    assert saver._idle is not None
+    idle = saver._idle[1]
+    assert idle[2] == pytest.approx((0.004 + 0.001 + wrote) / 2) and idle[3] == 0.001
+    state.mark_pending(2, (0, 1, 2))
+    state.apply_pending(12)
+    saver.committed(state, 8, (0, 1, 2), timeline)  # a new generation: the timeline's slots
+    saver.bubble(0)
+    assert saver._snapshot is not None and not saver._snapshot.complete
