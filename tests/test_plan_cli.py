@@ -71,3 +71,12 @@ def test_bench_planner_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
         "devices", "p50_seconds", "p99_seconds", "plans_considered", "optimality_gap",
     }  # fmt: skip
     assert rows[0]["devices"] == 8 and rows[0]["optimality_gap"] == 0.0
+
+
+def test_bench_checkpoint_rejects_a_layout_or_count_it_cannot_run(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "checkpoint", "--workers", "3", "--pp", "2"]) == 2
+    assert "--pp 2 does not divide --workers 3" in capsys.readouterr().err
+    assert main(["bench", "checkpoint", "--every", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err

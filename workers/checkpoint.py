@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -112,14 +112,21 @@ class FileWriter:
         self._tmp.unlink(missing_ok=True)
 
 
-def save(directory: Path, worker: str, state: WorkerState, owned: tuple[int, ...]) -> Path:
-    """Write the layers `owned` at the committed step, all at once."""
-    parts = {i: state.layer(i).state_parts() for i in owned}
+def open_layers(
+    directory: Path, worker: str, state: WorkerState, layers: Sequence[int]
+) -> tuple[FileWriter, list[torch.Tensor]]:
+    """The file of `layers` at the committed step, and the pieces to write to it, in order."""
+    parts = {i: state.layer(i).state_parts() for i in layers}
     numel = {i: sum(p.numel() for p in ps) for i, ps in parts.items()}
     out = FileWriter(directory, worker, state.committed_step, state.arch, numel)
-    for ps in parts.values():
-        for p in ps:
-            out.write(p)
+    return out, [p for ps in parts.values() for p in ps]
+
+
+def save(directory: Path, worker: str, state: WorkerState, owned: tuple[int, ...]) -> Path:
+    """Write the layers `owned` at the committed step, all at once."""
+    out, pieces = open_layers(directory, worker, state, owned)
+    for piece in pieces:
+        out.write(piece)
     return out.commit()
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from workers.checkpoint import FileWriter
+from workers.checkpoint import open_layers
 from workers.model import Arch
 from workers.state import WorkerState
 
@@ -100,10 +100,7 @@ class Snapshot:
         self.step = state.committed_step
         self.generation = generation
         self.layers = tuple(layers)
-        parts = {i: state.layer(i).state_parts() for i in self.layers}
-        numel = {i: sum(p.numel() for p in ps) for i, ps in parts.items()}
-        self.file = FileWriter(directory, worker, self.step, state.arch, numel)
-        pieces = [p for ps in parts.values() for p in ps]
+        self.file, pieces = open_layers(directory, worker, state, self.layers)
         self._due: dict[int, list[torch.Tensor]] = {}
         for piece, slot in zip(pieces, place([p.numel() for p in pieces], idle), strict=True):
             self._due.setdefault(slot, []).append(piece)
@@ -137,7 +134,7 @@ class Snapshot:
         if self.complete:
             self.file.commit()
 
-    def written(self) -> Written:
+    def result(self) -> Written:
         return Written(
             self.step, self.generation, self.layers, self.file.nbytes, self.bubble_seconds,
             self.stall_seconds,
@@ -249,4 +246,4 @@ class Saver:
             return
         if snapshot.complete:
             self._snapshot = None
-            self._report(snapshot.written())
+            self._report(snapshot.result())

@@ -32,7 +32,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from chameleond.cli.bench_recovery import _wait_steps, _warmed_up, _worker_ids
+from chameleond.cli.bench_cluster import spec_file, wait_steps, warmed_up, worker_ids
+from chameleond.core.spec import SpecError
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster
 from chameleond.local.monitor import StreamMonitor
 
@@ -54,30 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=240.0, help="per run, seconds")
 
 
-def _spec(args: argparse.Namespace, tmp: Path) -> Path:
-    from chameleond.cli.up import build_spec_document
-    from chameleond.jobs import load_default_spec
-
-    doc = build_spec_document(
-        load_default_spec(), job="bench", workers=args.workers, pp=args.pp, bind_addresses=[],
-        mtbf_prior_seconds=None,
-    )  # fmt: skip
-    path = tmp / "spec.json"
-    path.write_text(json.dumps(doc))
-    return path
-
-
 def _one_run(args: argparse.Namespace, spec: Path, run_dir: Path, mode: str) -> dict[str, Any]:
     ckpt = run_dir / "checkpoints"
     flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(args.every)]
     flags += ["--checkpoint-mode", mode]
     with (
         LocalCluster(
-            run_dir, job="bench", workers=_worker_ids(spec), spec_path=spec, worker_args=flags
+            run_dir, job="bench", workers=worker_ids(spec), spec_path=spec, worker_args=flags
         ) as cluster,
-        _warmed_up(cluster, args) as mon,
+        warmed_up(cluster, args.warmup, args.timeout) as mon,
     ):
-        _wait_steps(mon, cluster, args.warmup + args.steps, None, args.timeout)
+        wait_steps(mon, cluster, args.warmup + args.steps, None, args.timeout)
         mon.read_all()
     # Checkpoints every run finished: of the steps before the last committed (the checkpoint of
     # step s is written during step s + 1).
@@ -117,18 +105,21 @@ def _summary(events: list[Mapping[str, str]], runs: int, expected: int) -> dict[
 
 
 def run(args: argparse.Namespace) -> int:
-    if min(args.steps, args.every, args.rounds) < 1 or args.warmup < 1:
+    if min(args.steps, args.every, args.rounds, args.warmup, args.workers, args.pp) < 1:
         print("chameleonctl bench checkpoint: counts must be >= 1", file=sys.stderr)
         return 2
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     try:
         with tempfile.TemporaryDirectory(prefix="chameleon-bench-") as d:
             tmp = Path(d)
-            spec = _spec(args, tmp)
+            spec = spec_file(tmp, workers=args.workers, pp=args.pp)
             for r in range(args.rounds):
                 for mode in MODES:
                     runs[mode].append(_one_run(args, spec, tmp / f"{mode}-{r}", mode))
-            workers = len(_worker_ids(spec))
+            workers = len(worker_ids(spec))
+    except SpecError as e:
+        print(f"chameleonctl bench checkpoint: {e}", file=sys.stderr)
+        return 2
     except (ClusterError, Interrupted, KeyboardInterrupt) as e:
         print(f"chameleonctl bench checkpoint: {e}", file=sys.stderr)
         return 1

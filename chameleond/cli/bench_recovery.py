@@ -39,13 +39,11 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import redis
-
+from chameleond.cli.bench_cluster import spec_file, wait_steps, warmed_up, worker_ids
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import JobSpec, LayerProfile, load_spec
@@ -72,40 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--spec", type=Path, help="job description (default: the packaged job)")
     parser.add_argument("--timeout", type=float, default=240.0, help="per run, seconds")
-
-
-def _spec_path(args: argparse.Namespace, tmp: Path) -> Path:
-    if args.spec:
-        return Path(args.spec)
-    from chameleond.cli.up import build_spec_document
-    from chameleond.jobs import load_default_spec
-
-    doc = build_spec_document(
-        load_default_spec(),
-        job="bench",
-        workers=None,
-        pp=None,
-        bind_addresses=[],
-        mtbf_prior_seconds=None,
-    )
-    path = tmp / "spec.json"
-    path.write_text(json.dumps(doc))
-    return path
-
-
-def _worker_ids(spec: Path) -> list[str]:
-    return [w.id for w in load_spec(spec).workers]
-
-
-def _wait_steps(
-    mon: StreamMonitor, cluster: LocalCluster, n: int, gen: int | None, timeout: float
-) -> None:
-    def done() -> bool:
-        mon.poll(block_ms=50)
-        cluster.check_daemon()
-        return sum(1 for c in mon.commits if gen is None or c.generation == gen) >= n
-
-    wait_for(done, timeout, f"{n} committed steps" + (f" on generation {gen}" if gen else ""), 0)
 
 
 def _slowest_worker_seconds(mon: StreamMonitor, gen: int) -> list[float]:
@@ -194,28 +158,14 @@ def plan_rows(mon: StreamMonitor, run: str, base: JobSpec) -> list[dict[str, Any
     return rows
 
 
-@contextmanager
-def _warmed_up(cluster: LocalCluster, args: argparse.Namespace) -> Iterator[StreamMonitor]:
-    """Start the daemon and workers; yield the stream monitor once `--warmup` steps commit."""
-    cluster.start_daemon()
-    cluster.start_workers()
-    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
-    try:
-        mon = StreamMonitor(client, "bench")
-        _wait_steps(mon, cluster, args.warmup, None, args.timeout)
-        yield mon
-    finally:
-        client.close()
-
-
 def _kill_and_recover(
     args: argparse.Namespace, spec: Path, tmp: Path, policy: str
 ) -> dict[str, Any]:
     with (
         LocalCluster(
-            tmp / policy, job="bench", workers=_worker_ids(spec), spec_path=spec, policy=policy
+            tmp / policy, job="bench", workers=worker_ids(spec), spec_path=spec, policy=policy
         ) as cluster,
-        _warmed_up(cluster, args) as mon,
+        warmed_up(cluster, args.warmup, args.timeout) as mon,
     ):
         old_gen = mon.last_commit.generation if mon.last_commit else 0
         killed_at = cluster.kill_worker(args.victim)
@@ -227,7 +177,7 @@ def _kill_and_recover(
 
         wait_for(recovered, args.timeout, f"a step on a new plan after killing {args.victim}", 0)
         first = next(c for c in mon.commits if c.generation > old_gen)
-        _wait_steps(mon, cluster, args.after, first.generation, args.timeout)
+        wait_steps(mon, cluster, args.after, first.generation, args.timeout)
         mon.read_all()
         chosen = mon.plans.get(first.generation, {}).get("policy", policy)
         return {
@@ -242,12 +192,12 @@ def _restart(args: argparse.Namespace, spec: Path, tmp: Path) -> dict[str, Any]:
     """Checkpoints on; kill one worker; stop everything; start everything; resume."""
     ckpt = tmp / "checkpoints"
     flags = ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(args.checkpoint_every)]
-    workers = _worker_ids(spec)
+    workers = worker_ids(spec)
     with (
         LocalCluster(
             tmp / "restart", job="bench", workers=workers, spec_path=spec, worker_args=flags
         ) as cluster,
-        _warmed_up(cluster, args) as mon,
+        warmed_up(cluster, args.warmup, args.timeout) as mon,
     ):
         client = mon.client
         killed_at = cluster.kill_worker(args.victim)
@@ -264,7 +214,7 @@ def _restart(args: argparse.Namespace, spec: Path, tmp: Path) -> dict[str, Any]:
         mon = StreamMonitor(client, "bench")
         cluster.start_daemon()
         cluster.start_workers()
-        _wait_steps(mon, cluster, 1, None, args.timeout)
+        wait_steps(mon, cluster, 1, None, args.timeout)
         first = mon.commits[0]
         resumed_after = first.step - 1  # the checkpoint's step
         lost_steps = max(0, last_step - resumed_after)
@@ -291,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="chameleon-bench-") as d:
             tmp = Path(d)
-            spec = _spec_path(args, tmp)
+            spec = spec_file(tmp, args.spec)
             reroute = _kill_and_recover(args, spec, tmp, "reroute")
             dynamic = _kill_and_recover(args, spec, tmp, "dynamic")
             restart = _restart(args, spec, tmp)
