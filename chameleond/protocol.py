@@ -61,6 +61,17 @@ class Keys:
         return self.prefix + "spec"
 
     @property
+    def corpus(self) -> str:
+        """String: the digest of the corpus the job's workers read (the first worker sets it; a
+        worker whose corpus differs stops, exit 6)."""
+        return self.prefix + "corpus"
+
+    @property
+    def leader(self) -> str:
+        """String with a time to live: the daemon that leads the job (daemon/lease.py)."""
+        return self.prefix + "leader"
+
+    @property
     def decisions(self) -> str:
         """Stream: one entry per decision, with both candidates and their scores."""
         return self.prefix + "decisions"
@@ -194,8 +205,8 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
     elif kind == "profile":
         try:
             data = json.loads(f.get("data", ""))
-        except json.JSONDecodeError as e:
-            raise EventError(f"field 'data' is not JSON: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, a 5000-digit int, nesting
+            raise EventError(f"field 'data' is not JSON: {str(e)[:200]}") from None
         if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
             raise EventError("field 'data' must be a JSON object with a 'layers' list")
     elif kind == "step":

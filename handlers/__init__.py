@@ -55,6 +55,22 @@ def dispatch(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
     return handler(job, event, entry_id, now)
 
 
+def reported_generation(job: Job, event: Event) -> int:
+    """The generation a worker's `step`, `ack` or `checkpoint` names, checked against the job.
+    A worker the job does not know, or a generation the daemon never published, is an error
+    (dead-lettered with the reason): counted as real, either would bend the throughput meter,
+    the attempt gauge or the checkpoints."""
+    if not job.knows(event.worker):
+        raise EventError(f"{event.type} from {event.worker!r}, not a worker of job {job.name!r}")
+    generation = int(event.get("generation"))  # validated by parse_event
+    if generation > job.machine.generation:
+        raise EventError(
+            f"{event.type} of generation {generation}: the job has published only up to "
+            f"{job.machine.generation}"
+        )
+    return generation
+
+
 # Importing the modules registers their handlers.
 from handlers import (  # noqa: E402
     ack,
@@ -81,5 +97,6 @@ __all__ = [
     "profile",
     "register",
     "rejoin",
+    "reported_generation",
     "step",
 ]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from chameleond.protocol import Event
-from handlers import DUPLICATE, HANDLED, Outcome, handles
+from handlers import DUPLICATE, HANDLED, Outcome, handles, reported_generation
 
 if TYPE_CHECKING:
     from chameleond.daemon.job import Job
@@ -14,17 +14,17 @@ if TYPE_CHECKING:
 
 @handles("ack")
 def handle_ack(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    generation = int(event.get("generation"))
-    rec = job.workers.get(event.worker)
-    if rec is not None:
-        rec.last_heartbeat = now
+    generation = reported_generation(job, event)
+    rec = job.workers[event.worker]
+    rec.last_heartbeat = now
     if event.get("phase") == "stopped":
-        if rec is None or rec.stopped_generation >= generation:
+        if rec.stopped_generation >= generation:
             return DUPLICATE
         rec.stopped_generation = generation
         job.dirty = True
         return HANDLED
-    job.observe_attempt(generation, int(event.get("attempt", "1")))  # validated by parse_event
+    if event.worker in job.machine.plan_workers:  # a member's rebuilds, nobody else's
+        job.observe_attempt(generation, int(event.get("attempt", "1")))  # validated
     acked, transitions = job.machine.ready(event.worker, generation, now)
     job.record(transitions)
     if not acked:

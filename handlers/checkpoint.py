@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from chameleond.protocol import Event, EventError, checkpoint_layers
-from handlers import DUPLICATE, HANDLED, Outcome, handles
+from handlers import DUPLICATE, HANDLED, Outcome, handles, reported_generation
 
 if TYPE_CHECKING:
     from chameleond.daemon.job import Job
@@ -17,13 +17,12 @@ if TYPE_CHECKING:
 
 @handles("checkpoint")
 def handle_checkpoint(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    if not job.knows(event.worker):
-        raise EventError(f"checkpoint from {event.worker!r}, not a worker of job {job.name!r}")
+    generation = reported_generation(job, event)
     layers = checkpoint_layers(event.get("layers"))  # validated by parse_event
     n = len(job.spec.layers)
     if max(layers) >= n:
         raise EventError(f"checkpoint of layer {max(layers)}: the job has layers 0-{n - 1}")
-    step, generation = int(event.get("step")), int(event.get("generation"))
+    step = int(event.get("step"))
     if not job.checkpoints.add(step, layers, generation):
         return DUPLICATE
     job.dirty = True

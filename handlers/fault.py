@@ -26,7 +26,7 @@ def handle_fault(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
     job.record(transitions)
     if not new:
         return DUPLICATE
-    job.fault_times.append(now)
+    job.count_fault(worker, now)
     job.dirty = True
     if job.pending(worker):
         job.owe(worker, entry_id)

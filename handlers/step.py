@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from chameleond.protocol import Event
-from handlers import DUPLICATE, HANDLED, Outcome, handles
+from handlers import DUPLICATE, HANDLED, Outcome, handles, reported_generation
 
 if TYPE_CHECKING:
     from chameleond.daemon.job import Job
@@ -13,12 +13,13 @@ if TYPE_CHECKING:
 
 @handles("step")
 def handle_step(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    rec = job.workers.get(event.worker)
-    if rec is not None:
-        rec.last_heartbeat = now  # a committed step is as good as a heartbeat
+    generation = reported_generation(job, event)
+    job.workers[event.worker].last_heartbeat = now  # a committed step is as good as a heartbeat
+    if generation == job.machine.generation and event.worker not in job.machine.plan_workers:
+        return DUPLICATE  # a fenced worker's last step: not part of the plan's throughput
     fresh = job.observe_step(
         event.worker,
-        int(event.get("generation")),
+        generation,
         int(event.get("step")),
         int(event.get("samples")),
         float(event.get("seconds")),

@@ -4,7 +4,9 @@ redis-cli line works as pasted."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,11 +17,13 @@ import pytest
 import redis
 from daemon_harness import Daemon, wait_for
 
-from chameleond.daemon.cli import build_parser
+from chameleond.daemon.cli import build_parser, main
 from chameleond.daemon.config import FIELDS, ConfigError, load
 from chameleond.redis_server import RedisServer, free_port
 
 CLI = [sys.executable, "-m", "chameleond.daemon.cli"]
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TEXT = (ROOT / "chameleond" / "jobs" / "cpu-small.toml").read_text()
 
 
 def test_run_help_documents_every_flag() -> None:
@@ -110,3 +114,102 @@ def _group_exists(client: redis.Redis) -> bool:
         return bool(client.xinfo_groups("chameleon:default:events"))
     except redis.ResponseError:
         return False
+
+
+@pytest.mark.parametrize(
+    "old, new, reason",
+    [
+        # Parses, but no worker can hold its stage: the daemon would fail at its first plan.
+        ("memory_bytes = 2_147_483_648", "memory_bytes = 1000", "does not fit in memory"),
+        ("rebuild_seconds = 0.5", "rebuild_seconds = -1", "job.rebuild_seconds: must be >= 0"),
+        ("mtbf_prior_seconds = 600.0", "mtbf_prior_seconds = 0", "job.mtbf_prior_seconds"),
+        ("micro_batch = 2", "micro_batch = 0.5", "training.micro_batch"),
+        ("stages = 2 ", 'stages = "two" ', "plan.stages"),
+    ],
+)
+def test_check_config_only_rejects_a_job_it_cannot_run(
+    old: str, new: str, reason: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = tmp_path / "job.toml"
+    assert old in DEFAULT_TEXT
+    spec.write_text(DEFAULT_TEXT.replace(old, new))
+    assert main(["check", "--config-only", "--spec", str(spec)]) == 1
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("chameleond check: job spec: ") and reason in out
+    spec.write_text(DEFAULT_TEXT)
+    assert main(["check", "--config-only", "--spec", str(spec)]) == 0
+
+
+def test_check_config_only_names_the_pipeline_that_does_not_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two workers of 1000 bytes each for a model of 12 KB of state."""
+    layer = (
+        "[[model.layers]]\nforward_seconds = 0.001\nbackward_seconds = 0.002\n"
+        "param_bytes = 2000\noptimizer_bytes = 4000\nactivation_bytes = 10\noutput_bytes = 10\n"
+    )
+    workers = "".join(f'[[workers]]\nid = "w{i}"\nmemory_bytes = 1000\n' for i in range(2))
+    links = "".join(
+        f"[links.{k}]\nbandwidth_bytes_per_second = 1e9\nlatency_seconds = 0.0\n"
+        for k in ("intra_host", "inter_host")
+    )
+    spec = tmp_path / "tiny.toml"
+    spec.write_text(
+        workers + links + layer * 2 + "[training]\nglobal_batch = 2\nmicro_batch = 1\n"
+        "[plan]\nstages = 2\n"
+    )
+    assert main(["check", "--config-only", "--spec", str(spec)]) == 1
+    assert "pipeline 0 (2 stages) does not fit in memory" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "NaN"])
+@pytest.mark.parametrize(
+    "name", ["heartbeat_timeout_seconds", "ready_timeout_seconds", "claim_idle_seconds"]
+)
+def test_settings_must_be_finite(
+    name: str, value: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(f"CHAMELEON_{name.upper()}", value)
+    assert main(["check", "--config-only"]) == 1
+    assert main(["run"]) == 2  # refused before anything starts
+    err = capsys.readouterr().err
+    assert f"environment: {name} must be a finite number, got {value!r}" in err
+    monkeypatch.delenv(f"CHAMELEON_{name.upper()}")
+    with pytest.raises(ConfigError, match=f"flags: {name} must be a finite number"):
+        load(None, {}, {name: float(value)})
+    with pytest.raises(ConfigError, match="batch_count must be a whole number"):
+        load(None, {"CHAMELEON_BATCH_COUNT": "7.5"}, {})
+
+
+def test_the_example_config_names_every_setting() -> None:
+    example = ROOT / "deploy" / "chameleond.toml"
+    text = example.read_text()
+    assert [n for n in FIELDS if not re.search(rf"^{n} = ", text, re.M)] == []
+    load(str(example), {}, {})
+
+
+def test_every_dashboard_query_is_filtered_by_the_chosen_instance(tmp_path: Path) -> None:
+    board = json.loads((ROOT / "dashboards" / "chameleond.json").read_text())
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["instance"]["query"]["query"] == "label_values(chameleon_job_state, instance)"
+    exprs = [a["expr"] for a in board["annotations"]["list"]] + [
+        t["expr"] for p in board["panels"] for t in p.get("targets", [])
+    ]
+    assert len(exprs) > 10
+    for expr in exprs:
+        selectors = re.findall(r"chameleon_[a-z_]+(\{[^}]*\})?", expr)
+        assert selectors and all(s == '{instance=~"$instance"}' for s in selectors), expr
+    # Each query, with Grafana's variables filled in, is valid PromQL.
+    grafana = {"$instance": "127.0.0.1:9464", "$__rate_interval": "1m", "$__range": "1h"}
+    rules = ["groups:", "  - name: dashboard", "    rules:"]
+    for i, expr in enumerate(exprs):
+        for var, value in grafana.items():
+            expr = expr.replace(var, value)
+        rules += [f"      - record: dashboard:query{i}", f"        expr: {json.dumps(expr)}"]
+    path = tmp_path / "queries.yml"
+    path.write_text("\n".join(rules) + "\n")
+    check = subprocess.run(
+        ["/usr/bin/promtool", "check", "rules", str(path)], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -188,3 +188,36 @@ def test_poison_entry_goes_to_dead_letters_after_max_deliveries(
         assert redis_client.xpending(EVENTS, "chameleond")["pending"] == 0
     finally:
         daemon.stop()
+
+
+def test_oversized_entries_and_reports_from_nowhere_are_dead_lettered_in_bounds(
+    live: tuple[Daemon, redis.Redis],
+) -> None:
+    daemon, client = live
+    before = client.xlen(DEAD)
+    workers = Workers(client)
+    generation = workers.generation()
+    huge = {"type": "bogus", **{f"f{i}": "x" for i in range(5000)}, "big": "y" * 2_000_000}
+    stranger = {"type": "step", "worker": "nobody", "generation": str(generation), "step": "1",
+                "samples": "64", "seconds": "0.1", "loss": "1.0"}  # fmt: skip
+    future = {**stranger, "worker": "w0", "generation": str(10**18)}
+    attempt = {"type": "ack", "worker": "w0", "generation": "99", "phase": "ready",
+               "attempt": "99"}  # fmt: skip
+    ids = [workers.send(**fields) for fields in (huge, stranger, future, attempt)]
+    wait_for(lambda: client.xlen(DEAD) == before + 4, 15, "four dead letters")
+    dead = {e["entry"]: e for _, e in client.xrange(DEAD, "-", "+")[-4:]}
+    big = dead[ids[0]]
+    assert len(big) <= 64 + 3 and big["truncated"] == "4938 more fields not kept"  # of 5002
+    assert max(len(v) for v in big.values()) <= 1024 + 3
+    assert "not a worker of job" in dead[ids[1]]["error"]
+    assert "published only up to" in dead[ids[2]]["error"]
+    assert "published only up to" in dead[ids[3]]["error"]
+    assert daemon.metric("chameleon_generation_attempt") == 1
+    # The throughput meter still counts the plan's real steps.
+    handled = 'chameleon_events_total{outcome="handled",type="step"}'
+    counted = daemon.metric(handled)
+    workers.send(**{**stranger, "worker": "w0", "step": "1000"})
+    wait_for(lambda: daemon.metric(handled) == counted + 1, 10, "a real step counted")
+    workers.send(type="fault", worker="w4", cause="after the oversized entry")
+    wait_for(lambda: workers.generation() == generation + 1, 15, "a plan after it")
+    assert daemon.get("/readyz")[0] == 200

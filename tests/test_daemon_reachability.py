@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from chameleond.core.machine import PolicyMachine
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.job import Job
+from chameleond.daemon.lease import Lease
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
@@ -24,7 +25,8 @@ async def _commit_through_an_outage(server: RedisServer) -> None:
     metrics = Metrics()
     job = Job("t", load_default_spec(), policy="adaptive", machine=PolicyMachine())
     seen = Reachability(metrics)
-    committer = Committer(client, Keys("t"), job, metrics, seen, persist_interval_seconds=60)
+    lease = Lease(client, Keys("t"), "test")
+    committer = Committer(client, Keys("t"), job, metrics, seen, lease, persist_interval_seconds=60)
 
     def redis_up() -> float | None:
         return metrics.registry.get_sample_value("chameleon_redis_up")

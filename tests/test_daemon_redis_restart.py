@@ -66,3 +66,32 @@ def test_redis_restart_during_a_decision_loses_nothing_and_generations_continue(
         assert daemon.terminate() == 0
     finally:
         daemon.stop()
+
+
+def test_redis_that_comes_back_empty_gets_the_job_written_again(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """Redis restarted without persistence, or a failover to a replica that missed the job: the
+    daemon notices (the consumer group and the generation are gone), writes the job again from
+    memory, and the next fault gets the next generation."""
+    daemon = Daemon(redis_server.url, tmp_path).start()
+    workers = Workers(redis_client)
+    try:
+        daemon.wait_ready()
+        workers.run_first_plan()
+        wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
+        plan = redis_client.get("chameleon:default:plan")
+        redis_client.flushall()
+        wait_for(lambda: redis_client.get("chameleon:default:plan") == plan, 15, "plan again")
+        assert redis_client.hget("chameleon:default:state", "generation") == "1"
+        assert redis_client.exists("chameleon:default:spec")
+        wait_for(lambda: daemon.get("/readyz")[0] == 200, 15, "ready")
+        workers.send(type="fault", worker="w1", cause="ECC error")
+        wait_for(lambda: workers.generation() == 2, 15, "generation 2 after the loss")
+        plan2 = workers.plan()
+        assert plan2 is not None and plan2["excluded"] == ["w1"]
+        wait_for(lambda: redis_client.xpending(EVENTS, "chameleond")["pending"] == 0, 10, "acks")
+        assert "Redis lost the job's state" in daemon.output()
+        assert daemon.terminate() == 0
+    finally:
+        daemon.stop()

@@ -126,3 +126,33 @@ def test_trimming_keeps_the_stream_bounded_and_never_cuts_an_unacknowledged_entr
     redis_server: RedisServer,
 ) -> None:
     asyncio.run(_trim_scenario(redis_server.url))
+
+
+async def _claim_deleted(url: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    keys = Keys("claim")
+    consumer = StreamConsumer(client, keys, "me", block_ms=100, count=100,
+                              claim_idle_ms=0, maxlen=200)  # fmt: skip
+    try:
+        await consumer.ensure_group()
+        kept = (await client.xadd(keys.events, {"type": "heartbeat", "worker": "w1"})).decode()
+        gone = (await client.xadd(keys.events, {"type": "fault", "worker": "w2"})).decode()
+        await client.xreadgroup(CONSUMER_GROUP, "died", {keys.events: ">"})
+        await client.xdel(keys.events, gone)  # deleted while pending (an operator, a trim)
+        claimed = {e.id: e.fields for e in await consumer.claim_stale()}
+        assert set(claimed) == {kept, gone}  # the deleted one is named, to be dead-lettered
+        assert claimed[gone] is None and claimed[kept] is not None
+    finally:
+        await client.aclose()
+
+
+def test_claiming_names_entries_deleted_while_pending(tmp_path: Path) -> None:
+    """Redis 7 drops a deleted entry from the pending list while XAUTOCLAIM passes it and names
+    it only in its reply (6.2 answers nil instead, handled when the pending list is re-read);
+    run against the system's redis-server 7."""
+    server = RedisServer(tmp_path / "redis7", executable="/usr/bin/redis-server").start()
+    try:
+        assert int(redis.Redis.from_url(server.url).info()["redis_version"].split(".")[0]) >= 7
+        asyncio.run(_claim_deleted(server.url))
+    finally:
+        server.stop()

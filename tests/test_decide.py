@@ -267,3 +267,36 @@ def test_bad_requests_are_errors_not_results() -> None:
             assert str(e)
         else:
             raise AssertionError(f"{kwargs} was accepted")
+
+
+def test_a_layer_without_state_is_never_lost() -> None:
+    """3 x 2 pipelines of one layer per stage; the middle layer holds no parameters or optimizer
+    state, so losing every worker that ran it loses nothing: no rollback to a checkpoint."""
+    layer = {"forward_seconds": 0.01, "backward_seconds": 0.02, "activation_bytes": 10,
+             "output_bytes": 10}  # fmt: skip
+    stateful = dict(layer, param_bytes=1000, optimizer_bytes=2000)
+    spec = parse_spec(
+        {
+            "workers": [{"id": f"w{i}", "memory_bytes": 10**9} for i in range(6)],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_second": 1e9, "latency_seconds": 1e-5},
+                "inter_host": {"bandwidth_bytes_per_second": 1e9, "latency_seconds": 1e-5},
+            },
+            "model": {
+                "layers": [stateful, dict(layer, param_bytes=0, optimizer_bytes=0), stateful]
+            },
+            "training": {"global_batch": 8, "micro_batch": 1},
+            "plan": {"stages": 3},
+        }
+    )
+    current = initial_plan(spec)
+    assert [st.worker for st in current.pipelines[0].stages if st.layers == range(1, 2)] == ["w1"]
+    assert [st.worker for st in current.pipelines[1].stages if st.layers == range(1, 2)] == ["w4"]
+    for checkpoint in (None, 7):
+        d = decide(spec, current, ["w1", "w4"], mtbf_seconds=1e4, generation=2,
+                   checkpoint_step=checkpoint)  # fmt: skip
+        assert d.unrecoverable is None
+        assert d.selected == "dynamic" and d.plan is not None
+        assert d.plan.restore_step is None
+        assert violations(spec, d.plan) == []
+        assert all(1 not in t.layers for t in d.plan.migration)

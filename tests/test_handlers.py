@@ -194,7 +194,8 @@ def test_a_checkpoint_written_before_a_restore_of_an_earlier_step_is_stale() -> 
     n = len(j.spec.layers)
     every = ",".join(map(str, range(n)))
     assert checkpoint(j, "w0", 9, every) == handlers.HANDLED
-    j.checkpoints.restored(3, 9)  # generation 3 trains again from step 9
+    j.machine.generation = 3  # the restore plan was published...
+    j.checkpoints.restored(3, 9)  # ...and generation 3 trains again from step 9
     # Written under generation 2, reported late: its worker deletes the file in the restore.
     assert checkpoint(j, "w1", 14, every, generation=2) == handlers.DUPLICATE
     assert checkpoint(j, "w1", 4, every, generation=2) == handlers.HANDLED  # still on disk

@@ -27,6 +27,7 @@ NAMES = {
     "chameleon_redis_up": "gauge",
     "chameleon_job_state": "gauge",
     "chameleon_checkpoint_step": "gauge",
+    "chameleon_leader": "gauge",
 }
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 from chameleond.core.decide import initial_plan
-from chameleond.core.spec import load_spec
+from chameleond.core.spec import SpecError, load_spec, parse_spec
 from chameleond.jobs import default_spec_path, load_default_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,3 +61,76 @@ def test_docs_name_every_spec_field() -> None:
     ]  # fmt: skip
     missing = [f for f in fields if f"`{f}`" not in doc]
     assert missing == []
+
+
+DEFAULT_TEXT = (ROOT / "chameleond" / "jobs" / "cpu-small.toml").read_text()
+
+
+def edited(old: str, new: str) -> str:
+    assert old in DEFAULT_TEXT, old
+    return DEFAULT_TEXT.replace(old, new, 1)
+
+
+LAYERS_AS_TABLE = (
+    DEFAULT_TEXT.split("[[model.layers]]")[0]
+    + "[model.layers]\nforward_seconds = 0.1\n[training]\nglobal_batch = 12\nmicro_batch = 2\n"
+)
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        # Values that used to pass and then crash the daemon at its first decision.
+        (edited("rebuild_seconds = 0.5", "rebuild_seconds = -1"), "job.rebuild_seconds"),
+        (edited("mtbf_prior_seconds = 600.0", "mtbf_prior_seconds = 0"), "mtbf_prior_seconds"),
+        (edited("mtbf_prior_seconds = 600.0", "mtbf_prior_seconds = nan"), "mtbf_prior_seconds"),
+        (edited("rebuild_seconds = 0.5", "rebuild_seconds = inf"), "job.rebuild_seconds"),
+        (edited("rebuild_seconds = 0.5", "restart_seconds = -5.0"), "job.restart_seconds"),
+        (
+            edited("bandwidth_bytes_per_second = 1.0e9", "bandwidth_bytes_per_second = nan"),
+            "links.intra_host.bandwidth_bytes_per_second",
+        ),
+        (edited("latency_seconds = 6.0e-4", "latency_seconds = inf"), "latency_seconds"),
+        (edited("forward_seconds = 0.0015", "forward_seconds = nan"), "forward_seconds"),
+        (edited("param_bytes = 199_680", "param_bytes = inf"), "param_bytes"),
+        (edited("memory_bytes = 2_147_483_648", "memory_bytes = nan"), "workers[0].memory_bytes"),
+        (edited("cpu_cores = 2 ", "cpu_cores = nan "), "hosts.localhost.cpu_cores"),
+        # Values of the wrong kind that used to end in a traceback.
+        (edited("micro_batch = 2", "micro_batch = 0.5"), "training.micro_batch"),
+        (edited("global_batch = 12", "global_batch = 7.9"), "training.global_batch"),
+        (edited("count = 4", "count = 2.5"), "model.layers[1].count"),
+        (edited('[job]\nname = "cpu-small"', 'job = "x"\n[other]\nname = "a"'), "job"),
+        (LAYERS_AS_TABLE, "model.layers"),
+        (edited("stages = 2 ", 'stages = "two" '), "plan.stages"),
+        (edited("mtbf_prior_seconds = 600.0", 'mtbf_prior_seconds = "x"'), "mtbf_prior_seconds"),
+        (edited("rebuild_seconds = 0.5", 'rebuild_seconds = "slow"'), "rebuild_seconds"),
+        ("workers = [1, 2]\n" + DEFAULT_TEXT.split("[[workers]]")[0], "workers[0]"),
+        (edited('id = "w0"', "id = 0"), "workers[0].id"),
+        (edited('name = "embedding"', "name = 3"), "model.layers[0].name"),
+        # Search bounds that leave nothing to search.
+        (edited("min_stages = 1", "min_stages = 7"), "min_stages 7 is above max_stages 6"),
+        (edited("max_stages = 6", "max_stages = 0"), "search.max_stages"),
+    ],
+)
+def test_malformed_values_are_spec_errors_naming_the_field(
+    text: str, fragment: str, tmp_path: Path
+) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    assert fragment in str(e.value)
+
+
+def test_whole_numbers_written_as_floats_are_accepted(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(edited("global_batch = 12", "global_batch = 12.0"))
+    spec = load_spec(path)
+    assert spec.training.global_batch == 12 and isinstance(spec.training.global_batch, int)
+    assert spec == load_default_spec()
+
+
+def test_a_json_spec_of_the_wrong_shape_is_a_spec_error() -> None:
+    for doc in ({"workers": "w0"}, {"workers": [{"id": "w0", "memory_bytes": [1]}]}, []):
+        with pytest.raises(SpecError):
+            parse_spec(doc)  # type: ignore[arg-type]

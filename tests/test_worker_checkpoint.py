@@ -117,3 +117,50 @@ def test_a_restore_reads_each_layer_from_whichever_file_of_the_step_has_it(tmp_p
     assert checkpoint.written(tmp_path) == {"w0": {7}, "w1": {7}}  # step 12 is gone
     with pytest.raises(StateLost, match="no checkpoint file of step 3"):
         checkpoint.restore(tmp_path, WorkerState(arch, cpu), 3, (0,))
+
+
+def test_a_restart_loads_the_newest_step_whose_files_cover_every_layer(tmp_path: Path) -> None:
+    """w2 died long ago: it kept its two files of steps 3 and 7, while w0 and w1, which took its
+    layers over, went on to steps 11 and 15. Their files of step 15 hold every layer."""
+    import torch
+
+    from workers import checkpoint
+    from workers.state import WorkerState
+
+    arch = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
+    cpu = torch.device("cpu")
+    n = arch.n_layers
+    first, second = tuple(range(n // 2)), tuple(range(n // 2, n))
+
+    def save(worker: str, step: int, layers: tuple[int, ...]) -> Path:
+        state = WorkerState(arch, cpu)
+        for i in layers:
+            state.build_from_seed(i)
+        state.committed_step = step
+        return checkpoint.save(tmp_path, worker, state, layers)
+
+    for step in (3, 7):
+        save("w2", step, second)
+        save("w0", step, first)
+    for step in (11, 15):
+        save("w0", step, first)
+        save("w1", step, second)
+    assert checkpoint.written(tmp_path) == {"w0": {11, 15}, "w1": {11, 15}, "w2": {3, 7}}
+
+    def load(worker: str) -> tuple[int | None, WorkerState]:
+        state = WorkerState(arch, cpu)
+        return checkpoint.load(tmp_path, worker, state), state
+
+    step, state = load("w0")
+    assert step == 15 and state.committed_step == 15 and tuple(state.layers) == first
+    assert all(layer.version == 15 for layer in state.layers.values())
+    assert load("w1")[0] == 15
+    step, state = load("w2")  # no file of step 15: its layers come by migration
+    assert step is None and state.layers == {} and state.committed_step == -1
+    # A round cut short: w1's file of step 15 is unreadable, so step 15 lacks its layers.
+    path = checkpoint.checkpoint_path(tmp_path, "w1", 15)
+    path.write_bytes(path.read_bytes()[:100])
+    assert load("w0")[0] == 11
+    checkpoint.checkpoint_path(tmp_path, "w1", 11).unlink()
+    step, state = load("w0")  # no step covers the model
+    assert step is None and state.layers == {}

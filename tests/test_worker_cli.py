@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -156,3 +157,39 @@ def test_a_new_process_excluded_by_the_plan_waits_to_rejoin(
             proc.kill()
         proc.communicate()
     assert not [e for e in _events(redis_client, keys) if e["type"] == "ack"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ("--group-timeout", "nan"),
+            "--group-timeout nan: expected a finite number of seconds > 0",
+        ),
+        (
+            ("--group-timeout", "inf"),
+            "--group-timeout inf: expected a finite number of seconds > 0",
+        ),
+        (("--group-timeout", "0"), "expected a finite number of seconds > 0"),
+        (("--log-level", "bogus"), "argument --log-level: invalid choice: 'BOGUS'"),
+        (("--bind-address", "10.9.9.9"), "--bind-address '10.9.9.9': not an address of this host"),
+    ],
+)
+def test_unusable_settings_are_usage_errors(args: tuple[str, ...], message: str) -> None:
+    r = worker("redis://127.0.0.1:1/0", "--worker-id", "w0", *args)
+    assert r.returncode == EXIT_USAGE, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_checkpoint_directory_must_be_a_writable_directory(tmp_path: Path) -> None:
+    regular = tmp_path / "file"
+    regular.write_text("not a directory")
+    for bad in (regular, regular / "below"):
+        r = worker("redis://127.0.0.1:1/0", "--worker-id", "w0", "--checkpoint-dir", str(bad))
+        assert r.returncode == EXIT_USAGE, r.stderr
+        assert f"--checkpoint-dir {bad}: not a usable directory" in r.stderr
+        assert "Traceback" not in r.stderr
+    missing = tmp_path / "new" / "ckpt"  # created; then the worker goes on to Redis
+    r = worker(f"redis://127.0.0.1:{free_port()}/0", "--worker-id", "w0", "--checkpoint-dir",
+               str(missing), "--checkpoint-every", "5")  # fmt: skip
+    assert r.returncode == EXIT_REDIS and missing.is_dir()

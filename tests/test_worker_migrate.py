@@ -126,3 +126,70 @@ def test_a_trained_job_never_restarts_from_the_seed(plans: tuple[Plan, Plan]) ->
     rows = rows_for(first.workers, {}, {})
     with pytest.raises(StateLost, match="holds committed state"):
         plan_moves(first, rows, first.workers, job_trained=True)
+
+
+def test_a_late_commit_divides_by_the_batch_its_step_was_summed_over() -> None:
+    """Step 5's vote reached w0 only; w1 holds it pending when a plan with another global batch
+    arrives. w1 applies it at that plan's reconcile with the batch of step 5's plan (12), as w0
+    did; the new plan's 8 would scale the update, and AdamW's moments, by 12/8."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from workers.backend import new_group, parse_device
+    from workers.generation import Generation
+    from workers.migrate import reconcile
+    from workers.model import Arch
+    from workers.state import WorkerState
+
+    def spec(batch: int) -> dict[str, object]:
+        return tiny_spec("m", workers=2, stages=2, global_batch=batch, micro_batch=2)
+
+    old = initial_plan(parse_spec(spec(12)), generation=1, mtbf_seconds=3600.0)
+    new = initial_plan(parse_spec(spec(8)), generation=2, mtbf_seconds=3600.0)
+    assert all(old.owned_layers(w) == new.owned_layers(w) for w in old.workers)
+    arch = Arch.from_mapping(parse_spec(spec(12)).arch)
+    cpu = parse_device("cpu")
+
+    def at_step_4_with_step_5_summed(worker: str) -> WorkerState:
+        state = WorkerState(arch, cpu.torch_device)
+        state.global_batch = old.global_batch  # as generation 1's reconcile left it
+        state.committed_step = 4
+        gen = torch.Generator().manual_seed(5)
+        for i in old.owned_layers(worker):
+            layer = state.build_from_seed(i)
+            layer.version = 4
+            for p in layer.params():
+                p.grad = torch.randn(p.shape, generator=gen)
+        state.mark_pending(5, old.owned_layers(worker))
+        return state
+
+    states = {w: at_step_4_with_step_5_summed(w) for w in new.workers}
+    states["w0"].apply_pending(old.global_batch)  # its vote completed
+    expected = at_step_4_with_step_5_summed("w1")
+    expected.apply_pending(old.global_batch)
+    store = dist.HashStore()
+    errors: list[BaseException] = []
+
+    def run(worker: str) -> None:
+        try:
+            gen = Generation.for_plan(new, worker, cpu, "i")
+            gen.world_group = new_group(store, gen.rank, 2, cpu, bind_address="127.0.0.1",
+                                        timeout=timedelta(seconds=30))  # fmt: skip
+            rec = reconcile(gen, states[worker])
+            assert rec.committed_step == 5 and rec.moves == ()
+            assert rec.applied_pending == (5 if worker == "w1" else None)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in new.workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors, errors
+    w1 = states["w1"]
+    assert w1.committed_step == 5 and w1.global_batch == new.global_batch
+    for i, layer in expected.layers.items():
+        assert torch.equal(w1.layer(i).state_buffer(), layer.state_buffer())

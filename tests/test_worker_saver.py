@@ -157,3 +157,83 @@ def test_measured_bubbles_place_the_next_checkpoint(tmp_path: Path) -> None:
     saver.committed(state, 8, (0, 1, 2), timeline)  # a new generation: the timeline's slots
     saver.bubble(0)
     assert saver._snapshot is not None and not saver._snapshot.complete
+
+
+def test_a_step_failed_after_bubble_writes_leaves_no_slot_behind(tmp_path: Path) -> None:
+    """A checkpoint is written in bubbles 0..4 of a step that then fails (the rest is flushed);
+    the next generation has three slots: its first measured step places the next checkpoint by
+    its own waits alone."""
+    reports: list[Written] = []
+    state = trained_state(range(3))
+    saver = Saver(tmp_path, "w0", ARCH, 1, reports.append)
+    saver.committed(state, 4, (0, 1, 2), [1.0] * 6)
+    for slot in range(5):
+        saver.bubble(slot)
+    saver.flush()  # the step failed: generation 4 is over
+    assert [w.step for w in reports] == [1]
+    saver.observe(5, [0.0, 0.003, 0.0], vote_seconds=0.001)  # a step of generation 5 committed
+    assert saver._idle == (5, [0.0, 0.003, 0.001])
+    state.mark_pending(2, (0, 1, 2), 12)
+    state.apply_pending()
+    saver.committed(state, 5, (0, 1, 2), [1.0, 0.0, 0.0])  # measured, not this timeline
+    saver.bubble(0)
+    assert saver._snapshot is None  # no idle time measured before op 0
+    saver.bubble(1)
+    assert saver._snapshot is not None
+    saver.bubble(2)
+    assert [w.step for w in reports] == [1, 2] and reports[1].stall_seconds == 0.0
+    assert checkpoint.written(tmp_path) == {"w0": {1, 2}}
+
+
+def test_a_rebuilt_generation_does_not_count_the_failed_steps_writes(tmp_path: Path) -> None:
+    state = trained_state(range(3))
+    saver = Saver(tmp_path, "w0", ARCH, 1, lambda w: None)
+    saver.committed(state, 4, (0, 1, 2), [1.0, 1.0, 1.0])
+    saver.bubble(0)
+    saver.bubble(1)
+    saver.flush()  # the step failed; generation 4 is built again (attempt 2)
+    for slot in range(3):
+        saver.bubble(slot)  # its first step: nothing to write
+    saver.observe(4, [0.002, 0.0, 0.0], vote_seconds=0.0)
+    assert saver._idle == (4, [0.002, 0.0, 0.0])
+
+
+def test_an_exception_in_a_bubble_loses_no_piece(tmp_path: Path) -> None:
+    """A stop signal can end a write in the middle of a slot: what was due there is still due,
+    and the rest written later makes the same file as an uninterrupted write."""
+    state = trained_state(range(3))
+    expected = checkpoint.save(tmp_path / "whole", "w0", state, (0, 1, 2)).read_bytes()
+    snap = Snapshot(tmp_path, "w0", state, 4, (0, 1, 2), [1.0, 1.0])
+    writer = snap.file
+    writer._file.close()  # the next write raises, as a signal handler's exception would
+    with pytest.raises(ValueError):
+        snap.write(0)
+    assert not snap.complete
+    writer._file = open(writer._tmp, "r+b")  # noqa: SIM115 - the writer owns it from here
+    snap.write_rest()
+    assert snap.complete
+    assert checkpoint.checkpoint_path(tmp_path, "w0", 1).read_bytes() == expected
+
+
+def test_a_piece_written_again_at_its_offset_changes_nothing(tmp_path: Path) -> None:
+    state = trained_state(range(2))
+    expected = checkpoint.save(tmp_path / "whole", "w0", state, (0, 1)).read_bytes()
+    out, pieces = checkpoint.open_layers(tmp_path, "w0", state, (0, 1))
+    offsets = [0]
+    for piece in pieces:
+        offsets.append(offsets[-1] + 4 * piece.numel())
+    out.write(pieces[0], at=offsets[0])
+    out.write(pieces[1], at=offsets[1])
+    out.write(pieces[1], at=offsets[1])  # interrupted after the write, before it was marked
+    for piece, at in zip(pieces[2:], offsets[2:], strict=False):
+        out.write(piece, at=at)
+    assert out.commit().read_bytes() == expected
+
+
+def test_a_short_file_never_gets_its_final_name(tmp_path: Path) -> None:
+    """The size checked is the whole file's (length and header included), not the tensors'."""
+    out = checkpoint.FileWriter(tmp_path, "w0", 3, ARCH, {0: 10})
+    out.write(torch.zeros(9))
+    with pytest.raises(OSError, match="header says"):
+        out.commit()
+    assert checkpoint.written(tmp_path) == {}

@@ -11,13 +11,16 @@ The format is safetensors (an 8-byte little-endian header length, a JSON header,
 one float32 tensor `layer.{i}` per layer, and the step, the worker and the model's architecture
 in the header's `__metadata__`. It can be written a piece at a time, straight from the live
 tensors (`FileWriter`), and any safetensors reader opens it. A file gets its final name only once
-complete (written to `.tmp`, then renamed), so a crash never leaves a partial checkpoint.
+complete (written to `.tmp`, synced to disk, then renamed, and the rename synced), so neither a
+killed process nor a crashed host leaves a partial checkpoint under a final name.
 
-A kill can interrupt one round of checkpoints, leaving workers at different steps; so a worker
-started with the same directory loads the newest step that every worker in the directory has
-written (`load`; the directory must be shared by the job's workers, as on one machine or a shared
+A kill can interrupt one round of checkpoints, leaving workers at different steps, and a worker
+that died long ago left only files of old steps; so a worker started with the same directory loads
+its layers of the newest step whose readable files, together, hold every layer of the model
+(`load`; the directory must be shared by the job's workers, as on one machine or a shared
 filesystem). Its layers come back at that step and the generation's reconciliation
-(workers.migrate) treats them like any other copy. No sample is repeated or skipped: the next step
+(workers.migrate) treats them like any other copy; a worker without a file of that step loads
+nothing and receives its layers by migration. No sample is repeated or skipped: the next step
 follows the step the job resumes from.
 
 After each checkpoint the worker reports a `checkpoint` event (the step, the layers written). When
@@ -29,11 +32,12 @@ replaces what it holds by its layers of that step, read from whichever worker's 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -48,7 +52,7 @@ log = logging.getLogger("chameleon.worker")
 
 KEEP = 2
 SUFFIX = ".safetensors"
-_F32 = 4  # bytes per element
+F32_BYTES = 4  # bytes per element in the file
 
 
 def checkpoint_path(directory: Path, worker: str, step: int) -> Path:
@@ -83,26 +87,42 @@ class FileWriter:
             header[f"layer.{i}"] = {
                 "dtype": "F32",
                 "shape": [n],
-                "data_offsets": [offset, offset + n * _F32],
+                "data_offsets": [offset, offset + n * F32_BYTES],
             }
-            offset += n * _F32
-        self.nbytes = offset
+            offset += n * F32_BYTES
+        self.nbytes = offset  # the tensors' bytes (what a `checkpoint` event reports)
         text = json.dumps(header).encode()
         text += b" " * (-len(text) % 8)
+        self._data_start = 8 + len(text)
+        self.size = self._data_start + offset  # the whole file: length, header, tensors
+        self._end = 0  # where the next piece goes, by default (bytes after the header)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 - open across a step's bubbles
         self._file.write(struct.pack("<Q", len(text)) + text)
 
-    def write(self, piece: torch.Tensor) -> None:
-        """The next piece of the data, a flat float32 tensor (copied to the host if elsewhere)."""
+    def write(self, piece: torch.Tensor, at: int | None = None) -> None:
+        """A piece of the data, a flat float32 tensor (copied to the host if elsewhere), at byte
+        `at` of the data (default: after the previous piece). Writing a piece at its own offset
+        again is harmless: one interrupted part way (a stop signal) is simply written again."""
         data = piece.detach().to("cpu", torch.float32).contiguous()
-        self._file.write(data.numpy().data.cast("B"))
+        raw = data.numpy().data.cast("B")
+        start = self._end if at is None else at
+        if self._file.tell() != self._data_start + start:
+            self._file.seek(self._data_start + start)
+        self._file.write(raw)
+        self._end = start + raw.nbytes
 
     def commit(self) -> Path:
         """Give the file its final name; delete this worker's files but the newest KEEP."""
+        self._file.flush()
+        # On disk before the rename: after a host crash the final name never shows a file whose
+        # data was still in the page cache.
+        os.fsync(self._file.fileno())
         self._file.close()
-        if os.path.getsize(self._tmp) < self.nbytes:
-            raise OSError(f"checkpoint {self._tmp} is shorter than its header says")
+        size = os.path.getsize(self._tmp)
+        if size != self.size:
+            raise OSError(f"checkpoint {self._tmp} has {size} bytes, its header says {self.size}")
         os.replace(self._tmp, self.path)
+        _sync_directory(self.directory)  # the rename itself survives a host crash
         for old in sorted(written(self.directory).get(self.worker, set()))[:-KEEP]:
             checkpoint_path(self.directory, self.worker, old).unlink(missing_ok=True)
         return self.path
@@ -110,6 +130,18 @@ class FileWriter:
     def abort(self) -> None:
         self._file.close()
         self._tmp.unlink(missing_ok=True)
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        # Some filesystems cannot sync a directory; the file itself is complete and renamed.
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def open_layers(
@@ -177,17 +209,37 @@ def _install(state: WorkerState, layers: Mapping[int, torch.Tensor], step: int) 
     state.committed_step = step
 
 
+def _gather(
+    directory: Path, arch: Arch, step: int, layers: Collection[int]
+) -> dict[int, torch.Tensor]:
+    """Those of `layers` that some readable file of `step` holds, each from the first such file
+    (by name)."""
+    wanted = set(layers)
+    found: dict[int, torch.Tensor] = {}
+    for path in sorted(directory.glob(f"*-{step:09d}{SUFFIX}")):
+        if wanted <= found.keys():
+            break
+        for i, buf in (_readable(path, arch) or {}).items():
+            if i in wanted:
+                found.setdefault(i, buf)
+    return found
+
+
+def covering_step(directory: Path, arch: Arch) -> int | None:
+    """The newest step whose readable files together hold every layer of the model, or None."""
+    every = range(arch.n_layers)
+    steps = {s for per_worker in written(directory).values() for s in per_worker}
+    for step in sorted(steps, reverse=True):
+        if len(_gather(directory, arch, step, every)) == arch.n_layers:
+            return step
+    return None
+
+
 def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, ...]) -> None:
     """Replace everything `state` holds by `layers` at `step`, from any worker's file of that step,
     and delete the files of later steps. Raises StateLost when some layer is in no readable file
     of the step."""
-    found: dict[int, torch.Tensor] = {}
-    for path in sorted(directory.glob(f"*-{step:09d}{SUFFIX}")):
-        if set(layers) <= found.keys():
-            break
-        for i, buf in (_readable(path, state.arch) or {}).items():
-            if i in layers:
-                found.setdefault(i, buf)
+    found = _gather(directory, state.arch, step, layers)
     missing = sorted(set(layers) - found.keys())
     if missing:
         raise StateLost(f"no checkpoint file of step {step} in {directory} has layers {missing}")
@@ -204,16 +256,20 @@ def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, .
 
 
 def load(directory: Path, worker: str, state: WorkerState) -> int | None:
-    """Fill `state` from the newest step every worker checkpointed; that step, or None."""
-    steps = written(directory) if directory.is_dir() else {}
-    if worker not in steps:
+    """Fill `state` with this worker's layers of the newest step whose files cover every layer;
+    that step, or None (nothing loaded)."""
+    if not directory.is_dir() or not written(directory):
         return None
-    common = set.intersection(*steps.values())
-    if not common:
-        log.warning("checkpoints in %s share no step: starting without one", directory)
+    # Not the newest step every worker wrote: a worker that died long ago kept only its oldest
+    # files, and the survivors' later ones hold its layers too.
+    step = covering_step(directory, state.arch)
+    if step is None:
+        log.warning("no step's checkpoints in %s hold every layer: starting without one", directory)
         return None
-    step = max(common)
     path = checkpoint_path(directory, worker, step)
+    if not path.exists():
+        log.info("no checkpoint of this worker at step %d: its layers come by migration", step)
+        return None
     layers = _readable(path, state.arch)
     if layers is None:
         return None

@@ -13,6 +13,7 @@ collective error alone (the error may come from a live peer that itself gave up 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 
 import redis
+from redis.client import PubSub
 
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.protocol import Keys
@@ -31,7 +33,6 @@ log = logging.getLogger("chameleon.worker")
 
 HEARTBEAT_SECONDS = 0.5
 _PLAN_POLL_SECONDS = 1.0
-_STREAM_MAXLEN = 100_000
 # After a Redis restart every live worker reconnects within a heartbeat or two (redis-py's retries
 # back off to 1 s); until then a missing connection says nothing.
 RECONNECT_SECONDS = 3
@@ -83,12 +84,10 @@ class Reporter:
 
     def _xadd(self, entry: dict[str, str], keep: bool) -> None:
         def write() -> object:
-            return self._redis.xadd(
-                self._keys.events,
-                entry,  # type: ignore[arg-type]
-                maxlen=_STREAM_MAXLEN,
-                approximate=True,
-            )
+            # No MAXLEN: a worker's trim cuts from the head, past entries the daemon has not
+            # acknowledged yet (a fault, while the daemon restarts). The daemon trims, and
+            # never past an unacknowledged entry (daemon/consumer.py).
+            return self._redis.xadd(self._keys.events, entry)  # type: ignore[arg-type]
 
         self.outbox.put(write, keep=keep)
 
@@ -212,27 +211,47 @@ class PlanWatcher(threading.Thread):
                 self._cond.notify_all()
 
     def run(self) -> None:
-        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        pubsub = None
+        last = 0.0
+        failing = False
         try:
-            pubsub.subscribe(self._keys.plans_channel)
-            self.refresh()
-            last = time.monotonic()
             while not self._stop_event.is_set():
                 try:
+                    if pubsub is None:
+                        # Inside the retry: Redis may be unreachable when the worker starts, or
+                        # lost later; a subscription made on a dead connection must be made again.
+                        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(self._keys.plans_channel)
+                        self.refresh()  # a plan published while not subscribed
+                        last = time.monotonic()
                     msg = pubsub.get_message(timeout=0.2)
                     if msg is not None or time.monotonic() - last > _PLAN_POLL_SECONDS:
                         self.refresh()
                         last = time.monotonic()
+                    if failing:
+                        log.info("plan watch: Redis answers again")
+                        failing = False
                 except (redis.RedisError, OSError, ValueError) as e:
                     if self._stop_event.is_set():
                         return
-                    log.warning("plan watch: %s", e)
-                    time.sleep(0.2)
+                    if not failing:  # once per outage, not every 0.2 s
+                        log.warning("plan watch: %s", e)
+                        failing = True
+                    if pubsub is not None:
+                        _close_quietly(pubsub)
+                        pubsub = None
+                    self._stop_event.wait(0.2)
         finally:
-            pubsub.close()
+            if pubsub is not None:
+                _close_quietly(pubsub)
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+def _close_quietly(pubsub: PubSub) -> None:
+    with contextlib.suppress(redis.RedisError, OSError):  # its connection is already broken
+        pubsub.close()
 
 
 def live_incarnations(client: redis.Redis, job: str) -> set[tuple[str, str]] | None:

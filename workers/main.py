@@ -2,7 +2,8 @@
 
 Exit codes (docs/worker.md):
   0  fenced by a plan or finished --max-steps (acked `stopped`), or stopped by SIGTERM/SIGINT
-  2  bad command line
+  2  bad command line (including a --checkpoint-dir that is not a writable directory and a
+     --bind-address of no local interface)
   3  Redis unreachable, or lost for good
   4  the job spec is missing, malformed, or its [model.arch] is unusable
   5  the device's collective backend is unavailable (e.g. nccl without CUDA, npu without torch_npu)
@@ -13,19 +14,28 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
+import tempfile
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 
 import redis
 import torch
+import torch.distributed as dist
 
 from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
-from workers.backend import BackendUnavailable, DeviceFailed, check_device, parse_device
+from workers.backend import (
+    BackendUnavailable,
+    DeviceChoice,
+    DeviceFailed,
+    check_device,
+    parse_device,
+)
 from workers.data import CorpusError
 from workers.events import connection_name, new_incarnation
 from workers.hooks import fault_hook_error
@@ -40,6 +50,8 @@ EXIT_SPEC = 4
 EXIT_BACKEND = 5
 EXIT_CORPUS = 6
 EXIT_DEVICE = 7
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 class _Stop(BaseException):
@@ -102,7 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="bubble: copy the state in the next step's pipeline bubbles and write it in the "
         "background; sync: stop training to write it (default %(default)s)",
     )
-    p.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING (default INFO)")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="INFO",
+        help="DEBUG | INFO | WARNING | ERROR (default INFO)",
+    )
     return p
 
 
@@ -110,10 +128,48 @@ def _valid_id(text: str) -> bool:
     return 0 < len(text) <= MAX_ID_LEN and text.isprintable() and not any(c.isspace() for c in text)
 
 
+def _timeout(seconds: float) -> timedelta | None:
+    """`--group-timeout` as a timedelta; None for nan, inf, <= 0 or more than a timedelta holds."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        return None
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        return None
+
+
+def _checkpoint_dir_error(directory: Path) -> str | None:
+    """Why checkpoints cannot be written to `directory` (created if missing), or None."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a regular file there, or in its path; no permission
+        return f"--checkpoint-dir {directory}: not a usable directory ({e.strerror or e})"
+    try:
+        # Writing is the only reliable test (os.access ignores read-only mounts and ACLs).
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        return f"--checkpoint-dir {directory}: not writable ({e.strerror or e})"
+    return None
+
+
+def _bind_error(address: str, device: DeviceChoice) -> str | None:
+    """Why the collective backend cannot listen on `address`, or None. gloo binds it for every
+    group of every generation: an address of no local interface would fail each generation's
+    build, and the worker would rebuild it forever."""
+    if device.backend != "gloo":
+        return None  # NCCL and HCCL pick their own interfaces
+    try:
+        dist.ProcessGroupGloo.create_device(hostname=address)
+    except (RuntimeError, ValueError) as e:
+        return f"--bind-address {address!r}: not an address of this host ({e})"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        level=getattr(logging, args.log_level),
         format=f"%(asctime)s %(levelname)s job={args.job} worker={args.worker_id} %(message)s",
         stream=sys.stderr,
     )
@@ -135,8 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_steps < 0:
         log.error("--max-steps must be >= 0")
         return EXIT_USAGE
-    if args.group_timeout <= 0:
-        log.error("--group-timeout must be > 0")
+    group_timeout = _timeout(args.group_timeout)
+    if group_timeout is None:
+        log.error("--group-timeout %s: expected a finite number of seconds > 0", args.group_timeout)
         return EXIT_USAGE
     try:
         device = parse_device(args.device)
@@ -147,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     except BackendUnavailable as e:
         log.error("backend unavailable: %s", e)
         return EXIT_BACKEND
+    if (why := _bind_error(args.bind_address, device)) is not None:
+        log.error("%s", why)
+        return EXIT_USAGE
+    if args.checkpoint_dir is not None and (why := _checkpoint_dir_error(args.checkpoint_dir)):
+        log.error("%s", why)
+        return EXIT_USAGE
     # One thread per worker: shared hosts stay responsive, and every worker computes a micro-batch
     # with the same kernels, so a rerouted micro-batch gives the same numbers as on its owner.
     torch.set_num_threads(1)
@@ -165,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         device=device,
         bind_address=args.bind_address,
         incarnation=incarnation,
-        group_timeout=timedelta(seconds=args.group_timeout),
+        group_timeout=group_timeout,
         kill_at=hook,
         max_steps=args.max_steps,
         checkpoint_dir=args.checkpoint_dir,

@@ -5,7 +5,9 @@
    all-reduce over the world group, i.e. an all-gather. The job's committed step is the MAX of the
    committed steps. A commit vote may have completed on some workers only; every worker that voted
    had finished the gradient sync, so whoever holds a pending update for exactly that step applies
-   it now, and a pending update for a later step (whose vote completed nowhere) is discarded.
+   it now (divided by the global batch of the plan it was summed under, which the new plan may
+   have changed), and a pending update for a later step (whose vote completed nowhere) is
+   discarded.
 2. Migrate. A worker needs every layer the plan gives it whose copy is not at the committed step.
    Each missing layer comes from the plan's Transfer when its source really holds a current copy,
    and otherwise from the lowest-ranked worker that does (a fault in the middle of an earlier
@@ -132,10 +134,13 @@ def reconcile(
     applied: int | None = None
     if state.pending_step is not None:
         if state.pending_step == result.committed_step:
-            applied = state.apply_pending(plan.global_batch)
+            # With the batch the step's gradients were summed over, not this plan's: a plan that
+            # changed B would scale the late update wrongly.
+            applied = state.apply_pending()
             log.info("applied step %d late: its commit vote reached other workers", applied)
         else:
             state.discard_step()
+    state.global_batch = plan.global_batch  # the batch of this generation's steps
     # Layers at an older step are stale: they can be neither trained nor sent.
     for i in [i for i, lay in state.layers.items() if lay.version != result.committed_step]:
         if result.committed_step >= 0:

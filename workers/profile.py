@@ -43,8 +43,14 @@ Clock = Callable[[], float]
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels: on an accelerator a timer read right after a launch
+    measures the launch, not the kernel."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        # `torch.npu` exists once torch_npu is imported, which an npu worker did at start
+        # (backend.check_device); looked up here so that nothing imports torch_npu elsewhere.
+        getattr(torch, "npu").synchronize(device)  # noqa: B009 - absent from torch's stubs
 
 
 def op_clock(device: torch.device) -> Clock:

@@ -89,6 +89,12 @@ class Fenced(Exception):
     """This worker must stop: the plans no longer include it."""
 
 
+class PlanRejected(RuntimeError):
+    """This worker cannot run the plan (it breaks a limit of the runtime, or gives this worker
+    layers it cannot hold). Building it again would fail the same way, so the worker says so in a
+    fault naming itself, and the daemon plans without it."""
+
+
 class Finished(Exception):
     """The configured number of steps is committed."""
 
@@ -191,6 +197,11 @@ class WorkerRuntime:
                     retry = plan
             except StateLost as e:
                 log.error("generation %d cannot start: %s", plan.generation, e)
+            except PlanRejected as e:
+                log.error("generation %d: this worker cannot run the plan: %s", plan.generation, e)
+                self.reporter.fault(
+                    me, f"PlanRejected: {e}", generation=plan.generation, at=f"{time.time():.3f}"
+                )
             except DeviceFailed as e:
                 self.on_own_failure(plan, e)
                 raise
@@ -261,8 +272,11 @@ class WorkerRuntime:
     ) -> None:
         cfg, me = self.cfg, self.cfg.worker_id
         t0 = time.perf_counter()
-        gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation, attempt)
-        self._peers = {}
+        self._peers = {}  # an earlier generation's peers are no evidence in this one
+        try:
+            gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation, attempt)
+        except ValueError as e:
+            raise PlanRejected(str(e)) from e
 
         def abort() -> None:
             gone_now = self._gone(gen)

@@ -28,13 +28,14 @@ import functools
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from workers.checkpoint import open_layers
+from workers.checkpoint import F32_BYTES, open_layers
 from workers.model import Arch
 from workers.state import WorkerState
 
@@ -101,9 +102,12 @@ class Snapshot:
         self.generation = generation
         self.layers = tuple(layers)
         self.file, pieces = open_layers(directory, worker, state, self.layers)
-        self._due: dict[int, list[torch.Tensor]] = {}
-        for piece, slot in zip(pieces, place([p.numel() for p in pieces], idle), strict=True):
-            self._due.setdefault(slot, []).append(piece)
+        # slot -> (offset in the file's data, piece), in order
+        self._due: dict[int, deque[tuple[int, torch.Tensor]]] = {}
+        sizes = [p.numel() for p in pieces]
+        offsets = [0, *itertools.accumulate(n * F32_BYTES for n in sizes)][:-1]
+        for piece, offset, slot in zip(pieces, offsets, place(sizes, idle), strict=True):
+            self._due.setdefault(slot, deque()).append((offset, piece))
         self.bubble_seconds = 0.0
         self.stall_seconds = 0.0
 
@@ -117,20 +121,31 @@ class Snapshot:
         slots = sorted(k for k in self._due if k <= slot)
         if slots:
             t0 = time.perf_counter()
-            for k in slots:
-                self._write(self._due.pop(k))
-            self.bubble_seconds += time.perf_counter() - t0
+            try:
+                for k in slots:
+                    self._write(k)
+            finally:
+                self.bubble_seconds += time.perf_counter() - t0
 
     def write_rest(self) -> None:
         """Every piece not written yet, now (outside the bubbles: a stall)."""
         t0 = time.perf_counter()
-        for slot in sorted(self._due):
-            self._write(self._due.pop(slot))
-        self.stall_seconds += time.perf_counter() - t0
+        try:
+            for slot in sorted(self._due):
+                self._write(slot)
+        finally:
+            self.stall_seconds += time.perf_counter() - t0
 
-    def _write(self, pieces: list[torch.Tensor]) -> None:
-        for piece in pieces:
-            self.file.write(piece)
+    def _write(self, slot: int) -> None:
+        pieces = self._due[slot]
+        while pieces:
+            offset, piece = pieces[0]
+            self.file.write(piece, at=offset)
+            # Due until written: an exception (a stop signal) in the middle of a slot leaves the
+            # rest, this piece included, to `write_rest`; at its offset, a piece written twice is
+            # written once.
+            pieces.popleft()
+        del self._due[slot]
         if self.complete:
             self.file.commit()
 
@@ -163,6 +178,8 @@ class Saver:
         self._begins = 0  # the slot it begins in: the first with idle time
         self._idle: tuple[int, list[float]] | None = None  # (generation, measured idle per slot)
         self._wrote: dict[int, float] = {}  # seconds written in each slot of the running step
+        self._wrote_in = -1  # the generation of that step
+        self._slot = -1  # the last slot the running step reached
         for stale in directory.glob(f"{worker}-*.tmp"):  # a file a kill left unfinished
             stale.unlink(missing_ok=True)
 
@@ -172,9 +189,14 @@ class Saver:
         Averaged over the generation's steps, it places the next checkpoints."""
         idle = list(waits)
         idle[-1] += vote_seconds  # the cool-down: waiting for the last stage to finish
-        for slot, seconds in self._wrote.items():
-            idle[slot] += seconds
-        self._wrote = {}
+        # Writes of another generation come from a step that failed after writing in its bubbles
+        # (the rest was flushed): that step never committed, and its slots are not these. A slot
+        # past this step's is skipped, never an error: the step has committed already.
+        if self._wrote_in == generation:
+            for slot, seconds in self._wrote.items():
+                if slot < len(idle):
+                    idle[slot] += seconds
+        self._wrote, self._slot = {}, -1
         if self._idle is not None and self._idle[0] == generation:
             idle = [(a + b) / 2 for a, b in zip(self._idle[1], idle, strict=True)]
         self._idle = (generation, idle)
@@ -204,9 +226,15 @@ class Saver:
 
     def bubble(self, slot: int) -> None:
         """The running step reached idle slot `slot` (StepRunner.run)."""
+        if slot <= self._slot:
+            # A step begins again (slots rise within one): the writes recorded belong to a step
+            # that ended early, in this generation (a rebuild), and never committed.
+            self._wrote = {}
+        self._slot = slot
         if self._due is not None and slot >= self._begins:
             self._begin(in_bubble=True)
         if self._snapshot is not None:
+            self._wrote_in = self._snapshot.generation
             t0 = time.perf_counter()
             self._guarded(functools.partial(self._snapshot.write, slot))
             self._wrote[slot] = self._wrote.get(slot, 0.0) + time.perf_counter() - t0

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import torch
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.protocol import Keys
 from workers.backend import DeviceChoice, device_memory_bytes
-from workers.data import Corpus
+from workers.data import Corpus, CorpusError
 from workers.events import Reporter
 from workers.model import Arch
 from workers.profile import profile_model
@@ -106,6 +107,7 @@ def join(
     spec = wait_for_spec(client, keys, spec_timeout_seconds)
     hosts = {w.id: w.host for w in spec.workers}
     arch, corpus = Arch.from_mapping(spec.arch), Corpus()
+    agree_on_corpus(client, keys, corpus.digest)
     host = hosts.get(me) or socket.gethostname()
     on_host = _sharing(hosts, host, hosts)  # the spec's workers on this host
     t0 = time.perf_counter()
@@ -134,3 +136,18 @@ def join(
     for kind, fields in (profile, registration) if me in hosts else (registration, profile):
         reporter.send(kind, fields)
     return Joined(spec, arch, corpus, hosts, host, data["layers"])
+
+
+def agree_on_corpus(client: redis.Redis, keys: Keys, digest: str) -> None:
+    """Every worker of a job must read the same corpus: stage 0 reads a sample's inputs on one
+    host and the last stage its targets on another, so two corpora (a different Python patch
+    version: the corpus is its standard library's sources) would silently pair the inputs of one
+    text with the targets of another. The first worker records its digest; any other stops."""
+    client.set(keys.corpus, digest, nx=True)
+    raw = client.get(keys.corpus)
+    agreed = raw.decode() if isinstance(raw, bytes) else str(raw)
+    if agreed != digest:
+        raise CorpusError(
+            f"this host's corpus has digest {digest} but the job's workers read {agreed}: "
+            f"run every worker on the same Python version (this one: {sys.version.split()[0]})"
+        )

@@ -31,6 +31,16 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def redis_client(url: str, command: str) -> redis.Redis | None:
+    """A client for --redis-url (not connected yet), or None once the reason the URL cannot be
+    used is printed. The URL itself is not echoed: it may hold a password."""
+    try:
+        return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+    except (ValueError, TypeError) as e:  # a scheme it does not know, a port not a number
+        print(f"chameleonctl {command}: bad --redis-url: {e}", file=sys.stderr)
+        return None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", required=True, help="the failed worker's id, e.g. w3")
     parser.add_argument("--cause", default="operator", help="why (free text; default: operator)")
@@ -50,10 +60,13 @@ def run(args: argparse.Namespace) -> int:
     def line(url: str) -> str:
         return shlex.join(["redis-cli", *redis_cli_args(url, args.job, worker, args.cause)[1:]])
 
+    client = redis_client(args.redis_url, "inject")
+    if client is None:
+        return 2
     if args.print_only:
+        client.close()
         print(line(args.redis_url))  # asked for: the line to run, credentials included
         return 0
-    client = redis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5)
     try:
         entry: str = cast(Any, client).xadd(
             Keys(args.job).events, {"type": "fault", "worker": worker, "cause": args.cause}

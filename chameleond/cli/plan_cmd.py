@@ -1,7 +1,10 @@
 """Compare the reroute and dynamic candidates for a fault, as the daemon would decide it.
 
 The current plan is the spec's layout (generation 1); the fault set goes to `decide()` and both
-candidates are printed with the selected policy. Exit 2 on a bad spec or an unknown worker.
+candidates are printed with the selected policy (with --json: the decision and the selected plan,
+docs/plan.md). Exit status: 0 when a plan is selected; 2 on a bad spec, an unknown worker or a bad
+--mtbf; 3 when no plan can continue training (some layer lost every copy, or no candidate fits),
+the decision still printed.
 """
 
 from __future__ import annotations
@@ -12,11 +15,18 @@ import math
 import sys
 from typing import Any
 
-from chameleond.core.decide import Decision, DecisionError, decide, initial_plan
+from chameleond.core.decide import (
+    Decision,
+    DecisionError,
+    decide,
+    decision_to_dict,
+    initial_plan,
+)
+from chameleond.core.plan import plan_to_dict
 from chameleond.core.spec import SpecError, load_spec
 from chameleond.jobs import default_spec_path
 
-KEYS = ("policy", "step_seconds", "transition_seconds", "score", "peak_memory_bytes", "feasible")
+UNRECOVERABLE = 3  # exit status when the decision selects no plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,27 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def _num(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
 def to_json(d: Decision) -> dict[str, Any]:
-    return {
-        "selected": d.selected,
-        "candidates": [
-            {
-                "policy": c.policy,
-                "step_seconds": _num(c.step_seconds),
-                "transition_seconds": _num(c.transition_seconds),
-                "score": c.score,
-                "peak_memory_bytes": c.peak_memory_bytes,
-                "feasible": c.feasible,
-                "reason": c.reason,
-            }
-            for c in d.candidates
-        ],
-        "search_seconds": d.search_seconds,
-    }
+    """The decision as the daemon records it (`decision_to_dict`), with the selected plan."""
+    out = decision_to_dict(d)
+    out["plan"] = plan_to_dict(d.plan) if d.plan is not None else None
+    return out
 
 
 def _text(d: Decision) -> str:
@@ -91,9 +85,9 @@ def run(args: argparse.Namespace) -> int:
         unknown = [w for w in failed if w not in known]
         if unknown:
             raise DecisionError(f"--fail: unknown worker(s) {', '.join(unknown)} in {path}")
+        if args.mtbf is not None and not (math.isfinite(args.mtbf) and args.mtbf > 0):
+            raise DecisionError(f"--mtbf: must be a finite number > 0, got {args.mtbf}")
         mtbf = spec.mtbf_prior_seconds if args.mtbf is None else float(args.mtbf)
-        if not mtbf > 0 or math.isnan(mtbf):
-            raise DecisionError(f"--mtbf: must be > 0, got {args.mtbf}")
         current = initial_plan(spec, generation=1, mtbf_seconds=mtbf)
         force = None if args.policy == "adaptive" else args.policy
         d = decide(spec, current, failed, mtbf_seconds=mtbf, generation=2, force=force,
@@ -102,4 +96,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"chameleonctl plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(to_json(d), indent=2) if args.json else _text(d))
-    return 0
+    return 0 if d.selected is not None else UNRECOVERABLE

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import redis
 
-from chameleond.cli.inject import add_redis_url
+from chameleond.cli.inject import add_redis_url, redis_client
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.local.timeline import entry_seconds, is_decision, parse_decision
 from chameleond.protocol import Keys, redact_url
@@ -184,7 +184,9 @@ def _print(s: Mapping[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    client = redis.Redis.from_url(args.redis_url, decode_responses=True, socket_timeout=5)
+    client = redis_client(args.redis_url, "status")
+    if client is None:
+        return 2
     try:
         s = collect(client, args.job)
     except redis.RedisError as e:

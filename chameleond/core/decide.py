@@ -104,7 +104,12 @@ def _holders(held: Held) -> dict[int, set[str]]:
 def _lost_layers(spec: JobSpec, held: Held, out: set[str]) -> str | None:
     """'layers 4-7 lost every replica (workers w3, w7 failed)', or None."""
     holders_of = _holders(held)
-    lost = [layer for layer in range(len(spec.layers)) if not holders_of.get(layer, set()) - out]
+    # A layer without parameters or optimizer state has nothing to lose (as in core.restorer).
+    lost = [
+        layer
+        for layer, lp in enumerate(spec.layers)
+        if lp.param_bytes + lp.optimizer_bytes > 0 and not holders_of.get(layer, set()) - out
+    ]
     if not lost:
         return None
     order = _order(spec)

@@ -8,8 +8,10 @@ validation problem raises `SpecError` with a message a person can act on (format
 from __future__ import annotations
 
 import json
+import math
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -128,132 +130,229 @@ def _get(d: Mapping[str, Any], key: str, where: str) -> Any:
     return d[key]
 
 
-def _num(d: Mapping[str, Any], key: str, where: str, *, positive: bool = True) -> float:
-    v = _get(d, key, where)
-    if isinstance(v, bool) or not isinstance(v, int | float):
-        raise SpecError(f"{where}.{key}: expected a number, got {v!r}")
-    if positive and v <= 0:
-        raise SpecError(f"{where}.{key}: must be > 0, got {v!r}")
-    if not positive and v < 0:
-        raise SpecError(f"{where}.{key}: must be >= 0, got {v!r}")
+def _kind(v: Any) -> str:
+    return "a table" if isinstance(v, Mapping) else "a list" if isinstance(v, list) else repr(v)
+
+
+def _table(v: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(v, Mapping):
+        raise SpecError(f"{where}: expected a table, got {_kind(v)}")
+    return v
+
+
+def _list(v: Any, where: str) -> list[Any]:
+    if not isinstance(v, list | tuple):
+        raise SpecError(f"{where}: expected a list, got {_kind(v)}")
+    return list(v)
+
+
+def _str(d: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
+    v = _get(d, key, where) if default is None else d.get(key, default)
+    if not isinstance(v, str) or not v:
+        raise SpecError(f"{where}.{key}: expected a non-empty string, got {_kind(v)}")
+    return v
+
+
+def _number(v: Any, where: str) -> float:
+    # NaN and inf compare False against every bound, so they would slip past the range checks
+    # below and only surface later, as a wrong plan or a crash in the daemon.
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise SpecError(f"{where}: expected a finite number, got {_kind(v)}")
     return float(v)
 
 
-def _link(d: Mapping[str, Any], where: str) -> LinkSpec:
+def _num(
+    d: Mapping[str, Any],
+    key: str,
+    where: str,
+    *,
+    positive: bool = True,
+    default: float | None = None,
+) -> float:
+    if default is not None and key not in d:
+        return default
+    v = _number(_get(d, key, where), f"{where}.{key}")
+    if positive and v <= 0:
+        raise SpecError(f"{where}.{key}: must be > 0, got {d[key]!r}")
+    if not positive and v < 0:
+        raise SpecError(f"{where}.{key}: must be >= 0, got {d[key]!r}")
+    return v
+
+
+def _int(
+    d: Mapping[str, Any], key: str, where: str, *, minimum: int = 1, default: int | None = None
+) -> int:
+    """A whole number >= minimum; 8.0 is 8, but 7.9 is an error rather than a silent 7."""
+    if default is not None and key not in d:
+        return default
+    v = _number(_get(d, key, where), f"{where}.{key}")
+    if not v.is_integer():
+        raise SpecError(f"{where}.{key}: expected a whole number, got {d[key]!r}")
+    n = int(d[key])
+    if n < minimum:
+        raise SpecError(f"{where}.{key}: must be >= {minimum}, got {d[key]!r}")
+    return n
+
+
+@contextmanager
+def _field(where: str) -> Iterator[None]:
+    """Whatever a malformed value breaks below, the error names the field instead of a trace."""
+    try:
+        yield
+    except SpecError:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+        raise SpecError(f"{where}: {e}") from None
+
+
+def _link(d: Any, where: str) -> LinkSpec:
+    d = _table(d, where)
     return LinkSpec(
         bandwidth_bytes_per_second=_num(d, "bandwidth_bytes_per_second", where),
         latency_seconds=_num(d, "latency_seconds", where, positive=False),
     )
 
 
-def _layer(d: Mapping[str, Any], i: int) -> LayerProfile:
-    where = f"model.layers[{i}]"
+def _layer(d: Mapping[str, Any], i: int, where: str) -> LayerProfile:
+    name = d.get("name", f"layer{i}")
+    if not isinstance(name, str):
+        raise SpecError(f"{where}.name: expected a string, got {_kind(name)}")
     return LayerProfile(
-        name=str(d.get("name", f"layer{i}")),
+        name=name,
         forward_seconds=_num(d, "forward_seconds", where, positive=False),
         backward_seconds=_num(d, "backward_seconds", where, positive=False),
-        param_bytes=int(_num(d, "param_bytes", where, positive=False)),
-        optimizer_bytes=int(_num(d, "optimizer_bytes", where, positive=False)),
-        activation_bytes=int(_num(d, "activation_bytes", where, positive=False)),
-        output_bytes=int(_num(d, "output_bytes", where, positive=False)),
-        update_seconds=_num(d, "update_seconds", where, positive=False)
-        if "update_seconds" in d
-        else 0.0,
+        param_bytes=_int(d, "param_bytes", where, minimum=0),
+        optimizer_bytes=_int(d, "optimizer_bytes", where, minimum=0),
+        activation_bytes=_int(d, "activation_bytes", where, minimum=0),
+        output_bytes=_int(d, "output_bytes", where, minimum=0),
+        update_seconds=_num(d, "update_seconds", where, positive=False, default=0.0),
     )
 
 
 def _layers(model: Mapping[str, Any]) -> tuple[LayerProfile, ...]:
     """Either an explicit `layers` list, or `repeat` blocks: [{count=N, ...layer fields}]."""
     out: list[LayerProfile] = []
-    if "layers" in model:
-        for d in model["layers"]:
-            count = int(d.get("count", 1))
-            for _ in range(count):
-                out.append(_layer(d, len(out)))
+    for j, d in enumerate(_list(model.get("layers", []), "model.layers")):
+        where = f"model.layers[{j}]"
+        d = _table(d, where)
+        count = _int(d, "count", where, default=1)
+        for _ in range(count):
+            out.append(_layer(d, len(out), where))
     if not out:
         raise SpecError("model.layers: at least one layer is required")
     return tuple(out)
+
+
+def _worker(w: Any, where: str) -> WorkerSpec:
+    w = _table(w, where)
+    return WorkerSpec(
+        id=_str(w, "id", where),
+        host=_str(w, "host", where, "localhost"),
+        memory_bytes=_int(w, "memory_bytes", where),
+        device=_str(w, "device", where, "cpu"),
+    )
+
+
+def _hosts(hosts: Any) -> dict[str, HostSpec]:
+    out: dict[str, HostSpec] = {}
+    for h, v in _table(hosts, "hosts").items():
+        where = f"hosts.{h}"
+        v = _table(v, where)
+        out[str(h)] = HostSpec(
+            cpu_cores=_num(v, "cpu_cores", where),
+            step_cpu_seconds=_num(v, "step_cpu_seconds", where, positive=False, default=0.0),
+        )
+    return out
+
+
+def _search(lim: Any) -> SearchLimits:
+    lim = _table(lim, "search")
+    limits = SearchLimits(
+        min_stages=_int(lim, "min_stages", "search", default=SearchLimits.min_stages),
+        max_stages=_int(lim, "max_stages", "search", default=SearchLimits.max_stages),
+    )
+    if limits.min_stages > limits.max_stages:
+        raise SpecError(
+            f"search: min_stages {limits.min_stages} is above max_stages {limits.max_stages}"
+        )
+    return limits
 
 
 def parse_spec(d: Mapping[str, Any]) -> JobSpec:
     """Build a JobSpec from a decoded TOML/JSON mapping, validating every field."""
     if not isinstance(d, Mapping):
         raise SpecError("spec: expected a table/object at the top level")
-    job = d.get("job", {})
-    workers_raw = _get(d, "workers", "spec")
-    if not isinstance(workers_raw, list) or not workers_raw:
-        raise SpecError("workers: expected a non-empty list")
-    workers = []
-    for i, w in enumerate(workers_raw):
-        where = f"workers[{i}]"
-        workers.append(
-            WorkerSpec(
-                id=str(_get(w, "id", where)),
-                host=str(w.get("host", "localhost")),
-                memory_bytes=int(_num(w, "memory_bytes", where)),
-                device=str(w.get("device", "cpu")),
-            )
+    with _field("job"):
+        job = _table(d.get("job", {}), "job")
+        name = _str(job, "name", "job", "default")
+        mtbf = _num(job, "mtbf_prior_seconds", "job", default=JobSpec.mtbf_prior_seconds)
+        rebuild = _num(
+            job, "rebuild_seconds", "job", positive=False, default=JobSpec.rebuild_seconds
         )
+        restart = _num(
+            job, "restart_seconds", "job", positive=False, default=JobSpec.restart_seconds
+        )
+    with _field("workers"):
+        workers_raw = _list(_get(d, "workers", "spec"), "workers")
+        if not workers_raw:
+            raise SpecError("workers: expected a non-empty list")
+        workers = [_worker(w, f"workers[{i}]") for i, w in enumerate(workers_raw)]
     ids = [w.id for w in workers]
     if len(set(ids)) != len(ids):
         raise SpecError("workers: duplicate worker id")
-    links = _get(d, "links", "spec")
-    model = _get(d, "model", "spec")
-    layers = _layers(model)
-    tr = _get(d, "training", "spec")
-    training = TrainingSpec(
-        global_batch=int(_num(tr, "global_batch", "training")),
-        micro_batch=int(_num(tr, "micro_batch", "training")),
-    )
+    with _field("links"):
+        links = _table(_get(d, "links", "spec"), "links")
+        intra = _link(_get(links, "intra_host", "links"), "links.intra_host")
+        inter = _link(_get(links, "inter_host", "links"), "links.inter_host")
+    with _field("model"):
+        model = _table(_get(d, "model", "spec"), "model")
+        layers = _layers(model)
+        arch = dict(_table(model.get("arch", {}), "model.arch"))
+    with _field("training"):
+        tr = _table(_get(d, "training", "spec"), "training")
+        training = TrainingSpec(
+            global_batch=_int(tr, "global_batch", "training"),
+            micro_batch=_int(tr, "micro_batch", "training"),
+        )
     if training.global_batch % training.micro_batch:
         raise SpecError("training: global_batch must be a multiple of micro_batch")
-    layout = _layout(d.get("plan", {}), ids, len(layers))
+    with _field("plan"):
+        layout = _layout(_table(d.get("plan", {}), "plan"), ids, len(layers))
     if training.micro_batches < len(layout):
         raise SpecError(
             f"training: {training.micro_batches} micro-batches cannot feed {len(layout)} pipelines"
         )
-    lim = d.get("search", {})
-    hosts = d.get("hosts", {})
-    if not isinstance(hosts, Mapping):
-        raise SpecError("hosts: expected a table of host names")
-    host_specs: dict[str, HostSpec] = {}
-    for h, v in hosts.items():
-        if not isinstance(v, Mapping):
-            raise SpecError(f"hosts.{h}: expected a table")
-        host_specs[str(h)] = HostSpec(
-            cpu_cores=_num(v, "cpu_cores", f"hosts.{h}"),
-            step_cpu_seconds=_num(v, "step_cpu_seconds", f"hosts.{h}", positive=False)
-            if "step_cpu_seconds" in v
-            else 0.0,
-        )
+    with _field("search"):
+        search = _search(d.get("search", {}))
+    with _field("hosts"):
+        hosts = _hosts(d.get("hosts", {}))
     return JobSpec(
-        name=str(job.get("name", "default")),
+        name=name,
         workers=tuple(workers),
-        intra_host=_link(_get(links, "intra_host", "links"), "links.intra_host"),
-        inter_host=_link(_get(links, "inter_host", "links"), "links.inter_host"),
+        intra_host=intra,
+        inter_host=inter,
         layers=layers,
         training=training,
         layout=layout,
-        mtbf_prior_seconds=float(job.get("mtbf_prior_seconds", 3.1 * 3600.0)),
-        search=SearchLimits(
-            min_stages=int(lim.get("min_stages", 1)), max_stages=int(lim.get("max_stages", 64))
-        ),
-        rebuild_seconds=float(job.get("rebuild_seconds", 0.05)),
-        restart_seconds=_num(job, "restart_seconds", "job", positive=False)
-        if "restart_seconds" in job
-        else 600.0,
-        arch=dict(model.get("arch", {})),
-        hosts=host_specs,
+        mtbf_prior_seconds=mtbf,
+        search=search,
+        rebuild_seconds=rebuild,
+        restart_seconds=restart,
+        arch=arch,
+        hosts=hosts,
     )
 
 
 def _layout(plan: Mapping[str, Any], ids: list[str], n_layers: int) -> tuple[tuple[str, ...], ...]:
     """`plan.pipelines` lists worker ids per pipeline; else `plan.stages` = N_pp splits in order."""
     if "pipelines" in plan:
-        pipes = tuple(tuple(str(w) for w in p) for p in plan["pipelines"])
+        pipes_raw = _list(plan["pipelines"], "plan.pipelines")
+        pipes = tuple(tuple(_list(p, f"plan.pipelines[{i}]")) for i, p in enumerate(pipes_raw))
+        if any(not isinstance(w, str) for p in pipes for w in p):
+            raise SpecError("plan.pipelines: expected lists of worker ids (strings)")
     else:
-        pp = int(plan.get("stages", 1))
-        if pp <= 0 or len(ids) % pp:
+        pp = _int(plan, "stages", "plan", default=1)
+        if len(ids) % pp:
             raise SpecError(f"plan.stages: {pp} does not divide {len(ids)} workers")
         pipes = tuple(tuple(ids[i : i + pp]) for i in range(0, len(ids), pp))
     used = [w for p in pipes for w in p]

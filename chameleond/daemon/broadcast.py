@@ -4,8 +4,10 @@ Everything a decision changes lands in Redis at once, or not at all: the plan ke
 counter, the job snapshot, the decision and transition records, the dead letters, the XACK of the
 stream entries it answers, and the PUBLISH of the new generation. A daemon killed at any point
 either committed all of it (the entries are acknowledged and never seen again) or nothing (they
-are still pending and a restarted daemon reads them again). The generation check makes a second
-daemon on the same job fail loudly instead of publishing a generation twice.
+are still pending and a restarted daemon reads them again). The lease check (daemon/lease.py)
+refuses the commit of a daemon that no longer leads the job, and the generation check makes a
+daemon fail loudly instead of publishing a generation twice, or finds that Redis lost the state
+(it holds an earlier generation than this daemon published).
 """
 
 from __future__ import annotations
@@ -17,11 +19,24 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from chameleond.daemon.lease import Lease
 from chameleond.protocol import CONSUMER_GROUP, Keys
 
 COMMIT_LUA = """
+local holder = redis.call('GET', KEYS[6])
+if holder == false then
+  redis.call('SET', KEYS[6], ARGV[11], 'PX', ARGV[12])
+elseif holder ~= ARGV[11] then
+  return redis.error_reply('lease lost: ' .. holder .. ' leads the job')
+else
+  redis.call('PEXPIRE', KEYS[6], ARGV[12])
+end
 local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 local expected = tonumber(ARGV[1])
+if cur < expected then
+  return redis.error_reply('state lost: Redis holds generation ' .. cur .. ', this daemon '
+    .. 'published ' .. expected)
+end
 if cur ~= expected then
   return redis.error_reply('generation conflict: Redis holds ' .. cur .. ', this daemon expected '
     .. expected .. ' (is a second chameleond running for this job?)')
@@ -40,7 +55,7 @@ end
 for _, rec in ipairs(cjson.decode(ARGV[7])) do
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(rec))
 end
-for i = 11, #ARGV, 500 do
+for i = 13, #ARGV, 500 do
   redis.call('XACK', KEYS[4], ARGV[10], unpack(ARGV, i, math.min(i + 499, #ARGV)))
 end
 if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[2]) end
@@ -80,9 +95,12 @@ class Commit:
 
 
 class Broadcaster:
-    def __init__(self, client: aioredis.Redis, keys: Keys, records_maxlen: int = 10_000) -> None:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, lease: Lease, records_maxlen: int = 10_000
+    ) -> None:
         self.client = client
         self.keys = keys
+        self.lease = lease  # every commit checks that this daemon still leads the job
         self.records_maxlen = records_maxlen
         self._script = client.register_script(COMMIT_LUA)
 
@@ -100,9 +118,12 @@ class Broadcaster:
             k.plans_channel,
             self.records_maxlen,
             CONSUMER_GROUP,
+            self.lease.token,
+            self.lease.ttl_ms,
             *c.acks,
         ]
-        await self._script(keys=[k.state, k.plan, k.decisions, k.events, k.dead], args=args)
+        keys = [k.state, k.plan, k.decisions, k.events, k.dead, k.leader]
+        await self._script(keys=keys, args=args)
 
     async def nudge(self, generation: int) -> None:
         """Publish the current generation again: a fenced worker that missed it learns it."""

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 import uvloop
 
+from chameleond.core.decide import DecisionError, initial_plan
 from chameleond.core.spec import JobSpec, SpecError, load_spec
 from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
 from chameleond.protocol import CONSUMER_GROUP, Keys
@@ -149,6 +150,12 @@ def check(cfg: Config, config_only: bool) -> tuple[bool, str]:
     except SpecError as e:
         return False, f"job spec: {e}"
     if config_only:
+        # A spec can be well-formed and still describe a layout that cannot be built (a worker
+        # too small for its stage): the daemon would only find out at its first plan.
+        try:
+            initial_plan(spec)
+        except DecisionError as e:
+            return False, f"job spec: initial layout: {e}"
         return True, f"settings and job spec valid ({len(spec.workers)} workers)"
     try:
         with urllib.request.urlopen(f"http://{cfg.http}/readyz", timeout=3) as r:

@@ -18,18 +18,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.daemon.broadcast import Broadcaster, Commit
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
+from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.views import progress
 from chameleond.protocol import Keys
 
 log = logging.getLogger("chameleond")
+# Refusals that end by themselves: a replica until failover completes, memory until freed.
+TRANSIENT = (ReadOnlyError, OutOfMemoryError)
 decisions_log = logging.getLogger("chameleond.decisions")
 
 Record = Mapping[str, Any]
@@ -43,6 +46,7 @@ class Committer:
         job: Job,
         metrics: Metrics,
         reachability: Reachability,
+        lease: Lease,
         *,
         persist_interval_seconds: float,
     ) -> None:
@@ -52,10 +56,12 @@ class Committer:
         self.metrics = metrics
         self.reachability = reachability  # a failed commit says Redis is away
         self.persist_interval_seconds = persist_interval_seconds
-        self.broadcaster = Broadcaster(client, keys)
+        self.lease = lease
+        self.broadcaster = Broadcaster(client, keys, lease)
         self.lock = asyncio.Lock()
         self.spec_written = job.spec_version  # the version stored under chameleon:{job}:spec
         self._last_progress = 0.0
+        self.last_attempt = time.monotonic()  # a commit retrying through an outage is alive
 
     async def batch(
         self, acks: Sequence[str], dead: list[list[str | bytes]], *, force_progress: bool = False
@@ -106,9 +112,8 @@ class Committer:
             records=[*_drain(job.records), record],
             acks=acks,
         )
-        await self._retry(c)
+        await self._retry_clean(c)
         job.plan = published
-        job.dirty = False
         return published
 
     async def _job_commit(
@@ -131,27 +136,79 @@ class Committer:
         )
         if c.empty():
             return
-        await self._retry(c)
-        job.dirty = False
+        await self._retry_clean(c)
+
+    async def _retry_clean(self, c: Commit) -> None:
+        """Commit a snapshot taken now. The job is clean from the moment it is taken: a handler
+        that runs while the commit waits on Redis marks it dirty again, so its change goes into
+        the next commit, never lost behind a flag cleared after the await."""
+        taken = c.snapshot is not None
+        if taken:
+            self.job.dirty = False
+        try:
+            await self._retry(c)
+        except BaseException:
+            if taken:
+                self.job.dirty = True
+            raise
 
     async def _retry(self, c: Commit) -> None:
         """Retry, at least once a second, until Redis takes it: what is in memory is ahead of
         Redis until then. A generation conflict (a second daemon on the job) is not retried."""
         delay, retried = 0.1, False
         while True:
+            self.last_attempt = time.monotonic()
             try:
                 await self.broadcaster.commit(c)
                 self.reachability.succeeded()
                 return
             except (RedisError, OSError) as e:
                 self.reachability.failed(e)
+                if "lease lost" in str(e):
+                    raise LeaseLost(str(e)) from None
+                if "state lost" in str(e):
+                    await self._reseed(c)
+                    continue
                 if "generation conflict" in str(e):
                     if retried and await self._landed(c):
                         return  # the connection broke after Redis ran it: the reply was lost
                     raise
-                log.warning("commit failed (%s); retrying in %.1f s", e, delay)
+                if isinstance(e, ResponseError) and not isinstance(e, TRANSIENT):
+                    # Redis answers but refuses (an ACL without a key, a key of the wrong type):
+                    # nothing is lost while the operator mends it, so keep trying, loudly.
+                    log.error("Redis refuses the commit (%s); retrying in %.1f s", e, delay)
+                else:
+                    log.warning("commit failed (%s); retrying in %.1f s", e, delay)
                 await asyncio.sleep(delay)
                 delay, retried = min(delay * 2, 1.0), True
+
+    async def _reseed(self, c: Commit) -> None:
+        """Redis came back without the job's state (restarted without persistence, or a failover
+        to a replica that missed writes): write it again from memory, up to the generation `c`
+        expects, so that `c` lands next. The workers hold the plan already; publishing its
+        generation again changes nothing for them. The consumer group is made again by the read
+        loop (daemon/ingest.py) and the workers' spec by the next batch."""
+        job = self.job
+        raw = await self.client.hget(self.keys.state, "generation")
+        stored = int(raw or 0)
+        log.error(
+            "Redis lost the job's state: it holds generation %d, this daemon published %d; "
+            "writing it again from memory", stored, c.expected_generation,
+        )  # fmt: skip
+        await self.client.hsetnx(
+            self.keys.state, "base_spec", json.dumps(spec_document(job.base_spec))
+        )
+        plan = job.plan
+        if plan is None or plan.generation != c.expected_generation:  # cannot be: 0 < expected
+            raise RuntimeError(f"no plan of generation {c.expected_generation} to write again")
+        seed = Commit(
+            expected_generation=stored,
+            generation=plan.generation,
+            plan_json=json.dumps(plan_to_dict(plan), separators=(",", ":")),
+            snapshot=job.snapshot() if job.machine.generation == plan.generation else None,
+        )
+        await self.broadcaster.commit(seed)
+        self.spec_written = -1  # write the workers' spec again
 
     async def _landed(self, c: Commit) -> bool:
         if not c.plan_json:

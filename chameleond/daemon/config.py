@@ -7,6 +7,7 @@ dashes). `chameleond run --help` lists them all from `FIELDS`, so they cannot dr
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -96,20 +97,26 @@ FIELDS = {f.name: f for f in fields(Config)}
 
 def _coerce(name: str, value: Any, origin: str) -> Any:
     kind = type(getattr(Config(), name))
-    try:
-        if kind is bool:
-            return str(value).lower() in ("1", "true", "yes", "on")
-        if kind is int:
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return int(value)
-        if kind is float:
-            if isinstance(value, bool):
-                raise ValueError(value)
-            return float(value)
+    if kind is bool:
+        return str(value).lower() in ("1", "true", "yes", "on")
+    if kind is str:
         return str(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{origin}: {name} must be {kind.__name__}, got {value!r}") from None
+    try:
+        if isinstance(value, bool):
+            raise ValueError(value)
+        number = float(value)
+        # NaN compares False against every bound, so a NaN timeout would pass validation and
+        # never expire; inf would never expire either.
+        if not math.isfinite(number):
+            raise ValueError(value)
+        if kind is int:
+            if not number.is_integer():
+                raise ValueError(value)
+            return int(value) if isinstance(value, int | str) else int(number)
+        return number
+    except (TypeError, ValueError, OverflowError):
+        what = "a whole number" if kind is int else "a finite number"
+        raise ConfigError(f"{origin}: {name} must be {what}, got {value!r}") from None
 
 
 def from_mapping(base: Config, values: Mapping[str, Any], origin: str) -> Config:

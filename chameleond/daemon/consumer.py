@@ -140,7 +140,12 @@ class StreamConsumer:
             # Redis 6.2 answers nil, without the id, for an entry deleted while pending; it now
             # belongs to this consumer name and is dead-lettered when its pending list is re-read.
             log.warning("%d claimed entries were deleted from the stream while pending", gone)
-        return await self._with_deliveries(entries)
+        # Redis 7 drops such entries from the pending list itself and names them in a third
+        # element: they are dead-lettered now, since nothing else would ever mention them.
+        deleted = [Entry(_id(i), None) for i in (reply[2] if len(reply) > 2 else [])]
+        if deleted:
+            log.warning("%d pending entries were deleted from the stream", len(deleted))
+        return [*await self._with_deliveries(entries), *deleted]
 
     async def _with_deliveries(self, entries: list[Entry]) -> list[Entry]:
         if not entries:

@@ -70,6 +70,8 @@ class Decisions:
             except (TimeoutError, asyncio.CancelledError):
                 log.warning("a decision did not commit within %.0f s: dropped", timeout)
                 self.task.cancel()
+            except Exception as e:  # its entries stay pending: the next leader answers them
+                log.warning("the running decision failed: %r", e)
 
     def _soon(self) -> None:
         # Runs once the current task has ended, so maybe_decide sees it done.

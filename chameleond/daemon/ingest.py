@@ -72,6 +72,9 @@ class Ingest:
             try:
                 entries = await self.consumer.read()
             except (RedisError, OSError) as e:
+                if "NOGROUP" in str(e):
+                    await self._group_lost()
+                    continue
                 log.warning("XREADGROUP failed (%s); retrying", e)
                 self.reachability.failed(e)
                 await asyncio.sleep(0.5)
@@ -79,6 +82,21 @@ class Ingest:
             self.reachability.succeeded()
             if entries:
                 await self.process(entries)
+
+    async def _group_lost(self) -> None:
+        """Redis answers without the consumer group: it came back without the job's data (no
+        persistence, or a failover to a replica that missed it). Make the group again from the
+        start of whatever the stream holds now; the next commit finds the state missing too and
+        writes it again (daemon/commits.py)."""
+        log.error("the consumer group is gone from Redis (its data was lost): making it again")
+        try:
+            await self.consumer.ensure_group()
+        except (RedisError, OSError) as e:
+            self.reachability.failed(e)
+            await asyncio.sleep(0.5)
+            return
+        self.job.dirty = True  # the snapshot went with the rest
+        await self.committer.batch([], [], force_progress=True)
 
     async def claim_and_trim(self) -> None:
         """Take over entries left idle by any consumer name, then trim the stream."""
@@ -137,10 +155,33 @@ def _kind(fields: dict[bytes, bytes]) -> str:
     return kind if kind in EVENT_TYPES else "unknown"
 
 
+# A dead letter keeps the original fields for the operator, within bounds: an entry with
+# thousands of fields or megabyte values must neither break the commit script (Lua's unpack
+# takes a few thousand values) nor fill Redis with copies.
+DEAD_FIELDS_KEPT = 64
+DEAD_VALUE_BYTES = 1024
+
+
 def _dead(e: Entry, fields: dict[bytes, bytes] | dict[str, str], reason: str) -> list[str | bytes]:
     out: list[str | bytes] = []
+    kept = cut = 0
     for k, v in fields.items():
-        if k in (b"error", "error", b"entry", "entry"):
+        if k in (b"error", "error", b"entry", "entry", b"truncated", "truncated"):
             continue
+        if kept == DEAD_FIELDS_KEPT:
+            cut += 1
+            continue
+        kept += 1
+        k, v = _bounded(k), _bounded(v)
         out += [k, v]
+    if cut:
+        out += ["truncated", f"{cut} more fields not kept"]
     return [*out, "entry", e.id, "error", reason]
+
+
+def _bounded(v: str | bytes) -> str | bytes:
+    if len(v) <= DEAD_VALUE_BYTES:
+        return v
+    if isinstance(v, bytes):
+        return v[:DEAD_VALUE_BYTES] + b"..."
+    return v[:DEAD_VALUE_BYTES] + "..."

@@ -108,6 +108,9 @@ class Job:
         self.plan: Plan | None = None
         self.started = 0.0  # when the initial plan was made: start of the MTBF exposure window
         self.fault_times: list[float] = []
+        # The time of each fault a decision has not yet answered: its entry is still pending, so
+        # a restarted daemon reads it again and must not find it already counted.
+        self.undecided_faults: dict[str, float] = {}
         self.last_decision: dict[str, Any] | None = None
         self.follow_up: FollowUp | None = None
         self.checkpoints = Checkpoints()  # what a restore plan can load (handlers/checkpoint.py)
@@ -264,7 +267,7 @@ class Job:
         return {
             "machine": self.machine.snapshot(),
             "started": self.started,
-            "fault_times": self.fault_times[-1000:],
+            "fault_times": self.decided_fault_times()[-1000:],
             "last_decision": self.last_decision,
             "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
             "checkpoints": self.checkpoints.to_json(),
@@ -284,6 +287,18 @@ class Job:
                 for w in self.workers.values()
             },
         }
+
+    def count_fault(self, worker: str, now: float) -> None:
+        """One more fault for the failure rate (selector.estimate_mtbf)."""
+        self.undecided_faults = {w: t for w, t in self.undecided_faults.items() if self.pending(w)}
+        self.fault_times.append(now)
+        if self.pending(worker):
+            self.undecided_faults[worker] = now
+
+    def decided_fault_times(self) -> list[float]:
+        """The fault times a restart keeps: those of faults a committed decision answered."""
+        undecided = {t for w, t in self.undecided_faults.items() if self.pending(w)}
+        return [t for t in self.fault_times if t not in undecided]
 
     def restore(self, snap: dict[str, Any], plan: Plan | None, *, ready_timeout: float) -> None:
         self.machine = PolicyMachine.restore(snap["machine"], ready_timeout_seconds=ready_timeout)

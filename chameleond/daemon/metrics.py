@@ -67,7 +67,13 @@ class Metrics:
         )
         self.redis_up = Gauge(
             "chameleon_redis_up",
-            "1 while the daemon reads Redis; 0 from a failed read until one succeeds.",
+            "1 while the daemon's Redis reads and commits succeed; 0 from a failed one until one "
+            "succeeds.",
+            registry=r,
+        )
+        self.leader = Gauge(
+            "chameleon_leader",
+            "1 while this daemon holds the job's leader lease; 0 while it stands by.",
             registry=r,
         )
         self.generation = Gauge(

@@ -36,6 +36,7 @@ from chameleond.daemon.http import HttpServer
 from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
+from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.systemd import Notifier
@@ -80,6 +81,8 @@ class Service:
         self._stopped = asyncio.Event()
         self._running = False
         self._failed: BaseException | None = None
+        self.standby_for = ""  # the daemon that leads the job while this one stands by
+        self.leading = False  # holds the job's leader lease (daemon/lease.py)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -116,8 +119,17 @@ class Service:
             decode_responses=False,
         )
         tasks: list[asyncio.Task[Any]] = []
+        lease = Lease(client, self.keys, cfg.consumer_name)
         try:
             await client.ping()
+            if self.http is not None:
+                await self.http.start(cfg.http_host, cfg.http_port)
+            if self.notifier.watchdog_seconds:
+                tasks.append(asyncio.create_task(self.notifier.watchdog(), name="watchdog"))
+            if not await lease.acquire(self._stop, self._standing_by):
+                return 0  # stopped while standing by
+            self.standby_for, self.leading = "", True
+            self.metrics.leader.set(1)
             consumer = StreamConsumer(
                 client, self.keys, cfg.consumer_name,
                 block_ms=cfg.block_ms, count=cfg.batch_count,
@@ -127,7 +139,7 @@ class Service:
             await self._restore(client)
             reachability = self.reachability = Reachability(self.metrics)
             committer = Committer(
-                client, self.keys, job, self.metrics, reachability,
+                client, self.keys, job, self.metrics, reachability, lease,
                 persist_interval_seconds=cfg.persist_interval_seconds,
             )  # fmt: skip
             self.broadcaster = committer.broadcaster
@@ -136,8 +148,6 @@ class Service:
                 job, consumer, committer, decisions, self.metrics, reachability,
                 max_deliveries=cfg.max_deliveries, observer=self.observer,
             )  # fmt: skip
-            if self.http is not None:
-                await self.http.start(cfg.http_host, cfg.http_port)
             self.ready = True
             self.refresh_gauges()
             self.notifier.ready(f"job {cfg.job}: {job.machine.phase}")
@@ -148,13 +158,12 @@ class Service:
             )  # fmt: skip
             await ingest.replay_own_pending()
             decisions.maybe_decide()
-            tasks = [
+            tasks += [
                 asyncio.create_task(ingest.run(self._stop), name="consume"),
                 asyncio.create_task(Detector(self).run(), name="detector"),
                 asyncio.create_task(self._housekeeping(ingest, committer), name="housekeeping"),
+                asyncio.create_task(lease.keep(self._stop), name="lease"),
             ]
-            if self.notifier.watchdog_seconds:
-                tasks.append(asyncio.create_task(self.notifier.watchdog(), name="watchdog"))
             stop = asyncio.create_task(self._stop.wait(), name="stop")
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for t in done:
@@ -171,6 +180,11 @@ class Service:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.leading:  # hand over at once rather than when the lease lapses
+                self.leading = False
+                self.metrics.leader.set(0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lease.release(), timeout=2.0)
             if self.http is not None:
                 await self.http.stop()
             await client.aclose()
@@ -189,9 +203,13 @@ class Service:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(consume, timeout=self.cfg.block_ms / 1000 + 5.0)
         await decisions.drain(timeout=30.0 + self.cfg.decision_delay_seconds)
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(RedisError, OSError, LeaseLost):
             await asyncio.wait_for(committer.batch([], [], force_progress=True), timeout=10.0)
         log.info("stopped job=%s generation=%d", self.cfg.job, self.job.machine.generation)
+
+    def _standing_by(self, holder: str) -> None:
+        self.standby_for = holder
+        self.notifier.ready(f"job {self.cfg.job}: standing by, led by {holder}")
 
     async def _restore(self, client: aioredis.Redis) -> None:
         """Resume from the persisted state, or start the job fresh from the configured spec."""
@@ -251,10 +269,17 @@ class Service:
         views.refresh_gauges(self.job, self.metrics, self.cfg)
 
     def status(self) -> dict[str, Any]:
+        if self.standby_for:
+            return {"job": self.cfg.job, "standby": True, "leader": self.standby_for}
         return views.status(self.job, self.cfg)
 
     def healthy(self) -> tuple[bool, str]:
-        last = self.ingest.last_loop if self.ingest is not None else time.monotonic()
+        ingest = self.ingest
+        last = (
+            max(ingest.last_loop, ingest.committer.last_attempt)
+            if ingest is not None
+            else time.monotonic()
+        )
         age = time.monotonic() - last
         limit = self.cfg.block_ms / 1000 + self.cfg.socket_timeout_seconds * 2
         if self.ready and age > limit:
@@ -267,6 +292,8 @@ class Service:
         ok, why = self.healthy()
         if not ok:
             return False, why
+        if self.standby_for:
+            return False, f"standing by: job led by {self.standby_for}"
         if not self.ready:
             return False, "starting or stopping"
         if self.reachability is not None and self.reachability.error:

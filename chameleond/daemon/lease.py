@@ -1,0 +1,127 @@
+"""The job's leader lease: one chameleond at a time decides for a job.
+
+Two daemons on one job (a rolling update with surge, a second host started by mistake) would
+each read part of the stream and acknowledge entries the other never applies. So a daemon leads
+only while it holds `chameleon:{job}:leader`, a key with a time to live that names it. The
+holder renews it every third of LEASE_SECONDS, and every commit checks it inside the commit
+script (daemon/broadcast.py), so a daemon that lost the lease cannot write anything, not even
+one commit late. Any other daemon stands by, serving /healthz and /metrics, and takes over once
+the lease lapses: at most LEASE_SECONDS after the leader died.
+
+A new process under the holder's own consumer name takes the lease at once: the consumer name
+identifies a daemon (its pending entries belong to that name), so that is the same daemon
+restarted, and the old process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+from collections.abc import Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from chameleond.protocol import Keys
+
+log = logging.getLogger("chameleond")
+
+LEASE_SECONDS = 10.0
+
+# Renew only our own lease; re-take it when it lapsed during an outage and nobody took it.
+RENEW_LUA = """
+local holder = redis.call('GET', KEYS[1])
+if holder == false then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+if holder ~= ARGV[1] then return redis.error_reply('lease lost: ' .. holder .. ' leads the job') end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+
+
+class LeaseLost(RuntimeError):
+    """Another daemon leads the job now: this one must stop deciding."""
+
+
+class Lease:
+    def __init__(
+        self, client: aioredis.Redis, keys: Keys, consumer: str, seconds: float = LEASE_SECONDS
+    ) -> None:
+        self.client = client
+        self.key = keys.leader
+        self.consumer = consumer
+        self.token = f"{consumer} {secrets.token_hex(4)}"  # the consumer name, then this process
+        self.ttl_ms = int(seconds * 1000)
+        self.holder = ""  # who leads, as last seen while standing by
+        self._renew = client.register_script(RENEW_LUA)
+
+    async def acquire(self, stop: asyncio.Event, standing_by: Callable[[str], None]) -> bool:
+        """Wait until this daemon holds the lease (True) or `stop` is set (False). Calls
+        `standing_by(holder)` whenever it finds another daemon leading."""
+        while not stop.is_set():
+            try:
+                if await self._try():
+                    self.holder = self.token
+                    return True
+                standing_by(self.holder)
+            except RedisError as e:
+                log.warning("leader lease: %s; trying again", e)
+            await _sleep(stop, self.ttl_ms / 3000)
+        return False
+
+    async def _try(self) -> bool:
+        if await self.client.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            return True
+        raw = await self.client.get(self.key)
+        holder = raw.decode() if isinstance(raw, bytes) else str(raw or "")
+        if holder.split(" ")[0] == self.consumer:
+            # The same daemon restarted: its old process is gone. Take over only that holder.
+            async with self.client.pipeline(transaction=True) as p:
+                await p.watch(self.key)
+                if await p.get(self.key) != raw:
+                    return False
+                p.multi()
+                p.set(self.key, self.token, px=self.ttl_ms)
+                await p.execute()
+            log.info("leader lease taken over from an earlier process (%s)", holder)
+            return True
+        if holder != self.holder:
+            log.warning(
+                "standing by: job led by %r; taking over within %.0f s of its lease lapsing",
+                holder, self.ttl_ms / 1000,
+            )  # fmt: skip
+        self.holder = holder
+        return False
+
+    async def keep(self, stop: asyncio.Event) -> None:
+        """Renew until `stop`; raises LeaseLost when another daemon took the lease. A Redis
+        outage is waited out: if the lease lapsed meanwhile and nobody took it, renewing takes
+        it again; if somebody did, every commit of this daemon already fails."""
+        while not stop.is_set():
+            try:
+                await self._renew(keys=[self.key], args=[self.token, self.ttl_ms])
+            except RedisError as e:
+                if "lease lost" in str(e):
+                    raise LeaseLost(str(e)) from None
+                log.warning("leader lease not renewed: %s", e)
+            await _sleep(stop, self.ttl_ms / 3000)
+
+    async def release(self) -> None:
+        """Give the lease up at a clean stop, so a standby takes over at once."""
+        try:
+            await self.client.eval(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
+                1, self.key, self.token,
+            )  # fmt: skip
+        except RedisError as e:
+            log.warning("leader lease not released (%s): it lapses in %.0f s", e,
+                        self.ttl_ms / 1000)  # fmt: skip
+
+
+async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)

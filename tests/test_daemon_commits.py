@@ -1,0 +1,130 @@
+"""The commit path against a real Redis: a change made while a commit waits on Redis is committed
+next (not lost behind a flag cleared after the wait), a daemon that lost the job's leader lease
+cannot write, and a Redis that came back empty gets the job's state written again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from chameleond.core.decide import initial_plan
+from chameleond.core.holdings import of_plan
+from chameleond.core.machine import PolicyMachine
+from chameleond.daemon.commits import Committer
+from chameleond.daemon.job import Job
+from chameleond.daemon.lease import Lease, LeaseLost
+from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.reachability import Reachability
+from chameleond.jobs import load_default_spec
+from chameleond.protocol import Keys
+from chameleond.redis_server import RedisServer
+
+KEYS = Keys("t")
+
+
+def _committer(client: aioredis.Redis, consumer: str = "a") -> Committer:
+    metrics = Metrics()
+    job = Job("t", load_default_spec(), policy="adaptive", machine=PolicyMachine())
+    return Committer(
+        client, KEYS, job, metrics, Reachability(metrics), Lease(client, KEYS, consumer),
+        persist_interval_seconds=60,
+    )  # fmt: skip
+
+
+async def _publish_initial(c: Committer) -> None:
+    job = c.job
+    plan = initial_plan(job.spec, 1)
+    async with c.lock:
+        job.machine.initial(1, plan.workers, time.time(), of_plan(plan))
+        await c.publish(plan, {"kind": "decision", "generation": 1}, [])
+
+
+def _run(server: RedisServer, body: Callable[[aioredis.Redis], Awaitable[None]]) -> None:
+    async def main() -> None:
+        client = aioredis.Redis.from_url(server.url, socket_timeout=5.0)
+        try:
+            await body(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def _snapshot(r: redis.Redis) -> dict[str, object]:
+    raw = r.hget(KEYS.state, "snapshot")
+    assert raw is not None
+    return dict(json.loads(raw))
+
+
+def test_a_change_made_while_a_commit_waits_goes_into_the_next_commit(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        c.job.dirty = True
+        redis_client.execute_command("CLIENT", "PAUSE", "600", "WRITE")  # Redis is slow to answer
+        commit = asyncio.create_task(c.batch([], []))
+        await asyncio.sleep(0.2)
+        assert not commit.done()  # its snapshot is taken; it waits on Redis
+        # A handler runs meanwhile: a checkpoint of every layer at step 7.
+        layers = list(range(len(c.job.spec.layers)))
+        assert c.job.checkpoints.add(7, layers, 1)
+        c.job.dirty = True
+        await commit
+        assert c.job.dirty  # the handler's change is still to be committed...
+        assert "7" not in json.dumps(_snapshot(redis_client)["checkpoints"])
+        await c.batch([], [])  # ...and the next commit carries it
+        assert _snapshot(redis_client)["checkpoints"] == c.job.checkpoints.to_json()
+
+    _run(redis_server, body)
+
+
+def test_a_daemon_without_the_lease_cannot_commit(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async def body(client: aioredis.Redis) -> None:
+        leader, other = _committer(client, "a"), _committer(client, "b")
+        assert await leader.lease.acquire(asyncio.Event(), lambda holder: None)
+        await _publish_initial(leader)
+        before = redis_client.hgetall(KEYS.state)
+        other.job.dirty = True
+        with pytest.raises(LeaseLost, match="lease lost: a "):
+            await other.batch(["0-1"], [], force_progress=True)
+        assert redis_client.hgetall(KEYS.state) == before  # nothing of it was written
+        # A standby finds the lease held, and takes it once the leader gives it up.
+        held: list[str] = []
+        stop = asyncio.Event()
+        standby = asyncio.create_task(other.lease.acquire(stop, held.append))
+        await asyncio.sleep(0.1)
+        assert not standby.done() and held and held[0].startswith("a ")
+        await leader.lease.release()
+        assert await asyncio.wait_for(standby, 10)
+        with pytest.raises(LeaseLost):
+            await leader.batch([], [], force_progress=True)
+
+    _run(redis_server, body)
+
+
+def test_a_redis_that_came_back_empty_gets_the_state_written_again(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        await _publish_initial(c)
+        plan = redis_client.get(KEYS.plan)
+        redis_client.flushall()  # a restart without persistence, or a failover that lost it
+        c.job.dirty = True
+        await c.batch([], [], force_progress=True)
+        assert redis_client.hget(KEYS.state, "generation") == "1"
+        assert redis_client.get(KEYS.plan) == plan
+        assert _snapshot(redis_client)["machine"] == c.job.machine.snapshot()
+        assert redis_client.hexists(KEYS.state, "base_spec")
+        assert redis_client.get(KEYS.leader) == c.lease.token
+
+    _run(redis_server, body)

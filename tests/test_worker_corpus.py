@@ -1,0 +1,23 @@
+"""Every worker of a job reads the same corpus: the first records its digest, a worker on a
+different one (another Python patch version) stops before it trains a sample whose bytes differ
+from its peers'."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from chameleond.protocol import Keys
+from workers.data import Corpus, CorpusError
+from workers.startup import agree_on_corpus
+
+
+def test_a_worker_on_another_corpus_stops(redis_client: redis.Redis) -> None:
+    keys = Keys("corpus")
+    digest = Corpus().digest
+    agree_on_corpus(redis_client, keys, digest)  # the first worker records its corpus
+    agree_on_corpus(redis_client, keys, digest)  # the same corpus on another host: fine
+    assert redis_client.get(keys.corpus) == digest
+    with pytest.raises(CorpusError, match=f"read {digest}: run every worker on the same Python"):
+        agree_on_corpus(redis_client, keys, "0123456789abcdef")
+    assert redis_client.get(keys.corpus) == digest  # the job's record stays
