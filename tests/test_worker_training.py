@@ -204,7 +204,11 @@ def test_reroute_two_successive_failures(start_job) -> None:
     worst = assert_matches_reference(job, steps)
     by_step = step_workers(job)
     last_gen2 = max(s for s, ws in by_step.items() if "w0" in ws)
-    assert all(by_step[s] == set(plans[2].workers) for s in by_step if s > last_gen2)
+    after = sorted(s for s in by_step if s > last_gen2)
+    # The step w0 died in may have committed on the survivors whose vote completed (they report
+    # it) and late, in the next generation, on the others (a late commit sends no step event).
+    assert by_step[after[0]] <= set(plans[2].workers), by_step
+    assert all(by_step[s] == set(plans[2].workers) for s in after[1:]), by_step
     recovery_figures(job, "w3", killed, 2)
     recovery_figures(job, "w0", killed2, 3)
     print(f"reroute: max rel loss error {worst:.2e}")
