@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-mode",
         choices=MODES,
         default=BUBBLE,
-        help="bubble: copy the state in the next step's pipeline bubbles and write it in the "
-        "background; sync: stop training to write it (default %(default)s)",
+        help="bubble: write the checkpoint piece by piece where the next step waits (its "
+        "pipeline bubbles); sync: stop training to write it (default %(default)s)",
     )
     p.add_argument(
         "--log-level",

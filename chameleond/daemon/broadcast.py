@@ -19,18 +19,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from chameleond.daemon.lease import Lease
+from chameleond.daemon.lease import Lease, hold_lua
 from chameleond.protocol import CONSUMER_GROUP, Keys
 
-COMMIT_LUA = """
-local holder = redis.call('GET', KEYS[6])
-if holder == false then
-  redis.call('SET', KEYS[6], ARGV[11], 'PX', ARGV[12])
-elseif holder ~= ARGV[11] then
-  return redis.error_reply('lease lost: ' .. holder .. ' leads the job')
-else
-  redis.call('PEXPIRE', KEYS[6], ARGV[12])
-end
+COMMIT_LUA = (
+    hold_lua("KEYS[6]", "ARGV[11]", "ARGV[12]")
+    + """
 local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 local expected = tonumber(ARGV[1])
 if cur < expected then
@@ -61,6 +55,7 @@ end
 if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[2]) end
 return cur
 """
+)
 
 
 def flat(fields: Mapping[str, Any]) -> list[str]:

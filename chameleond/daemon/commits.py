@@ -25,6 +25,7 @@ from chameleond.daemon.broadcast import Broadcaster, Commit
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.lease import Lease, LeaseLost
+from chameleond.daemon.lease import lost as lease_lost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.views import progress
@@ -164,7 +165,7 @@ class Committer:
                 return
             except (RedisError, OSError) as e:
                 self.reachability.failed(e)
-                if "lease lost" in str(e):
+                if lease_lost(e):
                     raise LeaseLost(str(e)) from None
                 if "state lost" in str(e):
                     await self._reseed(c)

@@ -30,17 +30,31 @@ log = logging.getLogger("chameleond")
 
 LEASE_SECONDS = 10.0
 
-# Renew only our own lease; re-take it when it lapsed during an outage and nobody took it.
-RENEW_LUA = """
-local holder = redis.call('GET', KEYS[1])
+LEASE_LOST = "lease lost"
+
+
+def hold_lua(key: str, token: str, ttl_ms: str) -> str:
+    """Lua that holds the lease for `token` (Lua expressions: KEYS[i], ARGV[i]) or fails with
+    LEASE_LOST: it refreshes our own lease, and re-takes one that lapsed during an outage if
+    nobody took it meanwhile. The renewal and every commit (daemon/broadcast.py) begin with it."""
+    return f"""
+local holder = redis.call('GET', {key})
 if holder == false then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return 1
+  redis.call('SET', {key}, {token}, 'PX', {ttl_ms})
+elseif holder ~= {token} then
+  return redis.error_reply('{LEASE_LOST}: ' .. holder .. ' leads the job')
+else
+  redis.call('PEXPIRE', {key}, {ttl_ms})
 end
-if holder ~= ARGV[1] then return redis.error_reply('lease lost: ' .. holder .. ' leads the job') end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
 """
+
+
+RENEW_LUA = hold_lua("KEYS[1]", "ARGV[1]", "ARGV[2]") + "return 1\n"
+
+
+def lost(error: BaseException) -> bool:
+    """Whether a Redis error says another daemon holds the lease."""
+    return LEASE_LOST in str(error)
 
 
 class LeaseLost(RuntimeError):
@@ -105,7 +119,7 @@ class Lease:
             try:
                 await self._renew(keys=[self.key], args=[self.token, self.ttl_ms])
             except RedisError as e:
-                if "lease lost" in str(e):
+                if lost(e):
                     raise LeaseLost(str(e)) from None
                 log.warning("leader lease not renewed: %s", e)
             await _sleep(stop, self.ttl_ms / 3000)
