@@ -17,7 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 CONSUMER_GROUP = "chameleond"
 EVENT_TYPES = ("fault", "rejoin", "register", "heartbeat", "profile", "step", "ack", "checkpoint")
-ACK_PHASES = ("ready", "stopped")
+ACK_PHASES = ("ready", "stopped", "unrestorable")
 MAX_ID_LEN = 128
 # Where every process of a job may take its Redis URL from instead of a flag, so that a password in
 # it stays out of the process list.
@@ -228,4 +228,6 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
             raise EventError(f"field 'phase' must be one of {', '.join(ACK_PHASES)}")
         if "attempt" in f:
             _int(f, "attempt", minimum=1)
+        if f["phase"] == "unrestorable":
+            _int(f, "step")
     return Event(kind, worker, f)

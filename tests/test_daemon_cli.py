@@ -53,6 +53,26 @@ def test_settings_layer_file_then_environment_then_flags(tmp_path: Path) -> None
         load(str(f), {}, {})
 
 
+def test_lease_seconds_must_outlast_a_renewal(tmp_path: Path) -> None:
+    assert load(None, {}, {}).lease_seconds == 10.0
+    f = tmp_path / "c.toml"
+    f.write_text("lease_seconds = 20.0\n")
+    assert load(str(f), {}, {}).lease_seconds == 20.0
+    assert load(None, {"CHAMELEON_LEASE_SECONDS": "8"}, {}).lease_seconds == 8.0
+    args = build_parser().parse_args(["run", "--lease-seconds", "3"])
+    short = {"lease_seconds": args.lease_seconds, "socket_timeout_seconds": 1.5, "block_ms": 500}
+    assert load(None, {}, short).lease_seconds == 3.0
+    # Renewed every third of the lease, a renewal taking the whole 5 s socket timeout must
+    # finish before the lease lapses: more than 7.5 s.
+    with pytest.raises(ConfigError, match=r"lease_seconds: 7.5 must be more than 1.5 x"):
+        load(None, {"CHAMELEON_LEASE_SECONDS": "7.5"}, {})
+    for bad in (0.0, -1.0):
+        with pytest.raises(ConfigError, match="lease_seconds"):
+            load(None, {}, {"lease_seconds": bad})
+    with pytest.raises(ConfigError, match="lease_seconds must be a finite number"):
+        load(None, {"CHAMELEON_LEASE_SECONDS": "inf"}, {})
+
+
 def test_check_exits_0_when_healthy_and_1_otherwise(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:

@@ -17,6 +17,7 @@ from chameleond.core.decide import initial_plan
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import PolicyMachine
 from chameleond.daemon.commits import Committer
+from chameleond.daemon.config import Config
 from chameleond.daemon.job import Job
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
@@ -31,10 +32,10 @@ KEYS = Keys("t")
 def _committer(client: aioredis.Redis, consumer: str = "a") -> Committer:
     metrics = Metrics()
     job = Job("t", load_default_spec(), policy="adaptive", machine=PolicyMachine())
+    lease = Lease(client, KEYS, consumer, Config.lease_seconds)
     return Committer(
-        client, KEYS, job, metrics, Reachability(metrics), Lease(client, KEYS, consumer),
-        persist_interval_seconds=60,
-    )  # fmt: skip
+        client, KEYS, job, metrics, Reachability(metrics), lease, persist_interval_seconds=60
+    )
 
 
 async def _publish_initial(c: Committer) -> None:

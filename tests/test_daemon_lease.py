@@ -9,11 +9,16 @@ from pathlib import Path
 import redis
 from daemon_harness import WORKERS, Daemon, Workers, wait_for
 
-from chameleond.daemon.lease import LEASE_SECONDS
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
 
 KEYS = Keys("default")
+# A short lease, so the takeover after kill -9 comes quickly; it must outlast a renewal, so the
+# socket timeout (and the read block, at most half of that) go down with it.
+LEASE_SECONDS = 3.0
+SHORT_LEASE = (
+    "--lease-seconds", str(LEASE_SECONDS), "--socket-timeout-seconds", "1.5", "--block-ms", "500"
+)  # fmt: skip
 
 
 def _consumers(r: redis.Redis) -> set[str]:
@@ -27,8 +32,8 @@ def _stamp(entry_id: str) -> tuple[int, ...]:
 def test_a_standby_daemon_takes_over_when_the_leader_dies(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
-    leader = Daemon(redis_server.url, tmp_path).start()
-    standby = Daemon(redis_server.url, tmp_path, "--consumer", "standby")
+    leader = Daemon(redis_server.url, tmp_path, *SHORT_LEASE).start()
+    standby = Daemon(redis_server.url, tmp_path, *SHORT_LEASE, "--consumer", "standby")
     workers = Workers(redis_client)
     try:
         leader.wait_ready()

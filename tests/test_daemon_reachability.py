@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 
 from chameleond.core.machine import PolicyMachine
 from chameleond.daemon.commits import Committer
+from chameleond.daemon.config import Config
 from chameleond.daemon.job import Job
 from chameleond.daemon.lease import Lease
 from chameleond.daemon.metrics import Metrics
@@ -25,7 +26,7 @@ async def _commit_through_an_outage(server: RedisServer) -> None:
     metrics = Metrics()
     job = Job("t", load_default_spec(), policy="adaptive", machine=PolicyMachine())
     seen = Reachability(metrics)
-    lease = Lease(client, Keys("t"), "test")
+    lease = Lease(client, Keys("t"), "test", Config.lease_seconds)
     committer = Committer(client, Keys("t"), job, metrics, seen, lease, persist_interval_seconds=60)
 
     def redis_up() -> float | None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
 import handlers
+from chameleond.core.decide import initial_plan
 from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
 from chameleond.daemon.job import Job
 from chameleond.jobs import load_default_spec
@@ -205,3 +206,56 @@ def test_a_checkpoint_written_before_a_restore_of_an_earlier_step_is_stale() -> 
     again = job()
     again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
     assert again.checkpoints == j.checkpoints
+
+
+def restoring_job() -> Job:
+    """Checkpoints of steps 4 and 9 cover every layer; w3 failed and generation 2 restores 9."""
+    j = training_job()
+    n = len(j.spec.layers)
+    every = ",".join(map(str, range(n)))
+    checkpoint(j, "w0", 4, every)
+    checkpoint(j, "w0", 9, every)
+    send(j, "5-0", type="fault", worker="w3", cause="x")
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    plan = replace(initial_plan(SPEC, 2, mtbf_seconds=3600.0), policy="restore", restore_step=9)
+    j.machine.decided(request, DecisionResult(2, "restore", plan.workers), 3.0)
+    j.acks_for(request)
+    j.checkpoints.restored(2, 9)
+    j.plan = plan
+    return j
+
+
+def unrestorable(j: Job, entry: str, worker: str, generation: int = 2, step: int = 9) -> object:
+    return send(j, entry, type="ack", worker=worker, generation=generation, phase="unrestorable",
+                step=step, cause="no readable file")  # fmt: skip
+
+
+def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint() -> None:
+    j = restoring_job()
+    n = len(j.spec.layers)
+    assert unrestorable(j, "7-0", "w1", step=4) == handlers.DUPLICATE  # not this plan's step
+    assert unrestorable(j, "7-1", "w1", generation=1) == handlers.DUPLICATE
+    assert unrestorable(j, "8-0", "w1") == handlers.HANDLED_OWED
+    assert j.checkpoints.newest(n) == 4 and j.dirty
+    assert unrestorable(j, "8-1", "w1") == handlers.DUPLICATE_OWED  # redelivered
+    assert unrestorable(j, "8-2", "w2") == handlers.DUPLICATE  # the same redo answers it
+    request, _ = j.machine.next_request(4.0)
+    assert request is not None and set(request.unrestorable) == {"w1"}
+    # The report is acknowledged only with the decision that answers it.
+    assert j.acks_for(request) == ["8-0", "8-1"]
+    # Files of step 9 reported late, from before the failed restore, are never offered again;
+    # the step trained again and written anew is.
+    every = ",".join(map(str, range(n)))
+    assert checkpoint(j, "w1", 9, every, generation=1) == handlers.DUPLICATE
+    again = job()
+    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    assert again.checkpoints == j.checkpoints
+    j.machine.generation = 3
+    assert checkpoint(j, "w1", 9, every, generation=3) == handlers.HANDLED
+    assert j.checkpoints.newest(n) == 9
+
+
+def test_an_unrestorable_ack_needs_its_step() -> None:
+    with pytest.raises(EventError, match="'step'"):
+        parse_event({"type": "ack", "worker": "w1", "generation": "2", "phase": "unrestorable"})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import redis
 
@@ -9,6 +11,7 @@ from chameleond.local.faults import (
     Fault,
     FaultSpecError,
     check_workers,
+    corrupt_newest_checkpoint,
     parse_faults,
     send_fault_event,
 )
@@ -25,6 +28,18 @@ def test_parses_kills_and_events() -> None:
     )
     assert got[0].default_cause() == "kill -9 (injected)"
     assert got[1].default_cause() == "ECC error on HBM"
+
+
+def test_corrupt_cuts_the_workers_newest_checkpoint_file(tmp_path: Path) -> None:
+    [fault] = parse_faults("corrupt:w1@step=12")
+    assert fault == Fault("corrupt", "w1", at_step=12)
+    assert corrupt_newest_checkpoint(tmp_path, "w1") is None  # nothing written yet
+    for name in ("w1-000000004", "w1-000000009", "w10-000000014", "w0-000000014"):
+        (tmp_path / f"{name}.safetensors").write_bytes(b"x" * 100)
+    assert corrupt_newest_checkpoint(tmp_path, "w1") == tmp_path / "w1-000000009.safetensors"
+    sizes = {p.name: p.stat().st_size for p in tmp_path.iterdir()}
+    assert sizes.pop("w1-000000009.safetensors") == 50
+    assert set(sizes.values()) == {100}
 
 
 def test_empty_spec_is_no_faults() -> None:

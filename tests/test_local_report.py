@@ -116,6 +116,29 @@ def test_report_rows_are_measured(tmp_path: Path) -> None:
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_restore_decided_again_is_the_recovery_of_the_fault() -> None:
+    # Generation 2 restores a checkpoint no worker can load; generation 3, decided on w0's
+    # report, restores an older one and trains.
+    events, _ = recorded()
+    events = [e for e in events if e[1].get("generation") != "2"]
+    five = ["w0", "w1", "w2", "w3", "w5"]
+    for s in range(5, 8):
+        events += step_events(3, s, 1600.0 + 300.0 * (s - 5), five)
+    first = decision(1200, 2, ["w4"], "restore")
+    again = decision(1300, 3, ["w4"], "restore")
+    again[1].update(faults="[]", unrestorable='["w0"]')
+    report = build_report(
+        job="default",
+        global_batch=48,
+        injections=[Injection((T0 + 1100) / 1000, "w4", "kill", "kill", "step=4")],
+        events=events,
+        decisions=[first, again],
+    )
+    [row] = report["faults"]
+    assert row["generation"] == 3 and row["policy"] == "restore"
+    assert row["recovery_seconds"] == 0.504  # first commit of generation 3: the last reporter
+
+
 def test_missing_measurements_are_null_not_guessed() -> None:
     events, _ = recorded()
     report = build_report(

@@ -242,3 +242,56 @@ def test_generations_only_increase_whatever_the_interleaving(ops: list[tuple[str
             request = None
     assert published == sorted(set(published))
     assert m.generation == published[-1]
+
+
+def restoring(m: PolicyMachine) -> None:
+    """w3 failed and generation 2, a restore plan, is published (its recovery is under way)."""
+    m.fault("w3", "ECC error", now=10.0)
+    request, _ = m.next_request(now=10.1)
+    assert request is not None
+    m.decided(request, DecisionResult(2, "restore", survivors(request.failed)), 10.2)
+
+
+def test_a_restore_a_worker_cannot_load_is_decided_again_and_its_recovery_goes_on() -> None:
+    m = training()
+    restoring(m)
+    new, transitions = m.unrestorable("w1", "no file of step 9", now=11.0)
+    assert new and [t.target for t in transitions] == [Phase.FAULT_DETECTED]
+    assert not m.unrestorable("w2", "no file of step 9", now=11.1)[0]  # the same redo answers it
+    assert not m.running()
+    request, _ = m.next_request(now=11.2)
+    assert request is not None and request.generation == 3
+    assert request.unrestorable == {"w1": "no file of step 9"} and not request.faults
+    assert request.failed == {"w3"} and "w1 cannot restore" in request.cause
+    assert request.first_event_at == 11.0
+    assert not m.unrestorable("w1", "again", now=11.3)[0]  # in flight
+    workers = survivors(request.failed)
+    commit, _ = m.decided(request, DecisionResult(3, "restore", workers), 11.4)
+    assert commit and m.generation == 3 and m.phase is Phase.TRANSITIONING
+    for w in workers[:-1]:
+        assert m.step(w, 3, now=12.0)[0] is None
+    recovery, _ = m.step(workers[-1], 3, now=12.0)
+    # Measured from the fault the failed restore answered, not from the report.
+    assert recovery is not None and recovery.generation == 3 and recovery.seconds == 2.0
+
+
+def test_a_failed_restore_reported_while_a_decision_runs_supersedes_it() -> None:
+    m = training()
+    restoring(m)
+    m.fault("w4", "link down", now=11.0)
+    request, _ = m.next_request(now=11.1)
+    assert request is not None
+    assert m.unrestorable("w1", "no file of step 9", now=11.2)[0]
+    workers = survivors(request.failed)
+    commit, _ = m.decided(request, DecisionResult(3, "restore", workers), 11.3)
+    assert not commit and m.generation == 2  # it counted loads that are void
+    again, _ = m.next_request(now=11.4)
+    assert again is not None and again.generation == 3
+    assert set(again.faults) == {"w4"} and set(again.unrestorable) == {"w1"}
+
+
+def test_a_worker_outside_the_plan_cannot_fail_its_restore() -> None:
+    m = training()
+    restoring(m)
+    assert m.unrestorable("w3", "no file", now=11.0) == (False, [])  # failed, fenced
+    assert m.phase is Phase.TRANSITIONING

@@ -116,3 +116,36 @@ def test_up_restores_the_checkpoint_when_every_copy_of_some_layers_is_killed(
     for step in retrained:
         assert again[step] == pytest.approx(before[step], rel=1e-5), step
     assert max(again) >= 29  # trained on to the end (a step more may commit before the stop)
+
+
+def test_a_restore_no_worker_can_load_falls_back_to_the_older_checkpoint(tmp_path: Path) -> None:
+    # The first stage's holders all die at step 12, and their newest files (step 9) are cut short
+    # first: the restore of step 9 cannot be loaded, so the daemon restores step 4 instead.
+    lost = ("w0", "w2", "w4")
+    faults = [f"corrupt:{w}@step=12" for w in lost] + [f"kill:{w}@step=12" for w in lost]
+    proc = chameleonctl(
+        "up", "--workers", "6", "--pp", "2", "--steps", "30", "--checkpoint-every", "5",
+        "--faults", ",".join(faults), "--report", str(tmp_path / "report"), "--timeout", "200",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["completed"], report["ended"]
+    assert "cut to half its length" in proc.stdout
+    # The last kill is answered by the restore that trained (the earlier ones, when decided
+    # apart, by plans it replaced): the one of step 4, decided after a worker reported it could
+    # not load step 9.
+    last = report["faults"][-1]
+    assert last["policy"] == "restore", [f["why"] for f in report["faults"]]
+    assert "checkpoint of step 4" in last["why"], last["why"]
+    assert last["recovery_seconds"] is not None, last
+    generation = last["generation"]
+    before: dict[int, float] = {}
+    again: dict[int, float] = {}
+    for entry in report["timeline"]:
+        into = again if entry["generation"] == generation else before
+        into.setdefault(entry["step"], entry["loss"])
+    assert min(again) == 5, sorted(again)
+    retrained = sorted(set(before) & set(again))
+    assert retrained[0] == 5 and retrained[-1] >= 12
+    for step in retrained:
+        assert again[step] == pytest.approx(before[step], rel=1e-5), step

@@ -89,7 +89,6 @@ def test_a_restore_reads_each_layer_from_whichever_file_of_the_step_has_it(tmp_p
     import torch
 
     from workers import checkpoint
-    from workers.migrate import StateLost
     from workers.state import WorkerState
 
     arch = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
@@ -115,8 +114,11 @@ def test_a_restore_reads_each_layer_from_whichever_file_of_the_step_has_it(tmp_p
     seed = WorkerState(arch, cpu).build_from_seed(n - 1).state_buffer()
     assert torch.equal(restored.layer(n - 1).state_buffer(), seed)  # w1's file had it
     assert checkpoint.written(tmp_path) == {"w0": {7}, "w1": {7}}  # step 12 is gone
-    with pytest.raises(StateLost, match="no checkpoint file of step 3"):
-        checkpoint.restore(tmp_path, WorkerState(arch, cpu), 3, (0,))
+    # Some layers in no file of the step: nothing changes, and the error names the step and them.
+    with pytest.raises(checkpoint.Unrestorable, match="no readable file of step 3") as lost:
+        checkpoint.restore(tmp_path, restored, 3, (0, n - 2, n - 1))
+    assert lost.value.step == 3 and str(lost.value).endswith(f"has layers 0,{n - 2}-{n - 1}")
+    assert restored.committed_step == 7 and sorted(restored.layers) == list(range(n))
 
 
 def test_a_restart_loads_the_newest_step_whose_files_cover_every_layer(tmp_path: Path) -> None:

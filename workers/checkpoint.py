@@ -28,6 +28,8 @@ a fault leaves some layer with no copy in any worker's memory, the daemon publis
 plan for the newest step whose files cover every layer (PAPER.md section 9): each worker of it
 replaces what it holds by its layers of that step, read from whichever worker's file has them
 (`restore`), and the job trains again from the next step. Without it such a fault ends the job.
+A worker that finds some of its layers in no readable file of that step says so (`Unrestorable`,
+reported as an `ack` with phase `unrestorable`), and the daemon restores an older step instead.
 """
 
 from __future__ import annotations
@@ -235,14 +237,23 @@ def covering_step(directory: Path, arch: Arch) -> int | None:
     return None
 
 
+class Unrestorable(StateLost):
+    """This worker cannot load its layers of a restore plan's checkpoint step."""
+
+    def __init__(self, step: int, why: str) -> None:
+        super().__init__(why)
+        self.step = step
+
+
 def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, ...]) -> None:
     """Replace everything `state` holds by `layers` at `step`, from any worker's file of that step,
-    and delete the files of later steps. Raises StateLost when some layer is in no readable file
-    of the step."""
+    and delete the files of later steps. Raises Unrestorable, with nothing changed, when some
+    layer is in no readable file of the step."""
     found = _gather(directory, state.arch, step, layers)
     missing = sorted(set(layers) - found.keys())
     if missing:
-        raise StateLost(f"no checkpoint file of step {step} in {directory} has layers {missing}")
+        why = f"no readable file of step {step} in {directory} has layers {_ranges(missing)}"
+        raise Unrestorable(step, why)
     state.discard_step()
     state.layers = {}
     _install(state, found, step)
@@ -253,6 +264,17 @@ def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, .
         for later in steps:
             if later > step:
                 checkpoint_path(directory, worker, later).unlink(missing_ok=True)
+
+
+def _ranges(layers: Sequence[int]) -> str:
+    """Sorted layer ids as ranges: [0, 1, 2, 5] -> "0-2,5"."""
+    parts: list[list[int]] = []
+    for i in layers:
+        if parts and i == parts[-1][1] + 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
 
 
 def load(directory: Path, worker: str, state: WorkerState) -> int | None:

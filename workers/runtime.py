@@ -195,6 +195,13 @@ class WorkerRuntime:
                     log.info("generation %d: %s", plan.generation, e)
                 elif not self.on_fault(plan, state, e):
                     retry = plan
+            except checkpoint.Unrestorable as e:
+                log.error("generation %d cannot restore: %s", plan.generation, e)
+                self.reporter.send(
+                    "ack",
+                    {"generation": plan.generation, "phase": "unrestorable", "step": e.step,
+                     "cause": str(e)[:500]},
+                )  # fmt: skip
             except StateLost as e:
                 log.error("generation %d cannot start: %s", plan.generation, e)
             except PlanRejected as e:
@@ -360,7 +367,9 @@ class WorkerRuntime:
         if plan.restore_step is None or plan.generation == self._restored:
             return
         if self.cfg.checkpoint_dir is None:
-            raise StateLost("a restore plan needs the job's checkpoints: give --checkpoint-dir")
+            raise checkpoint.Unrestorable(
+                plan.restore_step, "a restore plan needs the job's checkpoints: no --checkpoint-dir"
+            )
         owned = plan.owned_layers(self.cfg.worker_id)
         checkpoint.restore(self.cfg.checkpoint_dir, state, plan.restore_step, owned)
         self._restored = plan.generation

@@ -162,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         check_workers(faults, worker_ids)
+        if not args.checkpoint_every and any(f.action == "corrupt" for f in faults):
+            raise FaultSpecError("corrupt: faults need checkpoints to corrupt: --checkpoint-every")
         late = [f for f in faults if f.at_step is not None and f.at_step >= args.steps - 1]
         if late:
             raise FaultSpecError(

@@ -132,17 +132,22 @@ class Checkpoints:
 
     A restore (generation g, step s) makes the files of steps after s a past that is gone: the
     workers of g delete them, and a report of one, written before g and arriving after it, is
-    stale."""
+    stale. A step some worker of a restore plan could not load is `unusable`: its files of that
+    generation or before are never offered again (the job may train the step again and write new
+    ones)."""
 
     KEEP = 4  # a few rounds: a kill can leave the newest round incomplete
 
     covered: dict[int, set[int]] = field(default_factory=dict)
     restore: tuple[int, int] | None = None  # (generation, step) of the newest restore plan
+    unusable: dict[int, int] = field(default_factory=dict)  # step -> restore generation
 
     def add(self, step: int, layers: Iterable[int], generation: int) -> bool:
         """Record a worker's files at `step`, committed under `generation`; False when it adds
-        nothing (a repeat, older than every step kept, or stale)."""
+        nothing (a repeat, older than every step kept, stale, or of an unusable step)."""
         if self.restore is not None and generation < self.restore[0] and step > self.restore[1]:
+            return False
+        if generation <= self.unusable.get(step, 0):
             return False
         full = step not in self.covered and len(self.covered) >= self.KEEP
         if full and step < min(self.covered):
@@ -166,10 +171,23 @@ class Checkpoints:
         self.covered = {s: ls for s, ls in self.covered.items() if s <= step}
         self.restore = (generation, step)
 
+    def unloadable(self, step: int, generation: int) -> bool:
+        """A worker of the restore plan `generation` could not load its layers from the files of
+        `step`; False when already known. Only steps as new as those kept are remembered: an
+        older one is never offered anyway."""
+        if self.unusable.get(step, 0) >= generation:
+            return False
+        self.covered.pop(step, None)
+        floor = min(self.covered, default=step)
+        self.unusable[step] = generation
+        self.unusable = {s: g for s, g in self.unusable.items() if s >= floor}
+        return True
+
     def to_json(self) -> dict[str, Any]:
         return {
             "covered": {str(s): sorted(ls) for s, ls in sorted(self.covered.items())},
             "restore": list(self.restore) if self.restore else None,
+            "unusable": {str(s): g for s, g in sorted(self.unusable.items())},
         }
 
     @classmethod
@@ -179,4 +197,5 @@ class Checkpoints:
         return cls(
             {int(s): {int(x) for x in ls} for s, ls in covered.items()},
             (int(restore[0]), int(restore[1])) if restore else None,
+            {int(s): int(g) for s, g in d.get("unusable", {}).items()},
         )

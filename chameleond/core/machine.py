@@ -12,6 +12,10 @@ Faults that arrive while a decision is under way are folded: they wait in `pendi
 the running decision, if its plan still uses one of those workers, is superseded instead of
 published, so a burst of faults yields a handful of plans, not one per fault.
 
+A `restore` plan that some worker cannot load (`unrestorable`: the checkpoint files of its step
+are missing or unreadable there) is decided again like a fault, with no copy in memory counted:
+the loads that succeeded are of a checkpoint the job does not restore after all.
+
 A worker that came back (`join`) and was not taken into the plan that answered it (the current
 plan was kept) is on `standby`: alive, holding nothing, and offered again to every later decision,
 so the next fault or rejoin can use it. It leaves standby when a plan takes it, or when it fails.
@@ -59,6 +63,8 @@ class DecisionRequest:
     cause: str
     first_event_at: float  # when the oldest folded event was received
     generation: int  # the generation a plan from this request gets
+    # worker -> why: the current `restore` plan cannot load there, so no copy in memory counts
+    unrestorable: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class PolicyMachine:
     ready_deadline: float = 0.0
     pending_faults: dict[str, str] = field(default_factory=dict)
     pending_joins: set[str] = field(default_factory=set)
+    pending_unrestorable: dict[str, str] = field(default_factory=dict)  # worker -> why
     standby: set[str] = field(default_factory=set)  # back, but in no plan yet (module docstring)
     pending_since: float | None = None
     in_flight: DecisionRequest | None = None
@@ -165,6 +172,22 @@ class PolicyMachine:
             self.pending_since = now
         return True, []
 
+    def unrestorable(self, worker: str, cause: str, now: float) -> tuple[bool, list[Transition]]:
+        """A worker of the current plan, a `restore`, cannot load its checkpoint (the caller
+        checks the report is about this plan). Returns (new, transitions)."""
+        in_flight = self.in_flight.unrestorable if self.in_flight else {}
+        if self.pending_unrestorable or in_flight:
+            return False, []  # one report is enough: the plan is decided again for every worker
+        if worker not in self.plan_workers or worker in self.failed:
+            return False, []
+        self.pending_unrestorable[worker] = cause
+        if self.pending_since is None:
+            self.pending_since = now
+        if self.phase in (Phase.TRAINING, Phase.TRANSITIONING):
+            why = f"{worker} cannot restore: {cause}"
+            return True, self._move(Phase.FAULT_DETECTED, why, now)
+        return True, []
+
     def initial(
         self,
         generation: int,
@@ -213,12 +236,14 @@ class PolicyMachine:
         if self.in_flight is not None or self.phase is Phase.WAITING or self.generation == 0:
             return None, []
         faults = dict(self.pending_faults)
+        unrestorable = dict(self.pending_unrestorable)
         # Joins wait until the job trains again: taking a worker back mid-transition helps nobody.
         joins_due = self.phase in (Phase.TRAINING, Phase.UNRECOVERABLE) or bool(faults)
         joins = set(self.pending_joins) - set(faults) if joins_due else set()
-        if not faults and not joins:
+        if not faults and not joins and not unrestorable:
             return None, []
         parts = [f"{w}: {c}" for w, c in sorted(faults.items())]
+        parts += [f"{w} cannot restore: {c}" for w, c in sorted(unrestorable.items())]
         parts += [f"{w} rejoined" for w in sorted(joins)]
         request = DecisionRequest(
             failed=frozenset(self.failed | set(faults)),
@@ -227,8 +252,10 @@ class PolicyMachine:
             cause="; ".join(parts),
             first_event_at=self.pending_since if self.pending_since is not None else now,
             generation=self.generation + 1,
+            unrestorable=unrestorable,
         )
         self.pending_faults.clear()
+        self.pending_unrestorable.clear()
         self.pending_joins -= joins
         self.pending_since = None
         self.in_flight = request
@@ -240,9 +267,14 @@ class PolicyMachine:
         """The planner answered `request`. Returns (commit, transitions); commit=False means the
         answer is superseded by faults that arrived meanwhile and is folded into the next one."""
         self.in_flight = None
-        if result.generation is not None and set(self.pending_faults) & set(result.workers):
+        # A plan on a worker that failed meanwhile, or made while a worker could not load the
+        # restore it was made from (its holdings count loads that are void), is not published.
+        stale = bool(set(self.pending_faults) & set(result.workers) or self.pending_unrestorable)
+        if result.generation is not None and stale:
             for w, c in request.faults.items():
                 self.pending_faults.setdefault(w, c)
+            for w, c in request.unrestorable.items():
+                self.pending_unrestorable.setdefault(w, c)
             self.pending_joins |= request.joined - self.standby
             self.pending_since = min(self.pending_since or now, request.first_event_at)
             return False, self._move(Phase.FAULT_DETECTED, "superseded by later faults", now)
@@ -264,6 +296,12 @@ class PolicyMachine:
         if request.faults:
             self.recovery = _RecoveryWatch(
                 result.generation, result.policy, request.first_event_at, set(self.plan_workers)
+            )
+        elif request.unrestorable and self.recovery is not None:
+            # The recovery the failed restore was for goes on: it ends on this plan's steps.
+            since = self.recovery.since
+            self.recovery = _RecoveryWatch(
+                result.generation, result.policy, since, set(self.plan_workers)
             )
         cause = f"{result.policy} plan for {request.cause}"
         return True, self._move(Phase.TRANSITIONING, cause, now)
@@ -316,6 +354,7 @@ class PolicyMachine:
             and self.in_flight is None
             and not self.pending_faults
             and not self.pending_joins
+            and not self.pending_unrestorable
         )
 
     # ---- persistence -------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class Config:
     claim_idle_seconds: float = 30.0
     stream_maxlen: int = 100_000
     persist_interval_seconds: float = 1.0
+    lease_seconds: float = 10.0  # the leader lease lapses this long after its last renewal
     consumer: str = ""  # empty: the host name (stable, so a restart re-reads its own pending)
     decision_delay_seconds: float = 0.0  # fault injection: hold each decision before committing
     log_level: str = "info"
@@ -86,6 +87,8 @@ HELP: dict[str, str] = {
     "claim_idle_seconds": "pending entries idle this long are claimed again (XAUTOCLAIM)",
     "stream_maxlen": "approximate length the event stream is trimmed to",
     "persist_interval_seconds": "how often heartbeat/step progress is written to Redis",
+    "lease_seconds": "the leader lease lapses this long after its holder last renewed it; a "
+    "standby daemon takes over at most this long after the leader died",
     "consumer": "consumer name in the group; default: the host name",
     "decision_delay_seconds": "fault injection for tests: hold each decision this long before "
     "committing it",
@@ -185,6 +188,14 @@ def validate(cfg: Config) -> Config:
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name}: must be > 0, got {getattr(cfg, name)!r}")
+    # The holder renews every third of the lease and a renewal may take up to the socket timeout,
+    # so the rest of the lease must outlast one renewal or the leader loses it while healthy.
+    if cfg.lease_seconds * 2 / 3 <= cfg.socket_timeout_seconds:
+        raise ConfigError(
+            f"lease_seconds: {cfg.lease_seconds} must be more than 1.5 x socket_timeout_seconds "
+            f"({cfg.socket_timeout_seconds} s): the holder renews every third of the lease, and "
+            f"a renewal that takes the whole socket timeout must finish before the lease lapses"
+        )
     if cfg.min_workers < 0 or cfg.decision_delay_seconds < 0:
         raise ConfigError("min_workers and decision_delay_seconds must be >= 0")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):

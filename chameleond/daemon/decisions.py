@@ -125,7 +125,9 @@ class Decisions:
         spec, current, force = job.spec, job.plan, job.force()
         assert current is not None  # next_request asks only once a plan exists
         mtbf = job.mtbf(time.time())
-        holdings = dict(job.machine.holdings.held)  # a copy: handlers move on while it plans
+        # A copy: handlers move on while it plans. A restore some worker could not load leaves
+        # no copy that counts: the others loaded a step the job does not go back to after all.
+        holdings = {} if request.unrestorable else dict(job.machine.holdings.held)
         checkpoint = job.checkpoints.newest(len(spec.layers))
         loop = asyncio.get_running_loop()
         decision: Decision | None = None
@@ -148,7 +150,8 @@ class Decisions:
         async with self.committer.lock:
             now = time.time()
             plan = decision.plan if decision is not None else None
-            if plan is not None and not request.faults and _same_layout(plan, current):
+            joins_only = not request.faults and not request.unrestorable
+            if plan is not None and joins_only and _same_layout(plan, current):
                 plan = None  # a join the planner does not take: keep the current plan
             result = DecisionResult(
                 generation=plan.generation if plan is not None else None,
@@ -198,6 +201,7 @@ class Decisions:
         summary.update(
             cause=request.cause, at=now, failed=sorted(request.failed),
             faults=sorted(request.faults), joined=sorted(request.joined), error=error,
+            unrestorable=dict(request.unrestorable),
             decision_seconds=now - request.first_event_at,
         )  # fmt: skip
         job.last_decision = summary
@@ -211,6 +215,7 @@ class Decisions:
             "failed": json.dumps(sorted(request.failed)),
             "faults": json.dumps(sorted(request.faults)),
             "joined": json.dumps(sorted(request.joined)),
+            "unrestorable": json.dumps(sorted(request.unrestorable)),
             "candidates": json.dumps(summary.get("candidates", [])),
             "search_seconds": f"{summary.get('search_seconds', 0.0):.6f}",
             "decision_seconds": f"{now - request.first_event_at:.6f}",

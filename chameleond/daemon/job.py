@@ -215,7 +215,15 @@ class Job:
         return (
             worker in m.pending_faults
             or worker in m.pending_joins
-            or (flight is not None and (worker in flight.failed or worker in flight.joined))
+            or worker in m.pending_unrestorable
+            or (
+                flight is not None
+                and (
+                    worker in flight.failed
+                    or worker in flight.joined
+                    or worker in flight.unrestorable
+                )
+            )
         )
 
     def registered_spec_workers(self) -> int:
@@ -250,8 +258,11 @@ class Job:
         return fu if self.machine.running() else None
 
     def acks_for(self, request: DecisionRequest | None) -> list[str]:
-        """Entry ids a committed decision answers (its faults and joins, with their duplicates)."""
-        workers = set(request.faults) | set(request.joined) if request else set()
+        """Entry ids a committed decision answers (its faults, joins and failed restores, with
+        their duplicates)."""
+        workers: set[str] = set()
+        if request is not None:
+            workers = {*request.faults, *request.joined, *request.unrestorable}
         # Faults about workers outside the plan went straight to `failed`: nothing else covers them.
         workers |= {w for w in self.owed if not self.pending(w)}
         return [i for w in sorted(workers) for i in self.owed.pop(w, [])]

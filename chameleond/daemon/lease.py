@@ -3,10 +3,11 @@
 Two daemons on one job (a rolling update with surge, a second host started by mistake) would
 each read part of the stream and acknowledge entries the other never applies. So a daemon leads
 only while it holds `chameleon:{job}:leader`, a key with a time to live that names it. The
-holder renews it every third of LEASE_SECONDS, and every commit checks it inside the commit
-script (daemon/broadcast.py), so a daemon that lost the lease cannot write anything, not even
-one commit late. Any other daemon stands by, serving /healthz and /metrics, and takes over once
-the lease lapses: at most LEASE_SECONDS after the leader died.
+lease lasts the `lease_seconds` setting (daemon/config.py; default 10 s). The holder renews it
+every third of that, and every commit checks it inside the commit script (daemon/broadcast.py),
+so a daemon that lost the lease cannot write anything, not even one commit late. Any other
+daemon stands by, serving /healthz and /metrics, and takes over once the lease lapses: at most
+`lease_seconds` after the leader died.
 
 A new process under the holder's own consumer name takes the lease at once: the consumer name
 identifies a daemon (its pending entries belong to that name), so that is the same daemon
@@ -27,8 +28,6 @@ from redis.exceptions import RedisError
 from chameleond.protocol import Keys
 
 log = logging.getLogger("chameleond")
-
-LEASE_SECONDS = 10.0
 
 LEASE_LOST = "lease lost"
 
@@ -62,9 +61,7 @@ class LeaseLost(RuntimeError):
 
 
 class Lease:
-    def __init__(
-        self, client: aioredis.Redis, keys: Keys, consumer: str, seconds: float = LEASE_SECONDS
-    ) -> None:
+    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, seconds: float) -> None:
         self.client = client
         self.key = keys.leader
         self.consumer = consumer

@@ -119,7 +119,7 @@ class Service:
             decode_responses=False,
         )
         tasks: list[asyncio.Task[Any]] = []
-        lease = Lease(client, self.keys, cfg.consumer_name)
+        lease = Lease(client, self.keys, cfg.consumer_name, cfg.lease_seconds)
         try:
             await client.ping()
             if self.http is not None:

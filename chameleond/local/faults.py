@@ -4,10 +4,14 @@
     FAULT  := ACTION ":" WORKER "@" WHEN [":" CAUSE]
     ACTION := "kill"        kill -9 of the worker's process (the daemon must detect it)
             | "event"       a fault event sent exactly as `redis-cli XADD` would send it
+            | "corrupt"     the worker's newest checkpoint file cut to half its length (a torn
+                            write, a bad disk): no worker is out, but a restore of that step
+                            cannot read those layers (needs --checkpoint-every)
     WHEN   := "step=" INT   once step INT has committed
             | "t=" NUMBER ["s" | "ms"]   seconds (or ms) after training's first committed step
 
-Examples: `kill:w4@step=4,kill:w1@step=12`, `event:w2@t=20:ECC error on HBM`. A CAUSE may hold
+Examples: `kill:w4@step=4,kill:w1@step=12`, `event:w2@t=20:ECC error on HBM`,
+`corrupt:w0@step=12,kill:w0@step=12`. A CAUSE may hold
 spaces but no comma. Parsing is pure; `parse_faults` raises `FaultSpecError` with the offending
 part, so a typo is one clear line, never a trace.
 """
@@ -18,12 +22,18 @@ import re
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from chameleond.protocol import MAX_ID_LEN, Keys
 from chameleond.redis_server import redis_binary
 
-ACTIONS = ("kill", "event")
+DEFAULT_CAUSES = {
+    "kill": "kill -9 (injected)",
+    "event": "fault event (injected)",
+    "corrupt": "checkpoint file cut short (injected)",
+}
+ACTIONS = tuple(DEFAULT_CAUSES)
 _FAULT = re.compile(
     r"^(?P<action>[a-z]+):(?P<worker>[^@:,\s]+)@(?P<when>[a-z]+=[^:]+)(?::(?P<cause>.*))?$"
 )
@@ -49,7 +59,7 @@ class Fault:
     def default_cause(self) -> str:
         if self.cause:
             return self.cause
-        return "kill -9 (injected)" if self.action == "kill" else "fault event (injected)"
+        return DEFAULT_CAUSES[self.action]
 
     def due(self, committed_step: int | None, seconds_since_first_step: float | None) -> bool:
         if self.at_step is not None:
@@ -103,6 +113,19 @@ def check_workers(faults: Sequence[Fault], workers: Sequence[str]) -> None:
                 f"{f.action}:{f.worker}@{f.when}: no worker {f.worker!r} "
                 f"(the cluster runs {', '.join(workers)})"
             )
+
+
+def corrupt_newest_checkpoint(directory: Path, worker: str) -> Path | None:
+    """Cut the worker's newest checkpoint file to half its length; the file, or None when the
+    worker has written none. Files are named `{worker}-{step:09d}.safetensors`
+    (workers.checkpoint.checkpoint_path), so the newest sorts last."""
+    files = sorted(directory.glob(f"{worker}-[0-9]*.safetensors"))
+    if not files:
+        return None
+    newest = files[-1]
+    with newest.open("r+b") as f:
+        f.truncate(newest.stat().st_size // 2)
+    return newest
 
 
 # redis-py's TLS settings in a rediss:// URL's query, and the redis-cli flags that say the same.

@@ -73,6 +73,19 @@ def _round(v: float | None, nd: int = 3) -> float | None:
     return None if v is None else round(v, nd)
 
 
+def _restored_again(
+    d: DecisionRecord | None, records: Sequence[DecisionRecord]
+) -> DecisionRecord | None:
+    """A restore plan some worker could not load is decided again at once (an older checkpoint,
+    or unrecoverable): the fault's recovery is that decision's."""
+    while d is not None and d.selected == "restore":
+        i = records.index(d) + 1
+        if i == len(records) or not records[i].unrestorable:
+            return d
+        d = records[i]
+    return d
+
+
 def build_report(
     *,
     job: str,
@@ -102,6 +115,7 @@ def build_report(
             ),
             None,
         )
+        decision = _restored_again(decision, records)
         detected = None
         if is_fault:
             detected = next(

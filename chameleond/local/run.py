@@ -17,7 +17,7 @@ from pathlib import Path
 import redis
 
 from chameleond.local.cluster import ClusterError, LocalCluster
-from chameleond.local.faults import Fault, send_fault_event
+from chameleond.local.faults import Fault, corrupt_newest_checkpoint, send_fault_event
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.progress import ProgressView
 from chameleond.local.report import Injection
@@ -143,6 +143,9 @@ class LocalRun:
         )
 
     def _inject(self, cluster: LocalCluster, f: Fault) -> None:
+        if f.action == "corrupt":
+            self._corrupt(f)
+            return
         cause = f.default_cause()
         child = cluster.workers.get(f.worker)
         if f.action == "kill":
@@ -156,6 +159,14 @@ class LocalRun:
             at = entry_seconds(entry)
             self.progress.note(f"fault: redis-cli XADD fault event for {f.worker} at {f.when}")
         self.injections.append(Injection(at, f.worker, f.action, cause, f.when))
+
+    def _corrupt(self, f: Fault) -> None:
+        """No worker is out: the damage shows only if a restore reads the file."""
+        path = corrupt_newest_checkpoint(self.opts.run_dir / "checkpoints", f.worker)
+        if path is None:
+            self.skipped.append(f"corrupt:{f.worker}@{f.when}: no checkpoint file yet")
+            return
+        self.progress.note(f"fault: {path.name} cut to half its length at {f.when}")
 
     def _replay(self, cluster: LocalCluster, r: ReplayStep) -> None:
         trigger = f"trace {r.node} {r.time_ms} ms"

@@ -51,6 +51,7 @@ class DecisionRecord:
     unrecoverable: str | None
     raw: Mapping[str, Any] = field(default_factory=dict)
     faults: tuple[str, ...] = ()  # the new faults this decision answers
+    unrestorable: tuple[str, ...] = ()  # workers that could not load the restore it replaces
 
 
 def committed_steps(
@@ -166,6 +167,7 @@ def parse_decision(entry_id: str, fields: Mapping[str, str]) -> DecisionRecord:
         unrecoverable=str(merged["unrecoverable"]) if merged.get("unrecoverable") else None,
         raw=merged,
         faults=_ids(merged.get("faults", merged.get("failed", ()))),
+        unrestorable=_ids(merged.get("unrestorable", ())),
     )
 
 
