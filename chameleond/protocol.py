@@ -197,6 +197,8 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
         if "worker" not in f and "node" not in f:
             raise EventError("a fault needs 'worker' or 'node'")
         worker = _ident(f, "worker") if "worker" in f else _ident(f, "node")
+        if "generation" in f:
+            _int(f, "generation", minimum=1)
         return Event(kind, worker, f)
     worker = _ident(f, "worker")
     if kind == "register":

@@ -1,5 +1,7 @@
 """`fault`: a worker (or a node, named like a worker) is out. New faults wait for the next
-decision; the entry is acknowledged when that decision is committed."""
+decision; the entry is acknowledged when that decision is committed. A fault a worker reports
+carries the generation it saw the peer fail in; one from before the named worker was taken into
+the plans again is about its earlier process, and changes nothing."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ def handle_fault(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
     if not job.knows(worker):
         raise EventError(f"fault names {worker!r}, which is not a worker of job {job.name!r}")
     cause = event.get("cause") or "reported failed"
+    seen_in = event.get("generation")  # validated by parse_event
+    if seen_in and job.stale_fault(worker, int(seen_in)):
+        return DUPLICATE
     if job.pending(worker):
         # Already part of the next decision: ack with it, never earlier.
         job.owe(worker, entry_id)

@@ -20,6 +20,10 @@ def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
     job.record(transitions)
     if not new:
         return DUPLICATE
+    # A new process: only a later generation can run it, so a fault seen up to this one is
+    # about the process before it (handlers/fault.py).
+    job.worker(worker).since_generation = job.machine.generation + 1
+    job.dirty = True
     if job.pending(worker):
         job.owe(worker, entry_id)
         return HANDLED_OWED

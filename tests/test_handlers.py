@@ -259,3 +259,32 @@ def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint()
 def test_an_unrestorable_ack_needs_its_step() -> None:
     with pytest.raises(EventError, match="'step'"):
         parse_event({"type": "ack", "worker": "w1", "generation": "2", "phase": "unrestorable"})
+
+
+def test_a_fault_seen_before_the_worker_came_back_is_about_its_earlier_process() -> None:
+    j = training_job()
+    j.plan = j.adopt(initial_plan(SPEC, 1, mtbf_seconds=3600.0), set())
+    assert send(j, "5-0", type="fault", worker="w3", cause="x", generation=1).owed
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
+    j.plan = j.adopt(replace(initial_plan(SPEC, 2, mtbf_seconds=3600.0), excluded=("w3",)), {"w3"})
+    assert send(j, "6-0", type="rejoin", worker="w3").owed  # a new process of w3
+    # Another peer's report of the first death, held in its outbox through an outage.
+    late = send(j, "7-0", type="fault", worker="w3", cause="peer lost", generation=2)
+    assert late.duplicate and not late.owed and "w3" in j.machine.pending_joins
+    for w in ("w0", "w1", "w2", "w4", "w5"):
+        send(j, type="ack", worker=w, generation=2, phase="ready")
+    request, _ = j.machine.next_request(4.0)
+    assert request is not None and request.joined == {"w3"}
+    j.machine.decided(request, DecisionResult(3, "dynamic", WORKERS), 5.0)
+    j.plan = j.adopt(initial_plan(SPEC, 3, mtbf_seconds=3600.0), set())
+    again = job()
+    again.restore(json.loads(json.dumps(j.snapshot())), j.plan, ready_timeout=30.0)
+    for k in (j, again):
+        assert send(k, "8-0", type="fault", worker="w3", generation=2).duplicate
+        assert send(k, "9-0", type="fault", worker="w3", generation=3).label == "handled"
+    # An operator's fault names no generation: always about the worker as it is now.
+    assert send(job(), type="fault", worker="w3").label == "handled"
+    with pytest.raises(EventError, match="'generation'"):
+        send(j, type="fault", worker="w3", generation="x")

@@ -31,6 +31,7 @@ class WorkerRecord:
     memory_bytes: int = 0
     registered: bool = False
     stopped_generation: int = 0
+    since_generation: int = 0  # the first generation this worker's current process can be in
     last_heartbeat: float = 0.0  # soft state: wall-clock time of the last heartbeat seen
     profile: dict[int, LayerProfile] = field(default_factory=dict)
 
@@ -268,9 +269,19 @@ class Job:
         return [i for w in sorted(workers) for i in self.owed.pop(w, [])]
 
     def adopt(self, plan: Plan, failed: set[str]) -> Plan:
-        """The plan as published: every failed worker fenced through `excluded`."""
+        """The plan as published: every failed worker fenced through `excluded`. A worker it
+        takes in that the current plan does not run is a member from this generation on."""
         excluded = tuple(sorted(set(plan.excluded) | (failed - set(plan.workers))))
+        before = set(self.plan.workers) - set(self.plan.excluded) if self.plan else set()
+        for w in set(plan.workers) - set(excluded) - before:
+            self.worker(w).since_generation = plan.generation
         return replace(plan, excluded=excluded)
+
+    def stale_fault(self, worker: str, generation: int) -> bool:
+        """A fault a peer saw in `generation` is about an earlier process of `worker` when the
+        worker came back after it (a report held in the peer's outbox through a Redis outage,
+        arriving after the worker rejoined)."""
+        return generation < self.worker(worker).since_generation
 
     # ---- persistence ---------------------------------------------------------------------------
 
@@ -293,6 +304,7 @@ class Job:
                     "memory_bytes": w.memory_bytes,
                     "registered": w.registered,
                     "stopped_generation": w.stopped_generation,
+                    "since_generation": w.since_generation,
                     "profile": profile_to_json(w.profile),
                 }
                 for w in self.workers.values()
@@ -332,6 +344,7 @@ class Job:
             rec.host, rec.device = str(d["host"]), str(d["device"])
             rec.memory_bytes, rec.registered = int(d["memory_bytes"]), bool(d["registered"])
             rec.stopped_generation = int(d["stopped_generation"])
+            rec.since_generation = int(d.get("since_generation", 0))
             rec.profile = profile_from_json(d["profile"])
         now = time.time()
         # Nobody could acknowledge or heartbeat to a daemon that was down: start the clocks again.
