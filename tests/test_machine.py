@@ -160,7 +160,10 @@ def test_overdue_acks_and_recovery_time() -> None:
     workers = survivors(request.failed)
     m.decided(request, DecisionResult(2, "reroute", workers), 100.5)
     assert m.overdue(104.0) == ()
+    # Past the deadline with nobody acknowledged: nothing tells the workers apart.
+    assert m.overdue(106.0) == ()
     m.ready("w0", 2, 101.0)
+    assert m.overdue(104.0) == ()
     assert m.overdue(106.0) == ("w1", "w2", "w4", "w5")
     recovery = None
     for w in workers:

@@ -438,3 +438,25 @@ def test_adaptive_daemon_chooses(redis_server: RedisServer, tmp_path: Path) -> N
         reader.stop()
         client.close()
         daemon.stop()
+
+
+def test_a_hung_peer_whose_heartbeats_go_on_is_named_by_its_absence(start_job) -> None:
+    """w3's training thread hangs in step 5 (fault hook hang:5); its process, connections and
+    heartbeats live on, so no peer finds it gone and no heartbeat lapses. The survivors give the
+    step up after --group-timeout and build the generation again; w3 never joins, and after
+    ABSENT_ATTEMPTS attempts in a row they name it: the plan without it trains on."""
+    steps = 14
+    env = {"w3": {"CHAMELEON_WORKER_KILL_AT": "hang:5"}}
+    job = start_job("reroute", max_steps=steps, env=env, group_timeout=1.5, heartbeat_lapse=60.0)
+    job.controller.wait_for("a plan without w3", lambda: len(job.record.plans) >= 2, 60)
+    assert job.record.plans[1].excluded == ("w3",)
+    faults = job.record.of("fault")
+    assert faults and {f["worker"] for f in faults} == {"w3"}
+    assert all("absent from 3 rendezvous attempts of generation 1" in f["cause"] for f in faults)
+    assert {f["reporter"] for f in faults} <= {"w0", "w1", "w2", "w4", "w5"}
+    last_commit = max(float(e["at"]) for e in job.record.of("step") if e["generation"] == "1")
+    named = min(float(f["at"]) for f in faults)
+    finish(job, steps)
+    assert job.workers.procs["w3"].poll() is None  # still hung: an operator's to kill
+    worst = assert_matches_reference(job, steps)
+    print(f"\nhung peer named {named - last_commit:.2f}s after the last commit; loss {worst:.1e}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 from collections.abc import Callable
 
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -14,7 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("chameleon.worker")
 
-FAULT_HOOKS = ("step", "migration", "vote", "vote-lost", "device")
+FAULT_HOOKS = ("step", "migration", "vote", "vote-lost", "device", "hang")
 
 
 def fault_hook_error(text: str) -> str | None:
@@ -30,9 +31,11 @@ def fault_hook_error(text: str) -> str | None:
 
 def step_hook(kill_at: str) -> Callable[[int, int, int], None] | None:
     """`step:N`: SIGKILL in the middle of step N. `device:N`: from the middle of step N,
-    the next layer forward raises, as a failing device's kernel does."""
+    the next layer forward raises, as a failing device's kernel does. `hang:N`: in the middle of
+    step N the training thread stops for good, as on a kernel that never returns; the process,
+    its connections and its heartbeats live on."""
     what, _, arg = kill_at.partition(":")
-    if what not in ("step", "device"):
+    if what not in ("step", "device", "hang"):
         return None
     target = int(arg)
 
@@ -49,6 +52,9 @@ def step_hook(kill_at: str) -> Callable[[int, int, int], None] | None:
         if what == "step":
             log.warning("kill hook: SIGKILL in the middle of step %d", step)
             os.kill(os.getpid(), signal.SIGKILL)
+        if what == "hang":
+            log.warning("fault hook: the training thread hangs in the middle of step %d", step)
+            threading.Event().wait()
         log.warning("fault hook: the next layer forward of step %d fails", step)
         hooks.append(register_module_forward_pre_hook(fail_next_forward))
 

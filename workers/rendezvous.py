@@ -70,7 +70,12 @@ def start_together(
 
 
 class GenerationAbandoned(RuntimeError):
-    """The generation will not be built (the message says why)."""
+    """The generation will not be built (the message says why). `absent`: the members that had
+    not joined when it was given up."""
+
+    def __init__(self, why: str, absent: tuple[str, ...] = ()) -> None:
+        super().__init__(why)
+        self.absent = absent
 
 
 class BuiltWithoutMe(GenerationAbandoned):
@@ -117,7 +122,10 @@ def join_generation(
         pause = min(pause * 2, 0.02)
         state = _text(call(lambda: client.get(state_key)) or "open")
     if state == "abandoned":
-        raise GenerationAbandoned(f"generation abandoned: {reason or 'by another member'}")
+        # Nobody joins an abandoned generation (_JOIN), so every member reads the same list.
+        arrived = {_text(k) for k in call(lambda: client.hkeys(members_key))}
+        absent = tuple(m for m in members if m not in arrived)
+        raise GenerationAbandoned(f"generation abandoned: {reason or 'by another member'}", absent)
     joined = {_text(k): _text(v) for k, v in call(lambda: client.hgetall(members_key)).items()}
     if joined.get(me) != incarnation:
         raise BuiltWithoutMe("the generation was built by an earlier process of this worker")

@@ -31,6 +31,7 @@ import torch
 from chameleond.core.plan import Plan
 from chameleond.protocol import Keys
 from workers import checkpoint
+from workers.absence import ABSENT_ATTEMPTS, Absences
 from workers.backend import (
     DeviceChoice,
     DeviceFailed,
@@ -116,6 +117,7 @@ class WorkerRuntime:
         self.trained_key = self.keys.prefix + "workers:trained"
         self._marked_trained = False
         self._restored = 0  # the last `restore` plan whose checkpoint this process loaded
+        self.absences = Absences()  # peers missing from the rendezvous (workers.absence)
         self.saver: Saver | None = None  # with --checkpoint-every, once the model is known
 
     def run(self) -> int:
@@ -195,6 +197,7 @@ class WorkerRuntime:
                     log.info("generation %d: %s", plan.generation, e)
                 elif not self.on_fault(plan, state, e):
                     retry = plan
+                    self.name_absent(plan, e.absent)
             except checkpoint.Unrestorable as e:
                 log.error("generation %d cannot restore: %s", plan.generation, e)
                 self.reporter.send(
@@ -256,6 +259,18 @@ class WorkerRuntime:
             log.warning("no dead peer found: building generation %d again", plan.generation)
         return bool(dead)
 
+    def name_absent(self, plan: Plan, absent: tuple[str, ...]) -> None:
+        """Report the peers absent from ABSENT_ATTEMPTS attempts in a row of this generation."""
+        me = self.cfg.worker_id
+        peers = [w for w in plan.workers if w != me]
+        for w in self.absences.abandoned(plan.generation, peers, absent):
+            cause = (
+                f"absent from {ABSENT_ATTEMPTS} rendezvous attempts of generation "
+                f"{plan.generation} in a row: alive but not building it (hung?)"
+            )
+            log.warning("naming %s: %s", w, cause)
+            self.reporter.fault(w, cause, generation=plan.generation, at=f"{time.time():.3f}")
+
     def _gone(self, gen: Generation) -> list[str]:
         """Members without a live process, checked at most every 0.1 s (one CLIENT LIST)."""
         now = time.monotonic()
@@ -310,6 +325,7 @@ class WorkerRuntime:
             watch.start()
         try:
             connect(sync=False)
+            self.absences.built(plan.generation)
             self._took_part = True
             t_world = time.perf_counter()
             self._restore(plan, state)

@@ -79,7 +79,8 @@ HELP: dict[str, str] = {
     "policy": "adaptive (the selector decides), or force reroute / dynamic",
     "min_workers": "registered workers needed for the initial plan; 0 = every worker of the spec",
     "heartbeat_timeout_seconds": "a worker of the plan silent this long is declared failed",
-    "ready_timeout_seconds": "a worker not acknowledging a plan this long is declared failed",
+    "ready_timeout_seconds": "a worker not acknowledging a plan this long, while others of it "
+    "have, is declared failed",
     "block_ms": "XREADGROUP BLOCK in milliseconds (keep well under the socket timeout)",
     "socket_timeout_seconds": "Redis client socket timeout",
     "batch_count": "stream entries read per XREADGROUP (COUNT)",
