@@ -136,6 +136,7 @@ def test_a_restore_no_worker_can_load_falls_back_to_the_older_checkpoint(tmp_pat
     # not load step 9.
     last = report["faults"][-1]
     assert last["policy"] == "restore", [f["why"] for f in report["faults"]]
+    assert "cannot restore: no readable file of step 9" in last["why"], last["why"]
     assert "checkpoint of step 4" in last["why"], last["why"]
     assert last["recovery_seconds"] is not None, last
     generation = last["generation"]

@@ -59,6 +59,8 @@ def _why(d: DecisionRecord) -> str:
             parts.append(f"{c.get('policy')} score {float(c['score']):.2f}")
     d_text = f"D={d.mtbf_seconds:.0f}s" if d.mtbf_seconds is not None else "D unknown"
     note = str(d.raw.get("note", ""))
+    if d.unrestorable and note:  # a restore decided again: what the failed one could not load
+        note = f"{d.cause}; {note}"
     if d.selected == "restore" and note:  # both candidates lost the same layers: say it once
         return f"{note}, {d_text}"
     return ", ".join([*parts, d_text])
