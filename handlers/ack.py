@@ -52,7 +52,7 @@ def _unrestorable(job: Job, event: Event, entry_id: str, generation: int, now: f
     plan = job.plan
     if plan is None or plan.generation != generation or plan.restore_step != step:
         return DUPLICATE  # about a plan already replaced
-    if job.checkpoints.unloadable(step, generation):
+    if job.checkpoints.cannot_load(step, generation):
         job.dirty = True
     cause = event.get("cause") or f"cannot load the checkpoint of step {step}"
     new, transitions = job.machine.unrestorable(event.worker, cause, now)

@@ -121,12 +121,11 @@ def join_generation(
         time.sleep(pause)
         pause = min(pause * 2, 0.02)
         state = _text(call(lambda: client.get(state_key)) or "open")
+    joined = {_text(k): _text(v) for k, v in call(lambda: client.hgetall(members_key)).items()}
     if state == "abandoned":
         # Nobody joins an abandoned generation (_JOIN), so every member reads the same list.
-        arrived = {_text(k) for k in call(lambda: client.hkeys(members_key))}
-        absent = tuple(m for m in members if m not in arrived)
+        absent = tuple(m for m in members if m not in joined)
         raise GenerationAbandoned(f"generation abandoned: {reason or 'by another member'}", absent)
-    joined = {_text(k): _text(v) for k, v in call(lambda: client.hgetall(members_key)).items()}
     if joined.get(me) != incarnation:
         raise BuiltWithoutMe("the generation was built by an earlier process of this worker")
     digest = hashlib.sha1("|".join(joined[w] for w in members).encode()).hexdigest()[:12]

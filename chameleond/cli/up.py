@@ -41,8 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--faults",
         default=None,
-        help=f"faults to inject, e.g. kill:w3@step=5,event:w1@t=20s:ECC (default: {DEFAULT_FAULTS};"
-        " 'none' for a failure-free run)",
+        help=f"faults to inject, e.g. kill:w3@step=5,event:w1@t=20s:ECC; corrupt:w3@step=9 cuts "
+        f"w3's newest checkpoint file short (default: {DEFAULT_FAULTS}; 'none' for a failure-free "
+        "run)",
     )
     src.add_argument(
         "--trace",

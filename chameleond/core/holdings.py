@@ -171,7 +171,7 @@ class Checkpoints:
         self.covered = {s: ls for s, ls in self.covered.items() if s <= step}
         self.restore = (generation, step)
 
-    def unloadable(self, step: int, generation: int) -> bool:
+    def cannot_load(self, step: int, generation: int) -> bool:
         """A worker of the restore plan `generation` could not load its layers from the files of
         `step`; False when already known. Only steps as new as those kept are remembered: an
         older one is never offered anyway."""
