@@ -1,16 +1,12 @@
-"""Model, data and p2p tags: the deterministic pieces every worker must agree on."""
+"""Model and data: the deterministic pieces every worker must agree on."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 import torch
 
-from chameleond.core.schedule import BACKWARD, FORWARD
 from workers.data import Corpus
 from workers.model import Arch, ArchError, LayerState, build_module, run_layers, sample_loss_sum
-from workers.p2p import MIGRATION_TAG_BASE, p2p_tag
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 
@@ -93,14 +89,3 @@ def test_corpus_is_deterministic(corpus: Corpus) -> None:
     again = Corpus(max_bytes=256 * 1024)
     assert again.digest == corpus.digest and len(corpus.data) == 256 * 1024
     assert torch.equal(again.sample(12345, 16), corpus.sample(12345, 16))
-
-
-def test_p2p_tags_are_unique_and_below_migration_tags() -> None:
-    tags = [
-        p2p_tag(kind, p, s, m)
-        for kind, p, s, m in itertools.product((FORWARD, BACKWARD), range(8), range(16), range(64))
-    ]
-    assert len(set(tags)) == len(tags)
-    assert max(tags) < MIGRATION_TAG_BASE
-    with pytest.raises(ValueError):
-        p2p_tag(FORWARD, 300, 0, 0)

@@ -1,6 +1,8 @@
 """Backends without tags (NCCL, HCCL) match a pair's messages in issue order, and a large send
 waits until its receive runs: the batches every plan's step is issued in must work under those
-rules, where issuing the messages one by one in op order does not."""
+rules, where issuing the messages one by one in op order does not. Every worker derives its own
+batches (and its migration rounds) from the plan alone; between any two workers the sends of one
+side must be the receives of the other, in order, message for message."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ import pytest
 from chameleond.cli.up import build_spec_document
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.plan import Plan
+from chameleond.core.schedule import BACKWARD, FORWARD
 from chameleond.core.spec import parse_spec
 from chameleond.jobs import load_default_spec
 from workers import generation
 from workers.backend import DeviceChoice
 from workers.generation import Generation, op_order
-from workers.p2p import Batch, Endpoint, op_messages, rendezvous_fault, step_batches
+from workers.p2p import Batch, Endpoint, MessageId, op_messages, rendezvous_fault, step_batches
 
 SHAPES = [(6, 2), (6, 3), (8, 4), (12, 3), (16, 4)]
 
@@ -75,7 +78,7 @@ def test_every_plan_runs_in_batches_without_tags(workers: int, stages: int) -> N
                 for end in batch.endpoints:
                     i = next(
                         i for i, op in enumerate(order[worker])
-                        if op_messages(plan, op)[end.send] == (end.peer, end.tag)
+                        if op_messages(plan, op)[end.send] == (end.peer, end.message)
                     )  # fmt: skip
                     assert batch.before > i if end.send else batch.before <= i
         stuck_one_by_one += rendezvous_fault(one_by_one(plan)) is not None
@@ -91,17 +94,19 @@ def test_one_by_one_1f1b_waits_in_a_cycle() -> None:
     )))  # fmt: skip
     why = rendezvous_fault(one_by_one(plan))
     assert why == (
-        "a cycle of waits: w0 waits to send tag 131072 to w1 (batch before op 2); "
-        "w1 waits to send tag 1 to w0 (batch before op 2)"
-    )  # F of micro-batch 1 (131072) and B of micro-batch 0 (1), across boundary 0
+        "a cycle of waits: w0 waits to send F1@p0:0 to w1 (batch before op 2); "
+        "w1 waits to send B0@p0:0 to w0 (batch before op 2)"
+    )  # F of micro-batch 1 and B of micro-batch 0, across boundary 0 of pipeline 0
     batches = step_batches(plan, op_order(plan))
     assert rendezvous_fault(batches) is None
     w0, w1 = batches["w0"], batches["w1"]
-    assert w0[1] == Batch(2, (Endpoint(True, "w1", 131072),))  # after F1, its op 1
-    assert w1[1] == Batch(1, (Endpoint(False, "w0", 131072),))  # after F0, before B0
-    assert w1[2] == Batch(2, (Endpoint(True, "w0", 1),))  # after B0
+    f1, b0 = MessageId(1, 0, 0, FORWARD), MessageId(0, 0, 0, BACKWARD)
+    assert w0[1] == Batch(2, (Endpoint(True, "w1", f1),))  # after F1, its op 1
+    assert w1[1] == Batch(1, (Endpoint(False, "w0", f1),))  # after F0, before B0
+    assert w1[2] == Batch(2, (Endpoint(True, "w0", b0),))  # after B0
     # F of micro-batch 2 goes out with the receive of B1's gradient
-    assert w0[3] == Batch(4, (Endpoint(False, "w1", 131073), Endpoint(True, "w1", 262144)))
+    b1, f2 = MessageId(1, 0, 0, BACKWARD), MessageId(2, 0, 0, FORWARD)
+    assert w0[3] == Batch(4, (Endpoint(False, "w1", b1), Endpoint(True, "w1", f2)))
 
 
 def test_a_receiver_out_of_order_is_found_and_refused_on_nccl(
@@ -121,7 +126,7 @@ def test_a_receiver_out_of_order_is_found_and_refused_on_nccl(
     )
     swapped = {**batches, receiver: seq}
     why = rendezvous_fault(swapped)
-    assert why is not None and why.startswith(f"{sender} sends to {receiver} tags")
+    assert why is not None and why.startswith(f"{sender} sends to {receiver} [")
     # The plan as made starts on NCCL; with those batches a worker on NCCL (not gloo) refuses it.
     nccl, gloo = DeviceChoice("cuda", 0, "nccl"), DeviceChoice("cpu", 0, "gloo")
     assert Generation.for_plan(plan, receiver, nccl, "i").batches == batches[receiver]

@@ -162,17 +162,23 @@ def allreduce_sum(group: Any, host: torch.Tensor, device: torch.device) -> torch
     return t.cpu()
 
 
-# One point-to-point operation: (send?, tensor, peer rank, tag).
-P2POp = tuple[bool, torch.Tensor, int, int]
+# One point-to-point operation: (send?, tensor, peer rank). It goes on the wire with P2P_TAG.
+P2POp = tuple[bool, torch.Tensor, int]
+
+# The tag of every point-to-point op. NCCL and HCCL ignore tags and match a pair's messages in the
+# order they are issued; so that a run on gloo is a run of what they do, no op carries another tag
+# and every caller issues a pair's messages in the same order on both sides (workers.p2p).
+P2P_TAG = 0
 
 
 def exchange(group: Any, ops: Sequence[P2POp]) -> list[Any]:
-    """Issue `ops` as one batch; one work per op, to wait on.
+    """Issue `ops` as one batch, in order; one work per op, to wait on.
 
     A backend that coalesces (NCCL, HCCL) runs the batch as one group, which progresses all its
     ops at once, so a send that waits for its receive cannot block a receive of the same
     batch (workers.p2p says why that is enough); its single work stands for every op. On
-    gloo each op runs on its own, asynchronously, matched by tag.
+    gloo each op runs on its own, asynchronously; gloo, too, matches a pair's messages of one tag
+    in issue order.
     """
     if not ops:
         return []
@@ -180,7 +186,7 @@ def exchange(group: Any, ops: Sequence[P2POp]) -> list[Any]:
     if coalesce:  # NCCL, HCCL (not gloo)
         group._start_coalescing()
     works = [
-        (group.send if send else group.recv)([tensor], peer, tag) for send, tensor, peer, tag in ops
+        (group.send if send else group.recv)([tensor], peer, P2P_TAG) for send, tensor, peer in ops
     ]
     if coalesce:
         return [group._end_coalescing()] * len(ops)

@@ -87,7 +87,10 @@ class Generation:
         if me not in plan.workers:
             raise ValueError(f"worker {me} has no part in generation {plan.generation}")
         order = op_order(plan)
-        # Without tags the worker checks every worker's batches; gloo needs its own only.
+        # Every backend matches a pair's messages by order (all carry tag 0); the batches derived
+        # from the plan agree pair by pair (tests/test_worker_p2p_order.py). Where a send may
+        # wait for its receive (NCCL, HCCL) the worker also checks every worker's batches for a
+        # cycle of waits; gloo's sends never wait, so it derives its own only.
         batches = step_batches(plan, order, [me] if device.backend == "gloo" else None)
         mine = order.get(me, [])
         gen = cls(plan, me, device, plan.workers, mine, batches.get(me, []), incarnation, attempt)
@@ -95,7 +98,7 @@ class Generation:
             mine, max((op.end for ops in order.values() for op in ops), default=0)
         )
         gen.check_ownership()
-        if device.backend != "gloo":  # no tags, and a send may wait for its receive
+        if device.backend != "gloo":  # a send may wait for its receive
             why = rendezvous_fault(batches)
             if why is not None:
                 raise ValueError(

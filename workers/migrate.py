@@ -15,12 +15,17 @@
    rounds, repairs in one extra round. Before any step has committed, missing layers are built from
    the seed instead. Sources keep their layers; the runtime drops unowned layers after the
    generation's first commit.
+
+Every worker derives the same moves from the same gathered rows, and issues a round's transfers in
+one order (`round_order`: by layer, source, destination): between any two workers, the sends of
+one side are the receives of the other, in the same order, as backends that match messages by
+order (NCCL, HCCL; every op carries tag 0) need.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +34,6 @@ from chameleond.core.plan import Plan
 from workers.backend import P2POp, allreduce_sum, exchange
 from workers.generation import Generation
 from workers.model import LayerState
-from workers.p2p import MIGRATION_TAG_BASE
 from workers.state import WorkerState
 
 log = logging.getLogger("chameleon.worker")
@@ -150,6 +154,26 @@ def reconcile(
     return Reconciled(result.committed_step, applied, result.moves)
 
 
+def round_order(moves: Iterable[Move]) -> list[list[Move]]:
+    """The moves of each round, rounds in ascending order, each round in the order every worker
+    lists it: by (layer, source, destination)."""
+    rounds: dict[int, list[Move]] = {}
+    for m in moves:
+        rounds.setdefault(m.round, []).append(m)
+    return [sorted(rounds[r], key=lambda m: (m.layer, m.src or "", m.dst)) for r in sorted(rounds)]
+
+
+def round_transfers(moves: Sequence[Move], me: str) -> list[tuple[bool, str, int]]:
+    """`me`'s point-to-point transfers of one round (from `round_order`), in issue order:
+    (send?, peer, layer). A pair's sends on one side are its receives on the other, in order."""
+    out: list[tuple[bool, str, int]] = []
+    for m in moves:
+        if m.src is None or me not in (m.src, m.dst):
+            continue
+        out.append((m.src == me, m.dst if m.src == me else m.src, m.layer))
+    return out
+
+
 def _execute(
     gen: Generation,
     state: WorkerState,
@@ -158,27 +182,25 @@ def _execute(
     on_round: Callable[[int], None] | None,
 ) -> None:
     me = gen.me
-    for rnd in sorted({m.round for m in moves}):
-        transfers: list[P2POp] = []
-        received: list[tuple[LayerState, torch.Tensor]] = []
-        for m in (m for m in moves if m.round == rnd):
-            tag = MIGRATION_TAG_BASE + m.layer
+    for moves_of_round in round_order(moves):
+        for m in moves_of_round:
             if m.dst == me and m.src is None:
                 state.build_from_seed(m.layer)
-            elif m.src == me:
-                buf = state.layer(m.layer).state_buffer()
-                transfers.append((True, buf, gen.rank_of(m.dst), tag))
-            elif m.dst == me:
-                assert m.src is not None
-                skeleton = LayerState(state.arch, m.layer, state.device)
+        transfers: list[P2POp] = []
+        received: list[tuple[LayerState, torch.Tensor]] = []
+        for send, peer, index in round_transfers(moves_of_round, me):
+            if send:
+                transfers.append((True, state.layer(index).state_buffer(), gen.rank_of(peer)))
+            else:
+                skeleton = LayerState(state.arch, index, state.device)
                 buf = torch.empty(skeleton.state_numel(), device=state.device)
-                transfers.append((False, buf, gen.rank_of(m.src), tag))
+                transfers.append((False, buf, gen.rank_of(peer)))
                 received.append((skeleton, buf))
         # One batch per round. The plan's rounds give a worker one transfer each, but the repair
-        # round may give it several, both ways; every worker lists a round's moves in one order.
+        # round may give it several, both ways.
         works = exchange(gen.world_group, transfers)
         if on_round is not None:
-            on_round(rnd)
+            on_round(moves_of_round[0].round)
         for work in works:
             work.wait()
         if received:

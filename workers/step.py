@@ -6,7 +6,8 @@ output waits in an outbox until its batch is issued, a receive is posted with it
 for just before the op that uses it. Under rerouting a worker's op list holds ops of several
 pipelines (the failed slot's micro-batches), so activations and gradients cross pipelines;
 everything is keyed by (pipeline, stage, micro-batch). Each message has a fixed shape
-(micro_batch, seq_len, d_model) and a tag naming (kind, pipeline, stage boundary, micro-batch).
+(micro_batch, seq_len, d_model) and is named by its MessageId (kind, pipeline, stage boundary,
+micro-batch) here only: on the wire it is matched by the order of the batches (workers.p2p).
 
 Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
 all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds. The
@@ -29,6 +30,7 @@ from workers.model import run_layers, sample_loss_sum
 from workers.p2p import (
     Batch,
     Message,
+    MessageId,
     backward_input,
     backward_output,
     forward_input,
@@ -59,10 +61,10 @@ class StepRunner:
         plan = gen.plan
         arch = state.arch
         self.shape = (plan.micro_batch, arch.seq_len, arch.d_model)
-        self._outbox: dict[int, torch.Tensor] = {}  # computed, waiting for their batch
-        self._inbox: dict[int, tuple[Any, torch.Tensor]] = {}  # posted receives
+        self._outbox: dict[MessageId, torch.Tensor] = {}  # computed, waiting for their batch
+        self._inbox: dict[MessageId, tuple[Any, torch.Tensor]] = {}  # posted receives
         self._sent: list[tuple[Any, torch.Tensor]] = []
-        self._local: dict[int, torch.Tensor] = {}  # messages to itself
+        self._local: dict[MessageId, torch.Tensor] = {}  # messages to itself
         # Wall seconds the last step waited before each op for its input, then after the last op
         # for its sends and the gradient sync: the bubbles as they really are (workers.saver).
         self.waits = [0.0] * (len(gen.ops) + 1)
@@ -70,19 +72,19 @@ class StepRunner:
 
     # point-to-point ---------------------------------------------------------------------------
 
-    def _send(self, tensor: torch.Tensor, peer: str, tag: int) -> None:
+    def _send(self, tensor: torch.Tensor, peer: str, message: MessageId) -> None:
         t = tensor.detach().contiguous()
         if peer == self.gen.me:
-            self._local[tag] = t
+            self._local[message] = t
         else:
-            self._outbox[tag] = t  # sent with its batch
+            self._outbox[message] = t  # sent with its batch
 
-    def _recv(self, peer: str, tag: int) -> torch.Tensor:
+    def _recv(self, peer: str, message: MessageId) -> torch.Tensor:
         if peer == self.gen.me:
-            return self._local.pop(tag)
-        posted = self._inbox.pop(tag, None)
+            return self._local.pop(message)
+        posted = self._inbox.pop(message, None)
         if posted is None:
-            raise RuntimeError(f"receive of tag {tag} from {peer} is in no batch before it")
+            raise RuntimeError(f"receive of {message} from {peer} is in no batch before it")
         work, buf = posted
         work.wait()
         return buf
@@ -91,16 +93,16 @@ class StepRunner:
         ops: list[P2POp] = []
         for end in batch.endpoints:
             if end.send:
-                tensor = self._outbox.pop(end.tag)
+                tensor = self._outbox.pop(end.message)
             else:
                 tensor = torch.empty(self.shape, device=self.state.device)
-            ops.append((end.send, tensor, self.gen.rank_of(end.peer), end.tag))
-        works = exchange(self.gen.world_group, ops)
-        for (send, tensor, _, tag), work in zip(ops, works, strict=True):
-            if send:
+            ops.append((end.send, tensor, self.gen.rank_of(end.peer)))
+        works = exchange(self.gen.world_group, ops)  # in the batch's order: the pair's order
+        for end, (_, tensor, _), work in zip(batch.endpoints, ops, works, strict=True):
+            if end.send:
                 self._sent.append((work, tensor))  # the tensor must outlive the send
             else:
-                self._inbox[tag] = (work, tensor)
+                self._inbox[end.message] = (work, tensor)
 
     # the step ---------------------------------------------------------------------------------
 
