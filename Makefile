@@ -10,8 +10,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+	$(PY) -m pip install -q -e '.[worker,local,hf,dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)

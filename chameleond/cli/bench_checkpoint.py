@@ -34,6 +34,7 @@ from typing import Any
 
 from chameleond.cli.bench_cluster import spec_file, wait_steps, warmed_up, worker_ids
 from chameleond.core.spec import SpecError
+from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster
 from chameleond.local.monitor import StreamMonitor
 
@@ -105,6 +106,7 @@ def _summary(events: list[Mapping[str, str]], runs: int, expected: int) -> dict[
 
 
 def run(args: argparse.Namespace) -> int:
+    require("worker", "chameleonctl bench checkpoint (its workers)")
     if min(args.steps, args.every, args.rounds, args.warmup, args.workers, args.pp) < 1:
         print("chameleonctl bench checkpoint: counts must be >= 1", file=sys.stderr)
         return 2

@@ -48,6 +48,7 @@ from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import JobSpec, LayerProfile, load_spec
 from chameleond.daemon.jobspec import fold_profile, measured_layers
+from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.timeline import entry_seconds
@@ -231,6 +232,7 @@ def _restart(args: argparse.Namespace, spec: Path, tmp: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("worker", "chameleonctl bench recovery (its workers)")
     if args.warmup < 1 or args.after < MIN_STEPS or args.checkpoint_every < 1:
         print(
             f"chameleonctl bench recovery: --warmup >= 1, --after >= {MIN_STEPS} and "

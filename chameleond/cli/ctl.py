@@ -8,6 +8,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from chameleond.extras import MissingExtra
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("chameleond.cli.up", "run a whole fault-tolerant training job locally and report"),
     "status": ("chameleond.cli.status", "show the job's state, plan, workers and last decisions"),
@@ -30,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args))
+    try:
+        return int(args._run(args))
+    except MissingExtra as e:  # an optional part the command needs (chameleond.extras)
+        print(f"chameleonctl {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from chameleond.core.spec import JobSpec, SpecError, load_spec, parse_spec
+from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted
 from chameleond.local.faults import FaultSpecError, check_workers, parse_faults
 from chameleond.local.progress import ProgressView
@@ -134,6 +135,8 @@ def build_spec_document(
 
 
 def run(args: argparse.Namespace) -> int:
+    require("worker", "chameleonctl up (its workers)")
+    require("local", "chameleonctl up (its report)")
     err = sys.stderr
     try:
         base = load_spec(args.spec) if args.spec else _default_spec()

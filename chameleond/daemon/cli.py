@@ -118,7 +118,8 @@ def run(cfg: Config) -> int:
         try:
             server = _embedded(cfg)
         except (RuntimeError, TimeoutError, OSError) as e:
-            print(f"chameleond: embedded Redis: {e}", file=sys.stderr)
+            hint = "; or pass --redis-url" if isinstance(e, FileNotFoundError) else ""
+            print(f"chameleond: embedded Redis: {e}{hint}", file=sys.stderr)
             return 1
         url = server.url
         cli = f"{redis_binary('redis-cli')} -h {server.host} -p {server.port}"
