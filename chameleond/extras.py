@@ -24,7 +24,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
 }
 
 
-class MissingExtra(RuntimeError):
+class MissingExtra(ImportError):
     """An optional part is not installed; the message names the extra to install."""
 
 
@@ -41,4 +41,6 @@ def require(extra: str, what: str) -> None:
     """Raise MissingExtra, naming `what` needs it and how to install it, unless `extra` is here."""
     gone = missing(extra)
     if gone:
-        raise MissingExtra(f"{what} needs {', '.join(gone)}: {install_hint(extra)}")
+        raise MissingExtra(
+            f"{what} needs {', '.join(gone)}, which is not installed: {install_hint(extra)}"
+        )

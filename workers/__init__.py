@@ -2,4 +2,4 @@
 
 from chameleond.extras import require
 
-require("worker", "chameleon-worker (the training worker)")
+require("worker", "chameleon-worker")

@@ -106,7 +106,7 @@ def _summary(events: list[Mapping[str, str]], runs: int, expected: int) -> dict[
 
 
 def run(args: argparse.Namespace) -> int:
-    require("worker", "chameleonctl bench checkpoint (its workers)")
+    require("worker", "starting workers")
     if min(args.steps, args.every, args.rounds, args.warmup, args.workers, args.pp) < 1:
         print("chameleonctl bench checkpoint: counts must be >= 1", file=sys.stderr)
         return 2

@@ -232,7 +232,7 @@ def _restart(args: argparse.Namespace, spec: Path, tmp: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    require("worker", "chameleonctl bench recovery (its workers)")
+    require("worker", "starting workers")
     if args.warmup < 1 or args.after < MIN_STEPS or args.checkpoint_every < 1:
         print(
             f"chameleonctl bench recovery: --warmup >= 1, --after >= {MIN_STEPS} and "

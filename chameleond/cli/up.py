@@ -135,8 +135,8 @@ def build_spec_document(
 
 
 def run(args: argparse.Namespace) -> int:
-    require("worker", "chameleonctl up (its workers)")
-    require("local", "chameleonctl up (its report)")
+    require("worker", "starting workers")
+    require("local", "the report")
     err = sys.stderr
     try:
         base = load_spec(args.spec) if args.spec else _default_spec()
