@@ -17,6 +17,7 @@ NAMES = {
     "chameleon_events": "counter",
     "chameleon_decision_seconds": "histogram",
     "chameleon_recovery_seconds": "histogram",
+    "chameleon_fault_waiting_seconds": "histogram",
     "chameleon_policy_decisions": "counter",
     "chameleon_training_throughput_samples_per_second": "gauge",
     "chameleon_estimated_throughput_samples_per_second": "gauge",

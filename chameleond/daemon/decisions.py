@@ -95,6 +95,7 @@ class Decisions:
             job.started = now
             job.follow_up = None
             job.record(job.machine.initial(generation, plan.workers, now, of_plan(plan)))
+            waits = job.act_from(now)
             for w in spec.workers:
                 if w.id in plan.workers and not job.workers[w.id].registered:
                     job.machine.fault(w.id, "not registered when the initial plan was made", now)
@@ -102,6 +103,8 @@ class Decisions:
                     job.machine.join(w.id, now)
             record = _record(generation, "initial", "initial plan", now)
             published = await self.committer.publish(plan, record, [])
+        for seconds in waits.values():
+            self.metrics.fault_waiting_seconds.observe(seconds)
         self._published(published, "initial plan", None)
 
     async def _no_initial_plan(self, error: str) -> None:

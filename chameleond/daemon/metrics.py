@@ -29,14 +29,23 @@ class Metrics:
         )
         self.decision_seconds = Histogram(
             "chameleon_decision_seconds",
-            "Time from a fault received to its plan published.",
+            "Time from a fault the daemon can act on (received, or the initial plan made) to its "
+            "plan published.",
             buckets=DECISION_BUCKETS,
             registry=r,
         )
         self.recovery_seconds = Histogram(
             "chameleon_recovery_seconds",
-            "From a fault received to the first step committed by every worker of the new plan.",
+            "From a fault the daemon can act on (received, or the initial plan made) to the first "
+            "step committed by every worker of the new plan.",
             ["policy"],
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.fault_waiting_seconds = Histogram(
+            "chameleon_fault_waiting_seconds",
+            "Time a fault received before the initial plan waited for it (the workers to "
+            "register); its decision and recovery latency count from the plan, not from receipt.",
             buckets=RECOVERY_BUCKETS,
             registry=r,
         )
