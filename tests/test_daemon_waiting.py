@@ -23,7 +23,7 @@ WAIT = 2.0
 
 @pytest.fixture
 def daemon(redis_server: RedisServer, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(redis_server.url, tmp_path).start().wait_ready()
+    d = Daemon(redis_server.url, tmp_path).start().wait_ready(60)
     yield d
     d.stop()
 
@@ -33,7 +33,7 @@ def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision
 ) -> None:
     workers = Workers(redis_client)
     fault_id = workers.send(type="fault", worker="w3", cause="ECC error")
-    waiting = wait_for(lambda: daemon.status()["waiting_faults"], 15, "the waiting fault")
+    waiting = wait_for(lambda: daemon.status()["waiting_faults"], 60, "the waiting fault")
     assert [(f["worker"], f["cause"]) for f in waiting] == [("w3", "ECC error")]
     assert waiting[0]["received_at"] == pytest.approx(entry_seconds(fault_id), abs=1.0)
     assert daemon.status()["workers_registered"] == 0
@@ -44,14 +44,14 @@ def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision
             capture_output=True, text=True, timeout=30, check=True,
         ).stdout  # fmt: skip
 
-    out = wait_for(lambda: "fault waiting" in (o := ctl_status()) and o, 15, "status line")
+    out = wait_for(lambda: "fault waiting" in (o := ctl_status()) and o, 60, "status line")
     assert "fault waiting for a decision: w3 (ECC error)" in out
 
     time.sleep(WAIT)  # the workers take their time to come up
     workers.register()
-    wait_for(lambda: workers.generation() == 1, 15, "generation 1")
+    wait_for(lambda: workers.generation() == 1, 60, "generation 1")
     workers.ready(1, WORKERS)
-    wait_for(lambda: workers.generation() == 2, 15, "the decision that answers w3")
+    wait_for(lambda: workers.generation() == 2, 60, "the decision that answers w3")
     raw = workers.plan()
     assert raw is not None
     plan = plan_from_dict(raw)
@@ -81,6 +81,6 @@ def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision
         workers.send(type="ack", worker=w, generation=2, phase="ready")
     for w in plan.workers:
         workers.send(type="step", worker=w, generation=2, step=0, samples=8, seconds=0.1, loss=1.0)
-    wait_for(lambda: daemon.metric("chameleon_recovery_seconds_count") >= 1, 15, "recovery")
+    wait_for(lambda: daemon.metric("chameleon_recovery_seconds_count") >= 1, 60, "recovery")
     recovered = time.time() - float(initial["at"])
     assert daemon.metric("chameleon_recovery_seconds_sum") <= recovered
