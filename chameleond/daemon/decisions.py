@@ -270,7 +270,7 @@ class Decisions:
             rec.last_heartbeat = max(rec.last_heartbeat, now)
         self.metrics.policy_decisions.labels(plan.policy).inc()
         if decision_seconds is not None:
-            self.metrics.decision_seconds.observe(decision_seconds)
+            self.metrics.decided(decision_seconds)
         refresh_gauges(job, self.metrics, self.cfg)
         decisions_log.info(
             "published generation=%d policy=%s workers=%d excluded=%s cause=%s",

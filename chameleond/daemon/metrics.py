@@ -49,6 +49,19 @@ class Metrics:
             buckets=RECOVERY_BUCKETS,
             registry=r,
         )
+        # The newest value of each, so a dashboard shows something between rare faults (a
+        # quantile over a window with no fault is NaN): absent until the first one.
+        self.last_decision_seconds = Gauge(
+            "chameleon_last_decision_seconds",
+            "chameleon_decision_seconds of the newest decision that published a plan.",
+            registry=r,
+        )
+        self.last_recovery_seconds = Gauge(
+            "chameleon_last_recovery_seconds",
+            "chameleon_recovery_seconds of the newest recovery, by policy.",
+            ["policy"],
+            registry=r,
+        )
         self.policy_decisions = Counter(
             "chameleon_policy_decisions",
             "Plans published, by the policy they follow.",
@@ -120,6 +133,14 @@ class Metrics:
             self.workers.labels(state)
         for phase in Phase:
             self.job_state.labels(phase.value)
+
+    def decided(self, seconds: float) -> None:
+        self.decision_seconds.observe(seconds)
+        self.last_decision_seconds.set(seconds)
+
+    def recovered(self, policy: str, seconds: float) -> None:
+        self.recovery_seconds.labels(policy).observe(seconds)
+        self.last_recovery_seconds.labels(policy).set(seconds)
 
     def count_event(self, kind: str, outcome: str) -> None:
         self.event_counters[kind, outcome].inc()
