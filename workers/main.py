@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
+from chameleond.sdnotify import Notifier
 from workers.backend import (
     BackendUnavailable,
     DeviceChoice,
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         client.ping()
+        notifier = Notifier()  # under systemd (Type=notify): ready, and the watchdog pings
+        notifier.ready(f"worker {args.worker_id} of job {args.job}: Redis reached")
+        notifier.watchdog_thread()
         return runtime.run()
     except _Stop as e:
         log.info("stopped by %s", e)
