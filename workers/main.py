@@ -27,6 +27,7 @@ import redis
 import torch
 import torch.distributed as dist
 
+from chameleond import version_text
 from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
 from chameleond.sdnotify import Notifier
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "corpus; 7 this worker's own computation failed (it reported itself first). "
         "Redis restarts do not stop training (docs/worker.md).",
     )
+    p.add_argument("--version", action="version", version=version_text("chameleon-worker"))
     p.add_argument(
         "--redis-url",
         default=os.environ.get(REDIS_URL_ENV),
