@@ -43,6 +43,9 @@ def test_a_second_up_trains_a_fresh_job_and_reports_it(tmp_path: Path) -> None:
     assert min(e["step"] for e in two["timeline"]) == 0
     assert [f["worker"] for f in two["faults"]] == ["w1"]
     assert two["faults"][0]["policy"] in ("reroute", "dynamic")
+    # Every plan carries the model's estimate (the chart draws it beside the measured throughput).
+    assert two["plans"][0]["policy"] == "initial" and len(two["plans"]) >= 2
+    assert all(p["estimated_step_seconds"] > 0 for p in two["plans"]), two["plans"]
     # One run's logs only: the first run's chameleond log is gone with its Redis data.
     assert "fault: kill -9 w1" in second.stdout
     log = (tmp_path / "out" / "run" / "logs" / "chameleond.log").read_text()

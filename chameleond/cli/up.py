@@ -272,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         events=mon.events,
         decisions=mon.decisions,
         members=mon.members,
+        plan_docs=mon.plans,
         extra={
             "completed": result.completed,
             "ended": result.reason,

@@ -101,8 +101,7 @@ class Decisions:
                     job.machine.fault(w.id, "not registered when the initial plan was made", now)
                 elif w.id not in plan.workers and job.workers[w.id].registered:
                     job.machine.join(w.id, now)
-            record = _record(generation, "initial", "initial plan", now,
-                             step_seconds=f"{plan.estimates.step_seconds:.6f}")  # fmt: skip
+            record = _record(generation, "initial", "initial plan", now)
             published = await self.committer.publish(plan, record, [])
         for seconds in waits.values():
             self.metrics.fault_waiting_seconds.observe(seconds)
@@ -258,8 +257,7 @@ class Decisions:
             plan = replace(follow_up.plan, generation=generation,
                            cause=f"switch to the prepared plan: {why}")  # fmt: skip
             job.record(m.switch(generation, plan.workers, now, plan.cause, of_plan(plan)))
-            record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{mtbf:.3f}",
-                             step_seconds=f"{plan.estimates.step_seconds:.6f}")  # fmt: skip
+            record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{mtbf:.3f}")
             published = await self.committer.publish(plan, record, [])
         self._published(published, published.cause, None)
 

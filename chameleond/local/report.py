@@ -98,7 +98,10 @@ def build_report(
     decisions: Sequence[Entry],
     members: Mapping[int, Collection[str]] | None = None,
     extra: Mapping[str, Any] | None = None,
+    plan_docs: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """`plan_docs`: generation -> the plan as published, where the run saw it (its estimates fill
+    in a decision record that carries none: the initial plan, a switch)."""
     steps = committed_steps(events, members)
     records = [parse_decision(i, f) for i, f in decisions if is_decision(f)]
     t0 = steps[0].at if steps else (injections[0].at if injections else 0.0)
@@ -185,7 +188,7 @@ def build_report(
                 "generation": d.generation,
                 "policy": d.selected,
                 "t": _round(d.at - t0),
-                "estimated_step_seconds": _round(d.step_seconds_estimate, 4),
+                "estimated_step_seconds": _round(_estimate(d, plan_docs or {}), 4),
             }
             for d in records
             if d.selected and d.generation is not None
@@ -201,6 +204,15 @@ def write_report(report: Mapping[str, Any], directory: Path) -> tuple[Path, Path
     png_path = directory / "report.png"
     draw_chart(report, png_path)
     return json_path, png_path
+
+
+def _estimate(d: DecisionRecord, docs: Mapping[int, Mapping[str, Any]]) -> float | None:
+    """The model's step time of the plan a decision published: its record's, else the plan's."""
+    if d.step_seconds_estimate is not None or d.generation is None:
+        return d.step_seconds_estimate
+    estimates = (docs.get(d.generation) or {}).get("estimates") or {}
+    value = estimates.get("step_seconds") if isinstance(estimates, Mapping) else None
+    return float(value) if isinstance(value, int | float) else None
 
 
 def _fmt(v: Any, spec: str = ".2f") -> str:
