@@ -8,10 +8,14 @@ STAMP := $(VENV)/.installed
 .PHONY: setup run test lint bench clean
 
 $(STAMP): pyproject.toml
+	@echo "==> [1/4] virtualenv $(VENV)"
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-	$(PY) -m pip install -q -e '.[worker,local,hf,dev]'
+	@echo "==> [2/4] pip"
+	$(PY) -m pip install --progress-bar on --upgrade pip
+	@echo "==> [3/4] torch==2.13.0 (the largest download)"
+	$(PY) -m pip install --progress-bar on torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+	@echo "==> [4/4] chameleond and its development tools"
+	$(PY) -m pip install --progress-bar on -e '.[worker,local,hf,dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)

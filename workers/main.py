@@ -27,8 +27,10 @@ import redis
 import torch
 import torch.distributed as dist
 
+from chameleond import version_text
 from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
+from chameleond.sdnotify import Notifier
 from workers.backend import (
     BackendUnavailable,
     DeviceChoice,
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         "corpus; 7 this worker's own computation failed (it reported itself first). "
         "Redis restarts do not stop training (docs/worker.md).",
     )
+    p.add_argument("--version", action="version", version=version_text("chameleon-worker"))
     p.add_argument(
         "--redis-url",
         default=os.environ.get(REDIS_URL_ENV),
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         client.ping()
+        notifier = Notifier()  # under systemd (Type=notify): ready, and the watchdog pings
+        notifier.ready(f"worker {args.worker_id} of job {args.job}: Redis reached")
+        notifier.watchdog_thread()
         return runtime.run()
     except _Stop as e:
         log.info("stopped by %s", e)

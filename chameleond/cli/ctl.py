@@ -8,6 +8,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from chameleond import version_text
 from chameleond.extras import MissingExtra
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -19,8 +20,26 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+HELP = """Operate chameleond training jobs: see a job's state, plan and decisions, report a
+failed worker, compare recovery plans, or run a whole fault-tolerant job on this machine."""
+EPILOG = """examples:
+  chameleonctl up                                  train locally with two faults, then report
+  chameleonctl status --job gpt-32                 state, plan, workers, last decisions
+  chameleonctl inject --job gpt-32 --worker w3 --cause "ECC error"
+  chameleonctl plan --fail w3                      what reroute and dynamic would do
+
+status and inject take the job's Redis from --redis-url or $CHAMELEON_REDIS_URL (which keeps a
+password out of ps). The daemon's status page: http://HOST:9464/ (docs/operations.md)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chameleonctl", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="chameleonctl",
+        description=HELP,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=version_text("chameleonctl"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(module)

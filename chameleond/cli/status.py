@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -92,6 +93,7 @@ def collect(client: redis.Redis, job: str) -> dict[str, Any]:
         "plan": plan,
         "plan_error": plan_error,
         "workers": _workers(state, plan),
+        "waiting_faults": _waiting_faults(state),
         "decisions": decisions,
         "events_pending": client.xlen(keys.events) if client.exists(keys.events) else 0,
         "dead_letters": client.xlen(keys.dead) if client.exists(keys.dead) else 0,
@@ -101,6 +103,13 @@ def collect(client: redis.Redis, job: str) -> dict[str, Any]:
 def _snapshot(state: Mapping[str, Any]) -> Mapping[str, Any]:
     snap = state.get("snapshot")
     return snap if isinstance(snap, dict) else {}
+
+
+def _waiting_faults(state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Faults received that no decision has answered yet (one sent before the workers registered
+    waits for the initial plan), as the daemon last persisted them."""
+    waiting = _snapshot(state).get("waiting_faults")
+    return [f for f in waiting if isinstance(f, dict)] if isinstance(waiting, list) else []
 
 
 def phase(state: Mapping[str, Any]) -> str:
@@ -167,6 +176,10 @@ def _print(s: Mapping[str, Any]) -> None:
         print("plan: none published yet")
     if s["workers"]:
         print("workers: " + ", ".join(f"{w} {st}" for w, st in sorted(s["workers"].items())))
+    for f in s["waiting_faults"]:
+        age = time.time() - float(f.get("received_at") or time.time())
+        print(f"fault waiting for a decision: {f.get('worker')} ({f.get('cause')}), "
+              f"received {age:.0f} s ago")  # fmt: skip
     print(f"events stream length {s['events_pending']}, dead letters {s['dead_letters']}")
     if s["decisions"]:
         print("last decisions (newest first):")

@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
+import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import redis
+from redis.exceptions import RedisError
 
 from chameleond.core.spec import JobSpec, SpecError, load_spec, parse_spec
 from chameleond.extras import require
@@ -22,6 +28,7 @@ from chameleond.local.progress import ProgressView
 from chameleond.local.report import build_report, print_table, write_report
 from chameleond.local.run import LocalRun, RunOptions
 from chameleond.local.trace import ReplayStep, TraceError, load_trace, plan_replay
+from chameleond.protocol import Keys
 
 # The default schedule (docs/local.md, "Why the two default faults end differently").
 # w0 has a replica of its stage (w2): rerouting keeps the layout and wins. w5 then holds a layer
@@ -68,7 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="adaptive (the selector decides) or force one policy (default: %(default)s)",
     )
     parser.add_argument("--spec", type=Path, help="job description (default: the packaged job)")
-    parser.add_argument("--job", default="local", help="job name (default: %(default)s)")
+    parser.add_argument(
+        "--job",
+        help="job name (default: 'local' on the embedded Redis, a new 'local-RUN_ID' on "
+        "--redis-url; a name that already has state in that Redis is refused)",
+    )
     parser.add_argument(
         "--mtbf-prior",
         type=float,
@@ -134,10 +145,37 @@ def build_spec_document(
     return doc
 
 
+def new_run_id() -> str:
+    """Names one run: its start time (UTC) and a few random hex digits."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
+
+
+def fresh_run_dir(report_dir: Path) -> Path:
+    """Every run starts from nothing: the previous run's Redis data (its append-only file holds a
+    finished job the daemon would resume), daemon state, logs and checkpoints go, and so does its
+    report, so a run that fails can never leave the old report looking like its own."""
+    run_dir = report_dir / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for name in ("report.json", "report.png"):
+        (report_dir / name).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
+def job_taken(redis_url: str, job: str) -> bool:
+    """Whether an external Redis already holds state of this job (a run would resume it)."""
+    keys = Keys(job)
+    with redis.Redis.from_url(redis_url) as client:
+        return bool(client.exists(keys.state, keys.plan, keys.events, keys.decisions))
+
+
 def run(args: argparse.Namespace) -> int:
     require("worker", "starting workers")
     require("local", "the report")
     err = sys.stderr
+    run_id = new_run_id()
+    if args.job is None:
+        args.job = f"local-{run_id}" if args.redis_url else "local"
     try:
         base = load_spec(args.spec) if args.spec else _default_spec()
         prior = args.mtbf_prior
@@ -184,9 +222,22 @@ def run(args: argparse.Namespace) -> int:
     except (SpecError, FaultSpecError, TraceError) as e:
         print(f"chameleonctl up: {e}", file=err)
         return 2
+    if args.redis_url:
+        try:
+            taken = job_taken(args.redis_url, args.job)
+        except (OSError, RedisError) as e:
+            print(f"chameleonctl up: cannot read Redis: {e}", file=err)
+            return 1
+        if taken:
+            print(
+                f"chameleonctl up: job {args.job!r} already has state in that Redis; name a new "
+                "--job (or leave it out for a fresh one) so its finished run is not resumed",
+                file=err,
+            )
+            return 2
     report_dir: Path = args.report
-    run_dir = report_dir / "run"
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = fresh_run_dir(report_dir)
+    print(f"run {run_id}: job {args.job}, report in {report_dir}")
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(doc, indent=2))
     bind = {w: addresses[i % len(addresses)] for i, w in enumerate(worker_ids)} if addresses else {}
@@ -224,9 +275,11 @@ def run(args: argparse.Namespace) -> int:
         events=mon.events,
         decisions=mon.decisions,
         members=mon.members,
+        plan_docs=mon.plans,
         extra={
             "completed": result.completed,
             "ended": result.reason,
+            "run_id": run_id,
             "policy_option": args.policy,
             "workers": worker_ids,
             "layout": [list(p) for p in spec.layout],

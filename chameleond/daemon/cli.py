@@ -23,6 +23,7 @@ from typing import Any
 import redis
 import uvloop
 
+from chameleond import version_text
 from chameleond.core.decide import DecisionError, initial_plan
 from chameleond.core.spec import JobSpec, SpecError, load_spec
 from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
@@ -51,6 +52,7 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="chameleond", description=__doc__)
+    parser.add_argument("--version", action="version", version=version_text("chameleond"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run", help="run the daemon", description="Run the daemon in the foreground. " + __doc__

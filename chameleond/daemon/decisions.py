@@ -95,6 +95,7 @@ class Decisions:
             job.started = now
             job.follow_up = None
             job.record(job.machine.initial(generation, plan.workers, now, of_plan(plan)))
+            waits = job.act_from(now)
             for w in spec.workers:
                 if w.id in plan.workers and not job.workers[w.id].registered:
                     job.machine.fault(w.id, "not registered when the initial plan was made", now)
@@ -102,6 +103,8 @@ class Decisions:
                     job.machine.join(w.id, now)
             record = _record(generation, "initial", "initial plan", now)
             published = await self.committer.publish(plan, record, [])
+        for seconds in waits.values():
+            self.metrics.fault_waiting_seconds.observe(seconds)
         self._published(published, "initial plan", None)
 
     async def _no_initial_plan(self, error: str) -> None:
@@ -267,7 +270,7 @@ class Decisions:
             rec.last_heartbeat = max(rec.last_heartbeat, now)
         self.metrics.policy_decisions.labels(plan.policy).inc()
         if decision_seconds is not None:
-            self.metrics.decision_seconds.observe(decision_seconds)
+            self.metrics.decided(decision_seconds)
         refresh_gauges(job, self.metrics, self.cfg)
         decisions_log.info(
             "published generation=%d policy=%s workers=%d excluded=%s cause=%s",

@@ -1,13 +1,17 @@
-"""HTTP on aiohttp (127.0.0.1 by default): /metrics, /healthz, /readyz, /api/v1/status and plan."""
+"""HTTP on aiohttp (127.0.0.1 by default): the status page at /, /metrics, /healthz, /readyz,
+/api/v1/status and plan."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
 
 from chameleond.core.plan import plan_to_dict
+from chameleond.daemon import page
+from chameleond.local.timeline import is_decision, parse_decision
 
 if TYPE_CHECKING:
     from chameleond.daemon.service import Service
@@ -21,6 +25,7 @@ class HttpServer:
 
     def app(self) -> web.Application:
         app = web.Application()
+        app.router.add_get("/", self.page)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -65,3 +70,33 @@ class HttpServer:
         if plan is None:
             return web.json_response({"error": "no plan yet: waiting for workers"}, status=404)
         return web.json_response(plan_to_dict(plan))
+
+    async def page(self, request: web.Request) -> web.Response:
+        svc = self.service
+        data = page.PageData(svc.status(), svc.job.plan)
+        client = svc.client
+        if client is not None and not svc.standby_for:
+            try:
+                data.events = _text(await client.xrevrange(svc.keys.events, count=PAGE_EVENTS))
+                data.dead = _text(await client.xrevrange(svc.keys.dead, count=PAGE_EVENTS))
+                records = _text(await client.xrevrange(svc.keys.decisions, count=200))
+                data.decisions = [parse_decision(i, f) for i, f in records if is_decision(f)][
+                    :PAGE_DECISIONS
+                ]
+            except (RedisError, OSError) as e:
+                data.errors.append(f"Redis unreadable: {e}")
+        return web.Response(text=page.render(data), content_type="text/html", charset="utf-8")
+
+
+PAGE_EVENTS = 10
+PAGE_DECISIONS = 5
+
+
+def _text(entries: Any) -> list[tuple[str, dict[str, str]]]:
+    """XREVRANGE's reply (bytes: the daemon's client does not decode) as text; an entry with no
+    fields (deleted meanwhile) keeps its id."""
+
+    def s(b: bytes | str | None) -> str:
+        return b.decode(errors="replace") if isinstance(b, bytes) else str(b)
+
+    return [(s(i), {s(k): s(v) for k, v in (f or {}).items()}) for i, f in entries or []]

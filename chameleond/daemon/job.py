@@ -112,6 +112,8 @@ class Job:
         # The time of each fault a decision has not yet answered: its entry is still pending, so
         # a restarted daemon reads it again and must not find it already counted.
         self.undecided_faults: dict[str, float] = {}
+        # Worker -> seconds its fault waited for the initial plan (received before the workers).
+        self.waited: dict[str, float] = {}
         self.last_decision: dict[str, Any] | None = None
         self.follow_up: FollowUp | None = None
         self.checkpoints = Checkpoints()  # what a restore plan can load (handlers/checkpoint.py)
@@ -291,6 +293,7 @@ class Job:
             "started": self.started,
             "fault_times": self.decided_fault_times()[-1000:],
             "last_decision": self.last_decision,
+            "waiting_faults": self.waiting_faults(time.time()),  # shown by status, never restored
             "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
             "checkpoints": self.checkpoints.to_json(),
             "extra_workers": [
@@ -317,6 +320,27 @@ class Job:
         self.fault_times.append(now)
         if self.pending(worker):
             self.undecided_faults[worker] = now
+
+    def waiting_faults(self, now: float) -> list[dict[str, Any]]:
+        """Faults no decision has answered yet, oldest first (what status shows): one received
+        before the workers registered waits here for the initial plan."""
+        m = self.machine
+        out = []
+        for w, cause in m.pending_faults.items():
+            at = self.undecided_faults.get(w, m.pending_since or now)
+            out.append({"worker": w, "cause": cause, "received_at": at,
+                        "age_seconds": round(max(0.0, now - at), 3)})  # fmt: skip
+        return sorted(out, key=lambda f: f["received_at"])
+
+    def act_from(self, now: float) -> dict[str, float]:
+        """The initial plan is out: the daemon can act on the faults that waited for it, so their
+        decision and recovery latency count from `now`. Returns how long each one waited."""
+        m = self.machine
+        waits = {w: max(0.0, now - self.undecided_faults.get(w, now)) for w in m.pending_faults}
+        if m.pending_since is not None:
+            m.pending_since = now
+        self.waited.update(waits)
+        return waits
 
     def decided_fault_times(self) -> list[float]:
         """The fault times a restart keeps: those of faults a committed decision answered."""

@@ -29,15 +29,37 @@ class Metrics:
         )
         self.decision_seconds = Histogram(
             "chameleon_decision_seconds",
-            "Time from a fault received to its plan published.",
+            "Time from a fault the daemon can act on (received, or the initial plan made) to its "
+            "plan published.",
             buckets=DECISION_BUCKETS,
             registry=r,
         )
         self.recovery_seconds = Histogram(
             "chameleon_recovery_seconds",
-            "From a fault received to the first step committed by every worker of the new plan.",
+            "From a fault the daemon can act on (received, or the initial plan made) to the first "
+            "step committed by every worker of the new plan.",
             ["policy"],
             buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.fault_waiting_seconds = Histogram(
+            "chameleon_fault_waiting_seconds",
+            "Time a fault received before the initial plan waited for it (the workers to "
+            "register); its decision and recovery latency count from the plan, not from receipt.",
+            buckets=RECOVERY_BUCKETS,
+            registry=r,
+        )
+        # The newest value of each, so a dashboard shows something between rare faults (a
+        # quantile over a window with no fault is NaN): absent until the first one.
+        self.last_decision_seconds = Gauge(
+            "chameleon_last_decision_seconds",
+            "chameleon_decision_seconds of the newest decision that published a plan.",
+            registry=r,
+        )
+        self.last_recovery_seconds = Gauge(
+            "chameleon_last_recovery_seconds",
+            "chameleon_recovery_seconds of the newest recovery, by policy.",
+            ["policy"],
             registry=r,
         )
         self.policy_decisions = Counter(
@@ -111,6 +133,14 @@ class Metrics:
             self.workers.labels(state)
         for phase in Phase:
             self.job_state.labels(phase.value)
+
+    def decided(self, seconds: float) -> None:
+        self.decision_seconds.observe(seconds)
+        self.last_decision_seconds.set(seconds)
+
+    def recovered(self, policy: str, seconds: float) -> None:
+        self.recovery_seconds.labels(policy).observe(seconds)
+        self.last_recovery_seconds.labels(policy).set(seconds)
 
     def count_event(self, kind: str, outcome: str) -> None:
         self.event_counters[kind, outcome].inc()

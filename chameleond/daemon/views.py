@@ -52,6 +52,10 @@ def status(job: Job, cfg: Config) -> dict[str, Any]:
         "workers": workers,
         "failed": sorted(m.failed),
         "pending_faults": dict(sorted(m.pending_faults.items())),
+        "waiting_faults": job.waiting_faults(now),
+        "faults_waited_seconds": dict(sorted(job.waited.items())),
+        "workers_registered": job.registered_spec_workers(),
+        "workers_needed": cfg.min_workers or len(job.base_spec.workers),
         "awaiting_ready": sorted(m.awaiting_ready),
         "last_decision": job.last_decision,
         "follow_up": None

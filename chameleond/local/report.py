@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from chameleond.local.chart import draw_chart
 from chameleond.local.timeline import (
     CommittedStep,
     DecisionRecord,
@@ -97,7 +98,10 @@ def build_report(
     decisions: Sequence[Entry],
     members: Mapping[int, Collection[str]] | None = None,
     extra: Mapping[str, Any] | None = None,
+    plan_docs: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
+    """`plan_docs`: generation -> the plan as published, where the run saw it (its estimates fill
+    in a decision record that carries none: the initial plan, a switch)."""
     steps = committed_steps(events, members)
     records = [parse_decision(i, f) for i, f in decisions if is_decision(f)]
     t0 = steps[0].at if steps else (injections[0].at if injections else 0.0)
@@ -177,6 +181,18 @@ def build_report(
         "faults": rows,
         "rejoins": rejoins,
         "timeline": [{**asdict(s), "t": _round(s.at - t0)} for s in steps],
+        # Every plan published, with the performance model's step time for it (the chart draws
+        # B / estimate beside the measured throughput).
+        "plans": [
+            {
+                "generation": d.generation,
+                "policy": d.selected,
+                "t": _round(d.at - t0),
+                "estimated_step_seconds": _round(_estimate(d, plan_docs or {}), 4),
+            }
+            for d in records
+            if d.selected and d.generation is not None
+        ],
         **(dict(extra) if extra else {}),
     }
 
@@ -190,55 +206,13 @@ def write_report(report: Mapping[str, Any], directory: Path) -> tuple[Path, Path
     return json_path, png_path
 
 
-def draw_chart(report: Mapping[str, Any], path: Path) -> None:
-    """Throughput and loss over time; faults as dashed lines; each recovery labelled with policy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tl = report["timeline"]
-    batch = report["global_batch"]
-    nan = float("nan")
-    # Throughput of a step = B / the time since the previous commit on the same plan; the line is
-    # broken (NaN) where a plan changes, so a recovery shows as a gap, not as a slope.
-    ts: list[float] = []
-    tput: list[float] = []
-    losses: list[float] = []
-    for prev, r in zip([None, *tl[:-1]], tl, strict=True):
-        same = prev is not None and prev["generation"] == r["generation"] and r["at"] > prev["at"]
-        if prev is not None and not same:
-            ts.append(r["t"])
-            tput.append(nan)
-            losses.append(nan)
-        ts.append(r["t"])
-        tput.append(batch / (r["at"] - prev["at"]) if same and prev is not None else nan)
-        losses.append(r["loss"] if r["loss"] is not None else nan)
-    fig, (ax_t, ax_l) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
-    ax_t.plot(ts, tput, lw=1.2, marker=".", ms=3)
-    ax_t.set_ylabel("throughput (samples/s)")
-    ax_l.plot(ts, losses, lw=1.2)
-    ax_l.set_ylabel("loss")
-    ax_l.set_xlabel("seconds since the first committed step")
-    for row in [*report["faults"], *report.get("rejoins", [])]:
-        at = row["at_seconds"]
-        if at is None:
-            continue
-        colour = "tab:red" if row["action"] != "start" else "tab:green"
-        for ax in (ax_t, ax_l):
-            ax.axvline(at, color=colour, ls="--", lw=1)
-        label = f"{'+' if row['action'] == 'start' else 'x'}{row['worker']}"
-        ax_t.annotate(label, (at, 1.0), xycoords=("data", "axes fraction"), va="bottom", fontsize=8)
-        if row["recovery_seconds"] is not None:
-            done = at + row["recovery_seconds"]
-            ax_t.axvspan(at, done, color=colour, alpha=0.12)
-            ax_t.annotate(
-                row["policy"] or "?", (done, 0.9), xycoords=("data", "axes fraction"), fontsize=8
-            )
-    ax_t.set_title(f"job {report['job']}: {len(report['faults'])} faults")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def _estimate(d: DecisionRecord, docs: Mapping[int, Mapping[str, Any]]) -> float | None:
+    """The model's step time of the plan a decision published: its record's, else the plan's."""
+    if d.step_seconds_estimate is not None or d.generation is None:
+        return d.step_seconds_estimate
+    estimates = (docs.get(d.generation) or {}).get("estimates") or {}
+    value = estimates.get("step_seconds") if isinstance(estimates, Mapping) else None
+    return float(value) if isinstance(value, int | float) else None
 
 
 def _fmt(v: Any, spec: str = ".2f") -> str:

@@ -1,7 +1,10 @@
 """sd_notify over $NOTIFY_SOCKET with a plain datagram socket (no libsystemd dependency).
 
-Readiness (READY=1) is sent once Redis, the consumer group and HTTP are up; WATCHDOG=1 is sent from
-the event loop itself, so a wedged loop stops the pings and systemd restarts the service.
+chameleond sends readiness (READY=1) once Redis, the consumer group and HTTP are up, and WATCHDOG=1
+from its event loop itself, so a wedged loop stops the pings and systemd restarts the service.
+chameleon-worker sends READY=1 once its Redis answers and pings from a thread of its own (a hung
+training thread is the daemon's to find: its peers stop reaching it). Stdlib only: the worker
+imports this without the daemon's dependencies.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ import asyncio
 import logging
 import os
 import socket
+import threading
+import time
 
 log = logging.getLogger("chameleond.systemd")
 
@@ -57,3 +62,19 @@ class Notifier:
         while True:
             self.notify("WATCHDOG=1")
             await asyncio.sleep(self.watchdog_seconds / 2)
+
+    def watchdog_thread(self) -> threading.Thread | None:
+        """Ping at half the watchdog interval from a daemon thread (for a process without an
+        event loop); None when systemd asked for no watchdog."""
+        if not self.watchdog_seconds or not self.address:
+            return None
+        period = self.watchdog_seconds / 2
+
+        def ping() -> None:
+            while True:
+                self.notify("WATCHDOG=1")
+                time.sleep(period)
+
+        t = threading.Thread(target=ping, name="sd-watchdog", daemon=True)
+        t.start()
+        return t
