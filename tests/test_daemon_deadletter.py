@@ -207,10 +207,11 @@ def test_oversized_entries_and_reports_from_nowhere_are_dead_lettered_in_bounds(
     wait_for(lambda: client.xlen(DEAD) == before + 4, 15, "four dead letters")
     dead = {e["entry"]: e for _, e in client.xrange(DEAD, "-", "+")[-4:]}
     big = dead[ids[0]]
+    assert "an event has at most 64" in big["error"]
     assert len(big) <= 64 + 3 and big["truncated"] == "4938 more fields not kept"  # of 5002
     assert max(len(v) for v in big.values()) <= 1024 + 3
     assert "not a worker of job" in dead[ids[1]]["error"]
-    assert "published only up to" in dead[ids[2]]["error"]
+    assert "'generation' must be in 1.." in dead[ids[2]]["error"]
     assert "published only up to" in dead[ids[3]]["error"]
     assert daemon.metric("chameleon_generation_attempt") == 1
     # The throughput meter still counts the plan's real steps.

@@ -23,7 +23,7 @@ from chameleond.daemon.decisions import Decisions
 from chameleond.daemon.job import Job
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
-from chameleond.protocol import EVENT_TYPES, Event, EventError, parse_event
+from chameleond.protocol import EVENT_TYPES, Event, EventError, parse_event, shorten
 
 log = logging.getLogger("chameleond")
 
@@ -176,7 +176,7 @@ def _dead(e: Entry, fields: dict[bytes, bytes] | dict[str, str], reason: str) ->
         out += [k, v]
     if cut:
         out += ["truncated", f"{cut} more fields not kept"]
-    return [*out, "entry", e.id, "error", reason]
+    return [*out, "entry", e.id, "error", shorten(reason)]
 
 
 def _bounded(v: str | bytes) -> str | bytes:
