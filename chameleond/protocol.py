@@ -126,6 +126,21 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}{tail}"
 
 
+def scrub_url(text: str, url: str) -> str:
+    """`text` (an error message about `url`) with the URL's credentials replaced by ***."""
+    parts = urlsplit(url)
+    try:
+        secrets = [url, parts.password or "", parts.username or ""]
+    except ValueError:  # an unparsable port: .password is still read, .port is not
+        secrets = [url]
+    for s in sorted(filter(None, secrets), key=len, reverse=True):
+        text = text.replace(s, redact_url(url) if s == url else "***")
+    for key, value in parse_qsl(parts.query):
+        if key.lower() == "password" and value:
+            text = text.replace(value, "***")
+    return text
+
+
 class EventError(ValueError):
     """An event is malformed; the message is the dead-letter reason."""
 
@@ -159,7 +174,8 @@ def _raw_bytes(x: Any) -> bytes:
     return x if isinstance(x, bytes) else str(x).encode("utf-8", "surrogatepass")
 
 
-def _check_size(raw: Mapping[Any, Any]) -> None:
+def check_size(raw: Mapping[Any, Any]) -> None:
+    """Raises EventError when the entry has too many fields or bytes for its type."""
     if len(raw) > MAX_FIELDS:
         raise EventError(f"{len(raw)} fields: an event has at most {MAX_FIELDS}")
     kind = raw.get(b"type", raw.get("type", b""))
@@ -171,7 +187,7 @@ def _check_size(raw: Mapping[Any, Any]) -> None:
 
 
 def _decode(raw: Mapping[Any, Any]) -> dict[str, str]:
-    _check_size(raw)
+    check_size(raw)
     out: dict[str, str] = {}
     for k, v in raw.items():
         try:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
 from chameleond.redis_server import RedisServer, redis_binary
 
@@ -126,7 +126,7 @@ def test_heartbeat_lapse_ack_timeout_and_fencing(
         client = redis.Redis.from_url(redis_server.url)
         while not stop.wait(0.3):
             for w in sorted(beating):
-                client.xadd("chameleon:default:events", {"type": "heartbeat", "worker": w})
+                client.xadd("chameleon:default:events", signed({"type": "heartbeat", "worker": w}))
         client.close()
 
     thread = threading.Thread(target=heartbeats, daemon=True)
