@@ -129,16 +129,26 @@ def redact_url(url: str) -> str:
 def scrub_url(text: str, url: str) -> str:
     """`text` (an error message about `url`) with the URL's credentials replaced by ***."""
     parts = urlsplit(url)
-    try:
-        secrets = [url, parts.password or "", parts.username or ""]
-    except ValueError:  # an unparsable port: .password is still read, .port is not
-        secrets = [url]
-    for s in sorted(filter(None, secrets), key=len, reverse=True):
-        text = text.replace(s, redact_url(url) if s == url else "***")
+    text = text.replace(url, redact_url(url))
+    if parts.password:
+        text = text.replace(parts.password, "***")
     for key, value in parse_qsl(parts.query):
         if key.lower() == "password" and value:
             text = text.replace(value, "***")
     return text
+
+
+def url_error(url: str) -> str | None:
+    """Why redis-py cannot use `url` (one line, credentials masked), or None."""
+    from redis.connection import parse_url
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return f"{redact_url(url)!r} must start with redis://, rediss:// or unix://"
+    try:
+        parse_url(url)
+    except (ValueError, TypeError) as e:
+        return f"{redact_url(url)!r}: {scrub_url(str(e), url)}"
+    return None
 
 
 class EventError(ValueError):

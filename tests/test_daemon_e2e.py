@@ -53,8 +53,10 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     pubsub = redis_client.pubsub()
     pubsub.subscribe("chameleon:default:plans")
 
+    # As `chameleonctl inject --print-only` prints it: the event with its signature.
+    sig = signed({"type": "fault", "worker": "w3", "cause": "ECC error"})["sig"]
     redis_cli(redis_server, "XADD", "chameleon:default:events", "*",
-              "type", "fault", "worker", "w3", "cause", "ECC error")  # fmt: skip
+              "type", "fault", "worker", "w3", "cause", "ECC error", "sig", sig)  # fmt: skip
     wait_for(lambda: workers.generation() == 2, 15, "generation 2")
 
     plan = workers.plan()
@@ -81,8 +83,10 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     assert redis_client.xpending("chameleon:default:events", "chameleond")["pending"] == 0
 
     # The same fault again (an operator repeating it, or a redelivery): no second plan.
+    # As `chameleonctl inject --print-only` prints it: the event with its signature.
+    sig = signed({"type": "fault", "worker": "w3", "cause": "ECC error"})["sig"]
     redis_cli(redis_server, "XADD", "chameleon:default:events", "*",
-              "type", "fault", "worker", "w3", "cause", "ECC error")  # fmt: skip
+              "type", "fault", "worker", "w3", "cause", "ECC error", "sig", sig)  # fmt: skip
     wait_for(lambda: daemon.metric('chameleon_events_total{outcome="duplicate",type="fault"}'))
     assert workers.generation() == 2
     assert daemon.metric("chameleon_plan_generation") == 2

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event, redact_url
+from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event, redact_url, url_error
 
 
 @pytest.mark.parametrize(
@@ -23,6 +23,21 @@ from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event, reda
 )
 def test_redis_urls_are_logged_without_credentials(url: str, shown: str) -> None:
     assert redact_url(url) == shown
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://job:pw-123456@h:6379/0",
+        "redis://job:pw-123456@h:port/0",
+        "redis://job:pw-123456@h:99999/0",
+        "redis://h:6379/0?password=pw-123456&socket_timeout=soon",
+    ],
+)
+def test_unusable_redis_urls_are_named_without_their_password(url: str) -> None:
+    why = url_error(url)
+    assert why is not None and "pw-123456" not in why and "***" in why
+    assert url_error("rediss://job:pw@h:6379/0?ssl_cert_reqs=none") is None
 
 
 def test_keys_live_under_the_job_prefix() -> None:

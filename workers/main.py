@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from chameleond.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.core.spec import SpecError
-from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url, scrub_url
+from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url, url_error
 from workers.backend import (
     BackendUnavailable,
     DeviceChoice,
@@ -218,12 +218,8 @@ def main(argv: list[str] | None = None) -> int:
             SECRET_FILE_ENV, SECRET_ENV,
         )  # fmt: skip
         return EXIT_USAGE
-    try:
-        client = redis.Redis.from_url(args.redis_url)
-        client.close()
-    except (ValueError, TypeError) as e:  # a scheme redis-py does not know, a bad port
-        why = scrub_url(str(e), args.redis_url)
-        log.error("--redis-url %s: %s", redact_url(args.redis_url), why)
+    if (why := url_error(args.redis_url)) is not None:
+        log.error("--redis-url %s", why)
         return EXIT_USAGE
     try:
         device = parse_device(args.device)

@@ -20,7 +20,15 @@ import redis
 
 from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.local.faults import redis_cli_args
-from chameleond.protocol import MAX_ID_LEN, MAX_TEXT_LEN, REDIS_URL_ENV, Keys, redact_url
+from chameleond.protocol import (
+    MAX_ID_LEN,
+    MAX_TEXT_LEN,
+    REDIS_URL_ENV,
+    Keys,
+    redact_url,
+    scrub_url,
+    url_error,
+)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
 
@@ -37,11 +45,14 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
 def redis_client(url: str, command: str) -> redis.Redis | None:
     """A client for --redis-url (not connected yet), or None once the reason the URL cannot be
     used is printed. The URL itself is not echoed: it may hold a password."""
-    try:
-        return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
-    except (ValueError, TypeError) as e:  # a scheme it does not know, a port not a number
-        print(f"chameleonctl {command}: bad --redis-url: {e}", file=sys.stderr)
-        return None
+    why = url_error(url)
+    if why is None:
+        try:
+            return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+        except (ValueError, TypeError) as e:  # what parse_url let through
+            why = scrub_url(str(e), url)
+    print(f"chameleonctl {command}: bad --redis-url {why}", file=sys.stderr)
+    return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

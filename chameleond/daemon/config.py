@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from chameleond.protocol import redact_url
+from chameleond.protocol import url_error
 
 POLICIES = ("adaptive", "reroute", "dynamic")
 
@@ -178,11 +178,8 @@ def validate(cfg: Config) -> Config:
     host, sep, port = cfg.http.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"http: {cfg.http!r} must be HOST:PORT")
-    if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(
-            f"redis_url: {redact_url(cfg.redis_url)!r} must start with redis://, rediss:// or "
-            "unix://"
-        )
+    if cfg.redis_url and (why := url_error(cfg.redis_url)) is not None:
+        raise ConfigError(f"redis_url: {why}")
     if cfg.block_ms <= 0 or cfg.block_ms >= cfg.socket_timeout_seconds * 1000 / 2:
         raise ConfigError(
             f"block_ms: {cfg.block_ms} must be > 0 and well under the socket timeout "
