@@ -29,9 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SECRET_ENV = "CHAMELEON_SECRET"  # the current secret itself
-SECRET_PREVIOUS_ENV = "CHAMELEON_SECRET_PREVIOUS"  # the previous one, accepted during a rotation
-SECRET_FILE_ENV = "CHAMELEON_SECRET_FILE"  # a file: current secret, then optionally the previous
+# Environment variables (names, not secrets): the current secret itself; the previous one, accepted
+# during a rotation; a file holding the current secret, then optionally the previous one.
+SECRET_ENV = "CHAMELEON_SECRET"  # noqa: S105 - a variable's name
+SECRET_PREVIOUS_ENV = "CHAMELEON_SECRET_PREVIOUS"  # noqa: S105 - a variable's name
+SECRET_FILE_ENV = "CHAMELEON_SECRET_FILE"  # noqa: S105 - a variable's name
 SIG_FIELD = "sig"
 MIN_SECRET_LEN = 16
 

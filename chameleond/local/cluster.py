@@ -173,7 +173,7 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         child = Child(name, argv, logs / f"{name}.log")
         child.log = child.log_path.open("ab")  # type: ignore[assignment]
-        child.proc = subprocess.Popen(
+        child.proc = subprocess.Popen(  # noqa: S603 - argv built from this project's commands, no shell
             argv,
             stdin=subprocess.DEVNULL,
             stdout=child.log,

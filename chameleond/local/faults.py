@@ -167,7 +167,7 @@ def send_fault_event(
     redis_url: str, job: str, worker: str, cause: str, keyring: Keyring | None = None
 ) -> str:
     """XADD a fault event through redis-cli itself; returns the stream entry id."""
-    proc = subprocess.run(
+    proc = subprocess.run(  # noqa: S603 - argv of redis-cli built here, no shell
         redis_cli_args(redis_url, job, worker, cause, keyring),
         capture_output=True,
         text=True,
