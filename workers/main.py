@@ -28,9 +28,11 @@ import torch
 import torch.distributed as dist
 
 from chameleond import version_text
+from chameleond.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.core.spec import SpecError
-from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
+from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url, url_error
 from chameleond.sdnotify import Notifier
+from chameleond.usage import Parser
 from workers.backend import (
     BackendUnavailable,
     DeviceChoice,
@@ -61,7 +63,7 @@ class _Stop(BaseException):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="chameleon-worker",
         description="Train one slot of a chameleond job: profile, register, follow the plans.",
         epilog="exit codes: 0 fenced, finished or stopped by a signal; 2 bad command line; "
@@ -116,6 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=BUBBLE,
         help="bubble: write the checkpoint piece by piece where the next step waits (its "
         "pipeline bubbles); sync: stop training to write it (default %(default)s)",
+    )
+    p.add_argument(
+        "--secret-file",
+        default="",
+        help=f"file holding the job's secret (docs/security.md); default ${SECRET_FILE_ENV}, "
+        f"else the secret itself in ${SECRET_ENV}",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run without a secret: events unsigned, plans and spec not verified",
     )
     p.add_argument(
         "--log-level",
@@ -199,6 +212,20 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--group-timeout %s: expected a finite number of seconds > 0", args.group_timeout)
         return EXIT_USAGE
     try:
+        keyring = Keyring.configured(os.environ, args.secret_file)
+    except AuthError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+    if keyring is None and not args.insecure:
+        log.error(
+            "no secret: pass --secret-file, set %s or %s (docs/security.md), or --insecure",
+            SECRET_FILE_ENV, SECRET_ENV,
+        )  # fmt: skip
+        return EXIT_USAGE
+    if (why := url_error(args.redis_url)) is not None:
+        log.error("--redis-url %s", why)
+        return EXIT_USAGE
+    try:
         device = parse_device(args.device)
         check_device(device)
     except ValueError as e:
@@ -237,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         checkpoint_mode=args.checkpoint_mode,
+        keyring=keyring,
     )
     runtime = WorkerRuntime(cfg, client)
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from chameleond import version_text
 from chameleond.extras import MissingExtra
+from chameleond.usage import Parser
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("chameleond.cli.up", "run a whole fault-tolerant training job locally and report"),
@@ -33,7 +34,7 @@ password out of ps). The daemon's status page: http://HOST:9464/ (docs/operation
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="chameleonctl",
         description=HELP,
         epilog=EPILOG,

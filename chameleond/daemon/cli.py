@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import urllib.error
@@ -24,11 +25,14 @@ import redis
 import uvloop
 
 from chameleond import version_text
+from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring, new_secret_file
 from chameleond.core.decide import DecisionError, initial_plan
 from chameleond.core.spec import JobSpec, SpecError, load_spec
 from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
+from chameleond.local.faults import redis_cli_args
 from chameleond.protocol import CONSUMER_GROUP, Keys
-from chameleond.redis_server import RedisServer, redis_binary
+from chameleond.redis_server import RedisServer
+from chameleond.usage import Parser
 
 log = logging.getLogger("chameleond")
 
@@ -39,6 +43,12 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
     for name, f in FIELDS.items():
         default = getattr(defaults, name)
         kind = type(default)
+        if kind is bool:
+            p.add_argument(
+                "--" + name.replace("_", "-"), dest=name, action="store_const", const=True,
+                default=None, help=f"{HELP[name]} (env CHAMELEON_{name.upper()}=1)",
+            )  # fmt: skip
+            continue
         shown = f"default {default!r}" if default != "" else "default: see text"
         p.add_argument(
             "--" + name.replace("_", "-"),
@@ -51,7 +61,7 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chameleond", description=__doc__)
+    parser = Parser(prog="chameleond", description=__doc__)
     parser.add_argument("--version", action="version", version=version_text("chameleond"))
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
@@ -103,6 +113,25 @@ def _embedded(cfg: Config) -> RedisServer:
     return server.start()
 
 
+def keyring(cfg: Config) -> tuple[Keyring | None, Path | None]:
+    """The job's secret: --secret-file, $CHAMELEON_SECRET_FILE or $CHAMELEON_SECRET. Without any,
+    an embedded Redis (nobody else can reach it without its port, and the job is local) gets a
+    fresh secret in the state directory, kept across restarts; an external Redis is refused
+    unless --insecure says that anybody who can write to it may steer the job (docs/security.md).
+    Returns the keyring and the secret file it made, if it made one; raises AuthError with a
+    one-line reason."""
+    found = Keyring.configured(os.environ, cfg.secret_file)
+    if found is not None or cfg.insecure:
+        return found, None
+    if cfg.redis_url:
+        raise AuthError(
+            f"no secret for an external Redis: set --secret-file, ${SECRET_FILE_ENV} or "
+            "$CHAMELEON_SECRET (docs/security.md), or pass --insecure to run without signatures"
+        )
+    path = new_secret_file(cfg.state_path / "secret").resolve()
+    return Keyring.from_file(path), path
+
+
 def run(cfg: Config) -> int:
     logging.basicConfig(
         level=cfg.log_level.upper(),
@@ -114,6 +143,16 @@ def run(cfg: Config) -> int:
     except SpecError as e:
         print(f"chameleond: job spec: {e}", file=sys.stderr)
         return 1
+    try:
+        ring, generated = keyring(cfg)
+    except (AuthError, OSError) as e:
+        print(f"chameleond: {e}", file=sys.stderr)
+        return 2
+    if ring is None:
+        log.warning(
+            "INSECURE: running without a secret; anybody who can write to Redis can publish "
+            "plans the workers obey and send events the daemon acts on (docs/security.md)"
+        )
     server = None
     url = cfg.redis_url
     if not url:
@@ -124,17 +163,20 @@ def run(cfg: Config) -> int:
             print(f"chameleond: embedded Redis: {e}{hint}", file=sys.stderr)
             return 1
         url = server.url
-        cli = f"{redis_binary('redis-cli')} -h {server.host} -p {server.port}"
         print(f"chameleond: embedded Redis at {url} (data in {server.data_dir})", flush=True)
+        # With the job's secret, the line carries that event's signature (docs/security.md).
+        line = shlex.join(redis_cli_args(url, cfg.job, "w3", "ECC error", ring))
+        print(f"chameleond: send a fault with:\n  {line}", flush=True)
+    if generated:
         print(
-            f"chameleond: send a fault with:\n  {cli} XADD {Keys(cfg.job).events} '*' "
-            'type fault worker w3 cause "ECC error"',
+            f"chameleond: the job's secret is in {generated}; start its workers with "
+            f"{SECRET_FILE_ENV}={generated}",
             flush=True,
         )
     from chameleond.daemon.service import Service
 
     async def main() -> int:
-        service = Service(cfg, spec, url)
+        service = Service(cfg, spec, url, keyring=ring)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.shutdown)

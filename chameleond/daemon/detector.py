@@ -82,10 +82,9 @@ class Detector:
                     self.reported[worker] = now
                     log.warning("suspect %s: %s", worker, cause)
                     assert svc.client is not None
-                    await svc.client.xadd(
-                        svc.keys.events,
-                        {"type": "fault", "worker": worker, "cause": cause, "source": "detector"},
-                    )
+                    fault = {"type": "fault", "worker": worker, "cause": cause}
+                    fault["source"] = "detector"
+                    await svc.client.xadd(svc.keys.events, svc.signed(fault))  # type: ignore[arg-type]
                 fenced = self.fenced_alive(now)
                 for w in set(fenced) - self.fenced_logged:
                     log.warning("fenced %s: declared failed but still heartbeating", w)

@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from chameleond.auth import AuthError, Keyring, signed_json
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
@@ -56,8 +57,11 @@ class Service:
         notifier: Notifier | None = None,
         observer: EventObserver | None = None,
         http: bool = True,
+        keyring: Keyring | None = None,
     ) -> None:
         self.cfg = cfg
+        # Signs plans and specs, verifies the workers' events; None: unauthenticated (--insecure)
+        self.keyring = keyring
         self.keys = Keys(cfg.job)
         self.redis_url = redis_url
         self.metrics = metrics or Metrics()
@@ -140,13 +144,13 @@ class Service:
             reachability = self.reachability = Reachability(self.metrics)
             committer = Committer(
                 client, self.keys, job, self.metrics, reachability, lease,
-                persist_interval_seconds=cfg.persist_interval_seconds,
+                persist_interval_seconds=cfg.persist_interval_seconds, keyring=self.keyring,
             )  # fmt: skip
             self.broadcaster = committer.broadcaster
             decisions = self.decisions = Decisions(job, cfg, committer, self.metrics)
             ingest = self.ingest = Ingest(
                 job, consumer, committer, decisions, self.metrics, reachability,
-                max_deliveries=cfg.max_deliveries, observer=self.observer,
+                max_deliveries=cfg.max_deliveries, observer=self.observer, keyring=self.keyring,
             )  # fmt: skip
             self.ready = True
             self.refresh_gauges()
@@ -230,9 +234,19 @@ class Service:
             plan = None
             if raw_plan is not None:
                 try:
-                    plan = plan_from_dict(json.loads(raw_plan))
-                except (PlanError, ValueError) as e:
-                    raise RuntimeError(f"{k.plan} does not decode: {e}") from e
+                    doc = json.loads(raw_plan)
+                    if self.keyring is not None:
+                        # The next decision starts from this plan: one written by anybody but
+                        # this job's daemons must not steer it.
+                        self.keyring.verify_doc("plan", self.cfg.job, doc)
+                    plan = plan_from_dict(doc)
+                except (PlanError, ValueError) as e:  # AuthError is a ValueError
+                    kind = (
+                        "is not signed by this job's secret"
+                        if isinstance(e, AuthError)
+                        else ("does not decode")
+                    )
+                    raise RuntimeError(f"{k.plan} {kind}: {e}") from e
             job.restore(json.loads(snap), plan, ready_timeout=self.cfg.ready_timeout_seconds)
             stored = int(state.get(b"generation", b"0"))
             if stored != job.machine.generation:
@@ -241,7 +255,9 @@ class Service:
                 )
             log.info("resumed job=%s generation=%d phase=%s", self.cfg.job, stored,
                      job.machine.phase)  # fmt: skip
-        await client.set(k.spec, json.dumps(spec_document(job.spec)))
+        await client.set(
+            k.spec, signed_json(self.keyring, "spec", self.cfg.job, spec_document(job.spec))
+        )
 
     # ---- periodic ------------------------------------------------------------------------------
 
@@ -262,6 +278,11 @@ class Service:
             except (RedisError, OSError) as e:
                 log.warning("housekeeping: %s", e)
             self.refresh_gauges()
+
+    def signed(self, fields: dict[str, str]) -> dict[str, str]:
+        """An event this daemon writes to its own stream (the detector's faults), signed as the
+        workers sign theirs, so that it passes the same check."""
+        return self.keyring.sign_event(self.cfg.job, fields) if self.keyring else fields
 
     # ---- views (HTTP, detector) --------------------------------------------------------------
 
