@@ -36,7 +36,7 @@ from chameleond.daemon.http import HttpServer
 from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
-from chameleond.daemon.lease import Lease, LeaseLost
+from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.systemd import Notifier
@@ -68,6 +68,7 @@ class Service:
             replace(spec, name=cfg.job),
             policy=cfg.policy,
             machine=PolicyMachine(ready_timeout_seconds=cfg.ready_timeout_seconds),
+            registration_ttl_seconds=cfg.registration_ttl_seconds,
         )
         self.http = HttpServer(self) if http else None
         self.ready = False
@@ -112,14 +113,16 @@ class Service:
 
     async def _run(self) -> int:
         cfg, job = self.cfg, self.job
+        incarnation = new_incarnation()
         client = self.client = aioredis.Redis.from_url(
             self.redis_url,
             socket_timeout=cfg.socket_timeout_seconds,
             socket_connect_timeout=cfg.socket_timeout_seconds,
             decode_responses=False,
+            client_name=connection_name(incarnation),  # how a standby sees this process live
         )
         tasks: list[asyncio.Task[Any]] = []
-        lease = Lease(client, self.keys, cfg.consumer_name, cfg.lease_seconds)
+        lease = Lease(client, self.keys, cfg.consumer_name, cfg.lease_seconds, incarnation)
         try:
             await client.ping()
             if self.http is not None:
@@ -136,6 +139,12 @@ class Service:
                 claim_idle_ms=int(cfg.claim_idle_seconds * 1000), maxlen=cfg.stream_maxlen,
             )  # fmt: skip
             await consumer.ensure_group()
+            # The lease says no other daemon reads the stream now: what another consumer name
+            # holds pending (the events in flight when the leader died) is ours at once, not
+            # after claim_idle_seconds.
+            orphans = await consumer.claim_orphans()
+            if orphans:
+                log.info("claimed %d in-flight entries of the daemon that led before", orphans)
             await self._restore(client)
             reachability = self.reachability = Reachability(self.metrics)
             committer = Committer(
