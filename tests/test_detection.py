@@ -109,3 +109,15 @@ def test_a_bad_profile_leaves_the_registration_waiting() -> None:
     with pytest.raises((EventError, ValueError, KeyError, TypeError)):
         send(j, now=3.0, type="profile", worker="x1", data=bad)
     assert "x1" in j.unconfirmed and not j.knows("x1") and "x1" not in j.extra_workers
+
+
+def test_liveness_names_a_killed_worker_dead_and_a_fenced_one_heartbeating() -> None:
+    j = training_job()
+    send(j, now=10.0, type="heartbeat", worker="w3")
+    send(j, "5-0", now=10.5, type="fault", worker="w3", cause="peer gone")
+    assert j.liveness(j.workers["w3"], 11.0, 3.0) == "dead"
+    send(j, now=11.5, type="heartbeat", worker="w3")
+    assert j.liveness(j.workers["w3"], 12.0, 3.0) == "heartbeating"
+    assert j.liveness(j.workers["w0"], 12.0, 3.0) == "silent"  # nothing since 1.0
+    send(j, type="ack", worker="w1", generation=1, phase="stopped", reason="finished")
+    assert j.liveness(j.workers["w1"], 12.0, 3.0) == "stopped"

@@ -488,6 +488,19 @@ class Job:
             return "active"
         return "waiting" if rec.registered else None
 
+    def liveness(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> str:
+        """What the daemon knows of the worker's process, on evidence: `stopped` (it said so:
+        finished, left or fenced), `dead` (declared failed, nothing heard since), `heartbeating`
+        (heard within the timeout) or `silent`."""
+        m = self.machine
+        if rec.ended or (rec.stopped_generation >= m.generation and m.generation):
+            return "stopped"
+        if self.declared_failed(rec.id) or (self.plan and rec.id in self.plan.excluded):
+            heard = rec.heard_while_failed
+            return "heartbeating" if heard and now - heard <= heartbeat_timeout else "dead"
+        fresh = rec.last_heartbeat and now - rec.last_heartbeat <= heartbeat_timeout
+        return "heartbeating" if fresh else "silent"
+
     def worker_states(self, now: float, heartbeat_timeout: float) -> dict[str, str]:
         out = {}
         for rec in self.workers.values():
