@@ -389,8 +389,13 @@ class Job:
 
     # ---- persistence ---------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
+        """The job's durable state. It holds the current plan (`plan`: the one a commit is about
+        to publish) as well: the plan key is what workers read, and anyone who can write to Redis
+        can write there, so a restarted daemon resumes from this copy (daemon/service.py)."""
+        current = plan or self.plan
         return {
+            "plan": plan_to_dict(current) if current is not None else None,
             "machine": self.machine.snapshot(),
             "started": self.started,
             "fault_times": self.decided_fault_times()[-1000:],

@@ -107,6 +107,10 @@ class Lease:
         self.taken_over = ""  # the holder this daemon took the lease from, if any
         self._seen: str = ""  # a holder whose connections this standby has seen
         self._missing_since: float | None = None  # when they were first found gone
+        # When Redis answered again after an error (None: no error since the last look). A lease
+        # that lapsed while Redis was away is left to its holder for `gone_seconds`: the holder
+        # was cut off like this daemon, not dead, and re-takes it when renewing.
+        self._back_since: float | None = None
         self._renew = client.register_script(RENEW_LUA)
 
     async def acquire(self, stop: asyncio.Event, standing_by: Callable[[str], None]) -> bool:
@@ -120,11 +124,20 @@ class Lease:
                 standing_by(self.holder)
             except RedisError as e:
                 self._missing_since = None  # what CLIENT LIST showed says nothing now
-                log.warning("leader lease: %s; trying again", e)
+                if self._back_since is None:
+                    log.warning("leader lease: %s; trying again", e)
+                self._back_since = -1.0
             await _sleep(stop, POLL_SECONDS)
         return False
 
     async def _try(self) -> bool:
+        if self._back_since is not None:
+            now = time.monotonic()
+            if self._back_since < 0:
+                self._back_since = now
+            if now - self._back_since < self.gone_seconds:
+                return False  # Redis is just back: the holder gets the first chance to renew
+            self._back_since = None
         if await self.client.set(self.key, self.token, nx=True, px=self.ttl_ms):
             if self.holder:
                 self.taken_over = self.holder
@@ -188,14 +201,22 @@ class Lease:
         """Renew until `stop`; raises LeaseLost when another daemon took the lease. A Redis
         outage is waited out: if the lease lapsed meanwhile and nobody took it, renewing takes
         it again; if somebody did, every commit of this daemon already fails."""
+        failing = False
         while not stop.is_set():
+            pause = self.ttl_ms / 3000
             try:
                 await self._renew(keys=[self.key], args=[self.token, self.ttl_ms])
+                if failing:
+                    log.info("leader lease renewed again")
+                failing = False
             except RedisError as e:
                 if lost(e):
                     raise LeaseLost(str(e)) from None
-                log.warning("leader lease not renewed: %s", e)
-            await _sleep(stop, self.ttl_ms / 3000)
+                if not failing:
+                    log.warning("leader lease not renewed: %s; retrying", e)
+                failing = True
+                pause = POLL_SECONDS  # renew as soon as Redis answers again
+            await _sleep(stop, pause)
 
     async def release(self) -> None:
         """Give the lease up at a clean stop, so a standby takes over at once."""

@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from chameleond.core.machine import PolicyMachine
-from chameleond.core.plan import PlanError, plan_from_dict
+from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.daemon import views
 from chameleond.daemon.broadcast import Broadcaster
@@ -235,14 +235,9 @@ class Service:
             await client.hsetnx(k.state, "base_spec", doc)
         snap = state.get(b"snapshot")
         if snap is not None:
-            raw_plan = await client.get(k.plan)
-            plan = None
-            if raw_plan is not None:
-                try:
-                    plan = plan_from_dict(json.loads(raw_plan))
-                except (PlanError, ValueError) as e:
-                    raise RuntimeError(f"{k.plan} does not decode: {e}") from e
-            job.restore(json.loads(snap), plan, ready_timeout=self.cfg.ready_timeout_seconds)
+            snapshot = json.loads(snap)
+            plan = await self._restore_plan(client, snapshot.get("plan"))
+            job.restore(snapshot, plan, ready_timeout=self.cfg.ready_timeout_seconds)
             stored = int(state.get(b"generation", b"0"))
             if stored != job.machine.generation:
                 raise RuntimeError(
@@ -251,6 +246,41 @@ class Service:
             log.info("resumed job=%s generation=%d phase=%s", self.cfg.job, stored,
                      job.machine.phase)  # fmt: skip
         await client.set(k.spec, json.dumps(spec_document(job.spec)))
+
+    async def _restore_plan(
+        self, client: aioredis.Redis, committed: dict[str, Any] | None
+    ) -> Plan | None:
+        """The current plan: the copy the last commit put in the snapshot. The plan key should
+        hold the same; when it does not, somebody else wrote it (a forged or stray plan), and it
+        is written again from the snapshot so that the daemon and the workers agree. A
+        snapshot from before it held the plan falls back to the key."""
+        k = self.keys
+        raw = await client.get(k.plan)
+        if committed is None:
+            if raw is None:
+                return None
+            try:
+                return plan_from_dict(json.loads(raw))
+            except (PlanError, ValueError) as e:
+                raise RuntimeError(f"{k.plan} does not decode: {e}") from e
+        try:
+            plan = plan_from_dict(committed)
+        except PlanError as e:
+            raise RuntimeError(f"{k.state} snapshot: its plan does not decode: {e}") from e
+        try:
+            stored = json.loads(raw) if raw is not None else None
+        except ValueError:
+            stored = None
+        if stored != committed:
+            found = stored.get("generation") if isinstance(stored, dict) else None
+            log.error(
+                "the plan under %s is not the one this job published (generation %s there, %d "
+                "committed): writing generation %d again", k.plan, found, plan.generation,
+                plan.generation,
+            )  # fmt: skip
+            await client.set(k.plan, json.dumps(committed, separators=(",", ":")))
+            await client.publish(k.plans_channel, str(plan.generation))
+        return plan
 
     # ---- periodic ------------------------------------------------------------------------------
 
