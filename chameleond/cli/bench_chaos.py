@@ -190,7 +190,8 @@ class Bench:
             self._check(t, keys, victims, first_fault, since, daemons)
         finally:
             followers.stop()
-            for d in daemons:
+            # The standby first: stopping the leader first would hand it the job.
+            for d in sorted(daemons, key=lambda d: d.ready()):
                 if d.crashed():
                     t.crashes += 1
                     t.notes.append(f"{d.consumer} exited {d.proc.returncode if d.proc else '?'}")
@@ -262,6 +263,8 @@ class Bench:
         since = time.monotonic()
         ids = [self.fault(keys, victim)]
         time.sleep(self.rng.uniform(0.0, 1.0))
+        if self.excluded(keys, {victim}):  # decided before Redis went away
+            t.recovery_seconds = time.monotonic() - since
         back = self.restart_redis(away)
         return {victim}, ids, max(since, back) if away else since
 
@@ -324,7 +327,8 @@ class Bench:
 
     def _check(self, t: Trial, keys: Keys, victims: set[str], fault_ids: list[str],
                since: float, daemons: tuple[Daemon, ...]) -> None:  # fmt: skip
-        if _wait(lambda: self.excluded(keys, victims), SETTLE_SECONDS):
+        recovered = _wait(lambda: self.excluded(keys, victims), SETTLE_SECONDS)
+        if recovered and t.recovery_seconds is None:
             t.recovery_seconds = time.monotonic() - since
         _wait(lambda: all(self._answered(keys, v) for v in victims), 10)
 

@@ -7,7 +7,8 @@ lease lasts the `lease_seconds` setting (daemon/config.py; default 10 s). The ho
 every third of that, and every commit checks it inside the commit script (daemon/broadcast.py),
 so a daemon that lost the lease cannot write anything, not even one commit late. Any other
 daemon stands by, serving /healthz and /metrics, and takes over once the lease lapses: it looks
-every POLL_SECONDS, so at most `lease_seconds` after the leader's last renewal.
+every POLL_SECONDS, and just after the lease's expiry when that comes sooner, so at most
+`lease_seconds` after the leader's last renewal (and the time of one SET).
 
 It does not always wait that long. The leader names its Redis connections after its lease token
 (`connection_name`); a standby that saw them in CLIENT LIST and then finds none for
@@ -111,6 +112,7 @@ class Lease:
         # that lapsed while Redis was away is left to its holder for `gone_seconds`: the holder
         # was cut off like this daemon, not dead, and re-takes it when renewing.
         self._back_since: float | None = None
+        self._pause = POLL_SECONDS  # until the next look: sooner when the lease expires sooner
         self._renew = client.register_script(RENEW_LUA)
 
     async def acquire(self, stop: asyncio.Event, standing_by: Callable[[str], None]) -> bool:
@@ -127,7 +129,8 @@ class Lease:
                 if self._back_since is None:
                     log.warning("leader lease: %s; trying again", e)
                 self._back_since = -1.0
-            await _sleep(stop, POLL_SECONDS)
+            await _sleep(stop, self._pause)
+            self._pause = POLL_SECONDS
         return False
 
     async def _try(self) -> bool:
@@ -161,6 +164,9 @@ class Lease:
                 )
                 return True
             return False
+        ttl_ms = await self.client.pttl(self.key)
+        if isinstance(ttl_ms, int) and ttl_ms >= 0:
+            self._pause = min(POLL_SECONDS, ttl_ms / 1000 + 0.002)
         if holder != self.holder:
             log.warning(
                 "standing by: job led by %r; taking over within %.0f s of its lease lapsing",
