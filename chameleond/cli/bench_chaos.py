@@ -9,6 +9,9 @@ plan, read with the workers' own PlanWatcher). Once the job trains, the trial do
   after the decision, whose commit is held a random 0-1 s); the standby takes over;
 * storm: 40 faults about two workers of one pipeline, with duplicates and faults naming strangers,
   the leader killed at a random point of it in half of the trials;
+* stall: the same with the leader stopped (SIGSTOP) instead: its connections stay open, so the
+  standby waits for the lease to lapse; the old leader, resumed (SIGCONT) with its decision in
+  hand, must stop (exit 1) without publishing it;
 * redis_restart: a fault, then Redis stopped and started again at a random point of its recovery;
 * redis_outage: the same with Redis away for --outage-seconds (10 s by default);
 * fuzz: 300 entries with random types, ids and field values (huge, negative, NaN, non-UTF-8,
@@ -32,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,9 +54,10 @@ from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.redis_server import RedisServer
 from workers.events import PlanWatcher
 
-ORDER = ("kill", "storm", "redis_restart", "kill", "fuzz", "forged", "kill", "storm",
+ORDER = ("kill", "storm", "redis_restart", "kill", "fuzz", "forged", "stall", "kill", "storm",
          "redis_outage", "kill", "fuzz", "redis_restart", "kill", "forged", "storm", "kill",
-         "redis_restart", "fuzz", "kill", "redis_outage", "storm", "forged", "kill")  # fmt: skip
+         "redis_restart", "fuzz", "stall", "kill", "redis_outage", "storm", "forged",
+         "kill")  # fmt: skip
 SETTLE_SECONDS = 60.0
 
 
@@ -228,6 +234,34 @@ class Bench:
         ids = [self.fault(keys, victim)]
         time.sleep(self.rng.uniform(0.0, 1.5))
         self._kill_leader(t, leader, standby)
+        return {victim}, ids, since
+
+    def _stall(self, t: Trial, keys: Keys, leader: Daemon, standby: Daemon,
+               followers: PlanFollowers) -> tuple[set[str], list[str], float]:  # fmt: skip
+        victim = self.rng.choice([w for p in self._members(keys) for w in p])
+        followers.kill(victim)
+        since = time.monotonic()
+        ids = [self.fault(keys, victim)]
+        time.sleep(self.rng.uniform(0.0, 1.0))
+        assert leader.proc is not None
+        leader.proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            if _wait(standby.ready, self.args.lease_seconds + 60):
+                t.takeover_seconds = time.monotonic() - stopped
+            else:
+                t.crashes += 1
+                t.notes.append("the standby never took over from a stalled leader")
+        finally:
+            leader.proc.send_signal(signal.SIGCONT)
+        try:
+            rc = leader.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            rc = None
+        leader.killed = True  # its exit is the point of the trial, checked here
+        if rc != 1:
+            t.crashes += 1
+            t.notes.append(f"the resumed leader exited {rc}, not 1 (lease lost)")
         return {victim}, ids, since
 
     def _storm(self, t: Trial, keys: Keys, leader: Daemon, standby: Daemon,
