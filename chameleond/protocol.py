@@ -19,6 +19,21 @@ CONSUMER_GROUP = "chameleond"
 EVENT_TYPES = ("fault", "rejoin", "register", "heartbeat", "profile", "step", "ack", "checkpoint")
 ACK_PHASES = ("ready", "stopped", "unrestorable")
 MAX_ID_LEN = 128
+# Bounds of every event (docs/protocol.md, Bounds). Each number a client writes is checked at parse
+# time, so nothing later (the step meter, a gauge, the persisted snapshot) sees a value it cannot
+# hold: an unbounded integer or float would raise there, again after every restart.
+MAX_EVENT_BYTES = 64 * 1024  # the whole entry, keys and values
+MAX_EVENT_BYTES_BY_TYPE = {"profile": 1024 * 1024}  # a profile lists every layer it measured
+MAX_FIELDS = 64
+MAX_TEXT_LEN = 1024  # free text: `cause`
+MAX_REASON_LEN = 1024  # a dead letter's `error`
+MAX_COUNT = 2**53 - 1  # generations, steps: exact in a float and in JSON
+MAX_ATTEMPT = 1_000_000
+MAX_SAMPLES = 2**40
+MAX_BYTES = 2**60  # memory and checkpoint sizes
+MAX_LAYER_ID = 2**20
+MAX_SECONDS = 1e9  # about 30 years
+MAX_LOSS = 1e30
 # Where every process of a job may take its Redis URL from instead of a flag, so that a password in
 # it stays out of the process list.
 REDIS_URL_ENV = "CHAMELEON_REDIS_URL"
@@ -111,6 +126,31 @@ def redact_url(url: str) -> str:
     return f"{parts.scheme}://{netloc}{parts.path}{tail}"
 
 
+def scrub_url(text: str, url: str) -> str:
+    """`text` (an error message about `url`) with the URL's credentials replaced by ***."""
+    parts = urlsplit(url)
+    text = text.replace(url, redact_url(url))
+    if parts.password:
+        text = text.replace(parts.password, "***")
+    for key, value in parse_qsl(parts.query):
+        if key.lower() == "password" and value:
+            text = text.replace(value, "***")
+    return text
+
+
+def url_error(url: str) -> str | None:
+    """Why redis-py cannot use `url` (one line, credentials masked), or None."""
+    from redis.connection import parse_url
+
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        return f"{redact_url(url)!r} must start with redis://, rediss:// or unix://"
+    try:
+        parse_url(url)
+    except (ValueError, TypeError) as e:
+        return f"{redact_url(url)!r}: {scrub_url(str(e), url)}"
+    return None
+
+
 class EventError(ValueError):
     """An event is malformed; the message is the dead-letter reason."""
 
@@ -125,7 +165,39 @@ class Event:
         return self.fields.get(key, default)
 
 
+def shorten(text: str, limit: int = MAX_REASON_LEN) -> str:
+    """`text` cut to `limit` characters, marked when cut (dead-letter reasons, logs)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _show(v: str) -> str:
+    """A field's value inside a reason: its repr, at most 64 characters of it."""
+    return shorten(repr(v), 64)
+
+
+def event_size(raw: Mapping[Any, Any]) -> int:
+    """The entry's size in bytes (keys and values, as stored)."""
+    return sum(len(_raw_bytes(k)) + len(_raw_bytes(v)) for k, v in raw.items())
+
+
+def _raw_bytes(x: Any) -> bytes:
+    return x if isinstance(x, bytes) else str(x).encode("utf-8", "surrogatepass")
+
+
+def check_size(raw: Mapping[Any, Any]) -> None:
+    """Raises EventError when the entry has too many fields or bytes for its type."""
+    if len(raw) > MAX_FIELDS:
+        raise EventError(f"{len(raw)} fields: an event has at most {MAX_FIELDS}")
+    kind = raw.get(b"type", raw.get("type", b""))
+    kind = kind.decode("utf-8", "replace") if isinstance(kind, bytes) else str(kind)
+    limit = MAX_EVENT_BYTES_BY_TYPE.get(kind, MAX_EVENT_BYTES)
+    size = event_size(raw)
+    if size > limit:
+        raise EventError(f"{size} bytes: a {_show(kind)} event has at most {limit}")
+
+
 def _decode(raw: Mapping[Any, Any]) -> dict[str, str]:
+    check_size(raw)
     out: dict[str, str] = {}
     for k, v in raw.items():
         try:
@@ -137,28 +209,42 @@ def _decode(raw: Mapping[Any, Any]) -> dict[str, str]:
     return out
 
 
-def _int(f: Mapping[str, str], key: str, *, minimum: int = 0) -> int:
+def _int(f: Mapping[str, str], key: str, *, minimum: int = 0, maximum: int = MAX_COUNT) -> int:
+    if key not in f:
+        raise EventError(f"missing field {key!r}")
+    text = f[key]
+    # A bound on the digits first: int() of thousands of digits is slow, then refused.
     try:
-        v = int(f[key])
-    except KeyError:
-        raise EventError(f"missing field {key!r}") from None
+        v = int(text) if len(text) <= 24 else None
     except ValueError:
-        raise EventError(f"field {key!r} must be an integer, got {f[key]!r}") from None
-    if v < minimum:
-        raise EventError(f"field {key!r} must be >= {minimum}, got {v}")
+        v = None
+    if v is None:
+        raise EventError(f"field {key!r} must be an integer, got {_show(text)}")
+    if not minimum <= v <= maximum:
+        raise EventError(f"field {key!r} must be in {minimum}..{maximum}, got {_show(text)}")
     return v
 
 
-def _float(f: Mapping[str, str], key: str, *, minimum: float = 0.0) -> float:
+def _float(
+    f: Mapping[str, str], key: str, *, minimum: float = 0.0, maximum: float = MAX_SECONDS
+) -> float:
+    if key not in f:
+        raise EventError(f"missing field {key!r}")
+    text = f[key]
     try:
-        v = float(f[key])
-    except KeyError:
-        raise EventError(f"missing field {key!r}") from None
+        v = float(text) if len(text) <= 64 else math.nan
     except ValueError:
-        raise EventError(f"field {key!r} must be a number, got {f[key]!r}") from None
-    if not math.isfinite(v) or v < minimum:
-        raise EventError(f"field {key!r} must be a finite number >= {minimum}, got {f[key]!r}")
+        raise EventError(f"field {key!r} must be a number, got {_show(text)}") from None
+    if not math.isfinite(v) or not minimum <= v <= maximum:
+        raise EventError(
+            f"field {key!r} must be a finite number in {minimum}..{maximum:g}, got {_show(text)}"
+        )
     return v
+
+
+def _text(f: Mapping[str, str], key: str, limit: int = MAX_TEXT_LEN) -> None:
+    if len(f.get(key, "")) > limit:
+        raise EventError(f"field {key!r} is longer than {limit} characters")
 
 
 def _ident(f: Mapping[str, str], key: str) -> str:
@@ -166,7 +252,9 @@ def _ident(f: Mapping[str, str], key: str) -> str:
     if not v:
         raise EventError(f"missing field {key!r}")
     if len(v) > MAX_ID_LEN or not v.isprintable() or any(c.isspace() for c in v):
-        raise EventError(f"field {key!r} must be a printable id without spaces (<= {MAX_ID_LEN})")
+        raise EventError(
+            f"field {key!r} must be a printable id without spaces (<= {MAX_ID_LEN}), got {_show(v)}"
+        )
     return v
 
 
@@ -176,12 +264,12 @@ CHECKPOINT_COSTS = ("bytes", "bubble_seconds", "stall_seconds")
 
 def checkpoint_layers(text: str) -> list[int]:
     """A `checkpoint` event's `layers`: comma-separated layer ids, e.g. "0,1,2"."""
-    try:
-        layers = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise EventError(f"field 'layers' must be comma-separated ids, got {text!r}") from None
-    if any(x < 0 for x in layers):
-        raise EventError(f"field 'layers' must list layer ids >= 0, got {text!r}")
+    parts = text.split(",")
+    if not all(0 < len(x) <= 7 and x.isdigit() and x.isascii() for x in parts):
+        raise EventError(f"field 'layers' must be comma-separated ids, got {_show(text)}")
+    layers = [int(x) for x in parts]
+    if any(x > MAX_LAYER_ID for x in layers):
+        raise EventError(f"field 'layers' must list layer ids in 0..{MAX_LAYER_ID}")
     return layers
 
 
@@ -192,18 +280,21 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
     if not kind:
         raise EventError("missing field 'type'")
     if kind not in EVENT_TYPES:
-        raise EventError(f"unknown type {kind!r}; expected one of {', '.join(EVENT_TYPES)}")
+        raise EventError(f"unknown type {_show(kind)}; expected one of {', '.join(EVENT_TYPES)}")
     if kind == "fault":
         if "worker" not in f and "node" not in f:
             raise EventError("a fault needs 'worker' or 'node'")
         worker = _ident(f, "worker") if "worker" in f else _ident(f, "node")
         if "generation" in f:
             _int(f, "generation", minimum=1)
+        _text(f, "cause")
         return Event(kind, worker, f)
     worker = _ident(f, "worker")
     if kind == "register":
         _ident(f, "host")
-        _int(f, "memory_bytes", minimum=1)
+        _int(f, "memory_bytes", minimum=1, maximum=MAX_BYTES)
+        if f.get("device"):
+            _ident(f, "device")
     elif kind == "profile":
         try:
             data = json.loads(f.get("data", ""))
@@ -214,22 +305,25 @@ def parse_event(raw: Mapping[Any, Any]) -> Event:
     elif kind == "step":
         _int(f, "generation", minimum=1)
         _int(f, "step")
-        _int(f, "samples")
+        _int(f, "samples", maximum=MAX_SAMPLES)
         _float(f, "seconds")
-        _float(f, "loss")
+        _float(f, "loss", maximum=MAX_LOSS)
+        if "vote_seconds" in f:
+            _float(f, "vote_seconds")
     elif kind == "checkpoint":
         _int(f, "step")
         _int(f, "generation", minimum=1)
         checkpoint_layers(f.get("layers", ""))
         for key in CHECKPOINT_COSTS:
             if key in f:
-                _float(f, key)
+                _float(f, key, maximum=float(MAX_BYTES) if key == "bytes" else MAX_SECONDS)
     elif kind == "ack":
         _int(f, "generation", minimum=1)
         if f.get("phase") not in ACK_PHASES:
             raise EventError(f"field 'phase' must be one of {', '.join(ACK_PHASES)}")
         if "attempt" in f:
-            _int(f, "attempt", minimum=1)
+            _int(f, "attempt", minimum=1, maximum=MAX_ATTEMPT)
         if f["phase"] == "unrestorable":
             _int(f, "step")
+            _text(f, "cause")
     return Event(kind, worker, f)

@@ -134,7 +134,7 @@ class RedisServer:
             str(self.data_dir / "redis.log"),
             *self._security_args(),
         ]
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # noqa: S603 - argv of the redis-server binary found here, no shell
             args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
         client = redis.Redis.from_url(self.url, socket_timeout=1.0)

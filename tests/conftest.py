@@ -1,8 +1,14 @@
 """Shared fixtures: a real redis-server on a free loopback port, one per test that asks for it;
-what a TLS one needs (a redis-server built with TLS, certificates made with openssl)."""
+what a TLS one needs (a redis-server built with TLS, certificates made with openssl).
+
+Every process a test starts (daemons, workers, `chameleonctl up`) inherits one job secret from
+$CHAMELEON_SECRET, set here, and signs and verifies with it as in production (docs/security.md);
+the harnesses sign what they write for the processes with the same secret."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,7 +16,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from chameleond.auth import SECRET_ENV
 from chameleond.redis_server import RedisServer, Tls, redis_binary
+
+os.environ.setdefault(SECRET_ENV, secrets.token_hex(16))
 
 
 @pytest.fixture

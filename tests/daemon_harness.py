@@ -17,10 +17,23 @@ from typing import Any
 
 import redis
 
+from chameleond.auth import Keyring
 from chameleond.jobs import load_default_spec
 from chameleond.redis_server import free_port
 
 WORKERS = tuple(w.id for w in load_default_spec().workers)
+
+
+def keyring() -> Keyring:
+    """The tests' job secret (tests/conftest.py sets it in the environment every process gets)."""
+    ring = Keyring.configured(os.environ)
+    assert ring is not None, "tests/conftest.py sets CHAMELEON_SECRET"
+    return ring
+
+
+def signed(fields: dict[Any, Any], job: str = "default") -> dict[str, str]:
+    """An event as a worker of `job` sends it: its fields with their signature."""
+    return keyring().sign_event(job, fields)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
@@ -130,7 +143,8 @@ class Workers:
         self.job = job
 
     def send(self, **fields: Any) -> str:
-        return str(self.client.xadd(self.stream, {k: str(v) for k, v in fields.items()}))
+        event = signed({k: str(v) for k, v in fields.items()}, self.job)
+        return str(self.client.xadd(self.stream, event))  # type: ignore[arg-type]
 
     def register(self, workers: tuple[str, ...] = WORKERS) -> None:
         for w in workers:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 import redis
-from daemon_harness import Daemon, Workers, wait_for
+from daemon_harness import Daemon, Workers, signed, wait_for
 
 from chameleond.core.spec import load_spec
 from chameleond.redis_server import RedisServer
@@ -38,7 +38,7 @@ def test_burst_of_100_faults_is_coalesced(
                 worker = faulty[(wave + i) % len(faulty)] if wave else faulty[i % 3]
                 pipe.xadd(
                     "chameleon:default:events",
-                    {"type": "fault", "worker": worker, "cause": f"burst {wave}.{i}"},
+                    signed({"type": "fault", "worker": worker, "cause": f"burst {wave}.{i}"}),
                 )
             pipe.execute()
             time.sleep(0.05)

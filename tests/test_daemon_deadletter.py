@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import Daemon, Workers, wait_for
+from daemon_harness import Daemon, Workers, keyring, signed, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chameleond.auth import event_payload
 from chameleond.protocol import EVENT_TYPES, EventError, parse_event
 from chameleond.redis_server import RedisServer
 
@@ -127,6 +128,11 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, red
 SENT: list[int] = [0]
 
 
+def _signed(fields: dict[str | bytes, str | bytes]) -> dict[str | bytes, str | bytes]:
+    """Signed as a worker signs, whatever the bytes: what is left to refuse is the content."""
+    return {**fields, "sig": keyring().sign(event_payload("default", fields))}
+
+
 SLOW_OK = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
@@ -141,7 +147,7 @@ def test_malformed_events_are_dead_lettered_with_reasons(
     before = client.xlen(DEAD)
     pipe = client.pipeline(transaction=False)
     for fields in batch:
-        pipe.xadd(EVENTS, fields)  # type: ignore[arg-type]
+        pipe.xadd(EVENTS, _signed(fields))  # type: ignore[arg-type]
     pipe.execute()
     SENT[0] += len(batch)
     wait_for(lambda: client.xlen(DEAD) == before + len(batch), 15, "dead letters")
@@ -173,7 +179,7 @@ def test_poison_entry_goes_to_dead_letters_after_max_deliveries(
     redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
 ) -> None:
     redis_client.xgroup_create(EVENTS, "chameleond", id="0", mkstream=True)
-    entry = redis_client.xadd(EVENTS, {"type": "heartbeat", "worker": "w1"})
+    entry = redis_client.xadd(EVENTS, signed({"type": "heartbeat", "worker": "w1"}))
     redis_client.xreadgroup("chameleond", "test-daemon", {EVENTS: ">"})
     for _ in range(5):  # delivered again and again to this consumer name, never acknowledged
         redis_client.xreadgroup("chameleond", "test-daemon", {EVENTS: "0"})
@@ -207,10 +213,11 @@ def test_oversized_entries_and_reports_from_nowhere_are_dead_lettered_in_bounds(
     wait_for(lambda: client.xlen(DEAD) == before + 4, 15, "four dead letters")
     dead = {e["entry"]: e for _, e in client.xrange(DEAD, "-", "+")[-4:]}
     big = dead[ids[0]]
-    assert len(big) <= 64 + 3 and big["truncated"] == "4938 more fields not kept"  # of 5002
+    assert "an event has at most 64" in big["error"]
+    assert len(big) <= 64 + 3 and big["truncated"] == "4939 more fields not kept"  # of 5003
     assert max(len(v) for v in big.values()) <= 1024 + 3
     assert "not a worker of job" in dead[ids[1]]["error"]
-    assert "published only up to" in dead[ids[2]]["error"]
+    assert "'generation' must be in 1.." in dead[ids[2]]["error"]
     assert "published only up to" in dead[ids[3]]["error"]
     assert daemon.metric("chameleon_generation_attempt") == 1
     # The throughput meter still counts the plan's real steps.

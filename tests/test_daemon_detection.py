@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
 from chameleond.daemon.job import UNCONFIRMED_MAX
 from chameleond.daemon.jobspec import profile_to_json
@@ -41,7 +41,7 @@ def test_phantom_registrations_expire_and_are_never_planned(
             for i in range(PHANTOMS):
                 fields = {"type": "register", "worker": f"ghost{i}", "host": "h",
                           "memory_bytes": str(2**34)}  # fmt: skip
-                p.xadd(KEYS.events, fields)
+                p.xadd(KEYS.events, signed(fields))  # type: ignore[arg-type]
             p.execute()
         # Beyond the bound they are refused at once, with the reason, and nothing is lost.
         wait_for(lambda: redis_client.xlen(KEYS.dead) == PHANTOMS - UNCONFIRMED_MAX, 15, "refused")
@@ -85,7 +85,7 @@ def test_a_finished_worker_is_never_suspected_and_a_dead_one_is_named_dead(
         client = redis.Redis.from_url(redis_server.url)
         while not stop.wait(0.2):
             for w in sorted(beating):
-                client.xadd(KEYS.events, {"type": "heartbeat", "worker": w})
+                client.xadd(KEYS.events, signed({"type": "heartbeat", "worker": w}))  # type: ignore[arg-type]
         client.close()
 
     thread = threading.Thread(target=heartbeats, daemon=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
 from chameleond.redis_server import RedisServer, redis_binary
 
@@ -53,8 +53,10 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     pubsub = redis_client.pubsub()
     pubsub.subscribe("chameleon:default:plans")
 
+    # As `chameleonctl inject --print-only` prints it: the event with its signature.
+    sig = signed({"type": "fault", "worker": "w3", "cause": "ECC error"})["sig"]
     redis_cli(redis_server, "XADD", "chameleon:default:events", "*",
-              "type", "fault", "worker", "w3", "cause", "ECC error")  # fmt: skip
+              "type", "fault", "worker", "w3", "cause", "ECC error", "sig", sig)  # fmt: skip
     wait_for(lambda: workers.generation() == 2, 15, "generation 2")
 
     plan = workers.plan()
@@ -81,8 +83,10 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     assert redis_client.xpending("chameleon:default:events", "chameleond")["pending"] == 0
 
     # The same fault again (an operator repeating it, or a redelivery): no second plan.
+    # As `chameleonctl inject --print-only` prints it: the event with its signature.
+    sig = signed({"type": "fault", "worker": "w3", "cause": "ECC error"})["sig"]
     redis_cli(redis_server, "XADD", "chameleon:default:events", "*",
-              "type", "fault", "worker", "w3", "cause", "ECC error")  # fmt: skip
+              "type", "fault", "worker", "w3", "cause", "ECC error", "sig", sig)  # fmt: skip
     wait_for(lambda: daemon.metric('chameleon_events_total{outcome="duplicate",type="fault"}'))
     assert workers.generation() == 2
     assert daemon.metric("chameleon_plan_generation") == 2
@@ -126,7 +130,7 @@ def test_heartbeat_lapse_ack_timeout_and_fencing(
         client = redis.Redis.from_url(redis_server.url)
         while not stop.wait(0.3):
             for w in sorted(beating):
-                client.xadd("chameleon:default:events", {"type": "heartbeat", "worker": w})
+                client.xadd("chameleon:default:events", signed({"type": "heartbeat", "worker": w}))
         client.close()
 
     thread = threading.Thread(target=heartbeats, daemon=True)

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
 from chameleond.daemon.jobspec import spec_document
 from chameleond.jobs import load_default_spec
@@ -47,7 +47,7 @@ def test_a_stage_without_replicas_is_unrecoverable_and_the_daemon_keeps_serving(
 
         pipe = redis_client.pipeline(transaction=False)
         for w in first_stage:  # every replica of stage 0 at once
-            pipe.xadd(EVENTS, {"type": "fault", "worker": w, "cause": "rack power"})
+            pipe.xadd(EVENTS, signed({"type": "fault", "worker": w, "cause": "rack power"}))
         pipe.execute()
         # The committed record, not only the in-memory phase.
         wait_for(lambda: transitions(workers)[-1]["to"] == "unrecoverable", 15, "unrecoverable")

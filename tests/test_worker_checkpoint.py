@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import redis
-from worker_harness import TINY_ARCH, EventReader, Record, Workers, tiny_spec, wait_until
+from worker_harness import (
+    TINY_ARCH,
+    EventReader,
+    Record,
+    Workers,
+    signed_doc,
+    tiny_spec,
+    wait_until,
+)
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import Plan, plan_to_dict
@@ -28,7 +35,7 @@ def test_restart_from_checkpoint_resumes_after_the_checkpointed_step(
     spec_dict = tiny_spec("ckpt", workers=2, stages=2, global_batch=8, micro_batch=2)
     spec = parse_spec(spec_dict)
     keys = Keys("ckpt")
-    redis_client.set(keys.spec, json.dumps(spec_dict))
+    redis_client.set(keys.spec, signed_doc("spec", keys.job, spec_dict))
     record = Record()
     reader = EventReader(redis_server.url, "ckpt", record)
     reader.start()
@@ -38,7 +45,7 @@ def test_restart_from_checkpoint_resumes_after_the_checkpointed_step(
     second = Workers(redis_server.url, "ckpt", tmp_path, extra_args=args)
 
     def publish(plan: Plan) -> None:
-        redis_client.set(keys.plan, json.dumps(plan_to_dict(plan)))
+        redis_client.set(keys.plan, signed_doc("plan", keys.job, plan_to_dict(plan)))
         redis_client.publish(keys.plans_channel, str(plan.generation))
 
     def profiled() -> int:

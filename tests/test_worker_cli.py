@@ -13,7 +13,7 @@ from typing import cast
 
 import pytest
 import redis
-from worker_harness import tiny_spec, wait_until
+from worker_harness import signed_doc, tiny_spec, wait_until
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import plan_to_dict
@@ -81,7 +81,7 @@ def test_the_redis_url_is_required_from_a_flag_or_the_environment() -> None:
 
 
 def test_malformed_spec(redis_server: RedisServer, redis_client: redis.Redis) -> None:
-    redis_client.set(Keys("bad").spec, json.dumps({"workers": []}))
+    redis_client.set(Keys("bad").spec, signed_doc("spec", "bad", {"workers": []}))
     r = worker(redis_server.url, "--job", "bad", "--worker-id", "w0")
     assert r.returncode == EXIT_SPEC
     assert "workers: expected a non-empty list" in r.stderr
@@ -98,9 +98,9 @@ def test_fenced_worker_acks_stopped_and_exits_0(
     """A one-worker job trains; a plan excluding the worker fences it: ack stopped, exit 0."""
     spec = tiny_spec("fence", workers=1, stages=1, global_batch=4, micro_batch=2)
     keys = Keys("fence")
-    redis_client.set(keys.spec, json.dumps(spec))
+    redis_client.set(keys.spec, signed_doc("spec", keys.job, spec))
     plan = initial_plan(parse_spec(spec), generation=1, mtbf_seconds=3600.0)
-    redis_client.set(keys.plan, json.dumps(plan_to_dict(plan)))
+    redis_client.set(keys.plan, signed_doc("plan", keys.job, plan_to_dict(plan)))
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers.main", "--redis-url", redis_server.url, "--job", "fence",
          "--worker-id", "w0"],
@@ -111,7 +111,7 @@ def test_fenced_worker_acks_stopped_and_exits_0(
         wait_until(stepped, 90, "a step")
         fenced = plan_to_dict(plan)
         fenced["generation"], fenced["excluded"] = 2, ["w0"]
-        redis_client.set(keys.plan, json.dumps(fenced))
+        redis_client.set(keys.plan, signed_doc("plan", keys.job, fenced))
         redis_client.publish(keys.plans_channel, "2")
         assert proc.wait(timeout=30) == 0
     finally:
@@ -121,7 +121,8 @@ def test_fenced_worker_acks_stopped_and_exits_0(
     events = _events(redis_client, keys)
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["profile", "register"]  # a worker of the spec: its profile first
-    assert events[-1] == {"type": "ack", "worker": "w0", "generation": "2", "phase": "stopped"}
+    last = {k: v for k, v in events[-1].items() if k != "sig"}
+    assert last == {"type": "ack", "worker": "w0", "generation": "2", "phase": "stopped"}
     assert "fenced by generation 2" in err
     profile = json.loads(next(e["data"] for e in events if e["type"] == "profile"))
     assert len(profile["layers"]) == spec["model"]["arch"]["blocks"] + 2
@@ -135,10 +136,10 @@ def test_a_new_process_excluded_by_the_plan_waits_to_rejoin(
     to be taken back instead of stopping; SIGTERM ends it with 0."""
     spec = tiny_spec("back")
     keys = Keys("back")
-    redis_client.set(keys.spec, json.dumps(spec))
+    redis_client.set(keys.spec, signed_doc("spec", keys.job, spec))
     plan = plan_to_dict(initial_plan(parse_spec(spec), generation=1, mtbf_seconds=3600.0))
     plan["excluded"] = ["w5"]
-    redis_client.set(keys.plan, json.dumps(plan))
+    redis_client.set(keys.plan, signed_doc("plan", keys.job, plan))
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers.main", "--redis-url", redis_server.url, "--job", "back",
          "--worker-id", "w5"],

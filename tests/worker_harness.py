@@ -23,9 +23,17 @@ from typing import Any, cast
 
 import redis
 
+from chameleond.auth import Keyring, signed_json
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.core.spec import JobSpec, LayerProfile, parse_spec
 from chameleond.protocol import Keys
+
+
+def signed_doc(kind: str, job: str, doc: dict[str, Any]) -> str:
+    """A plan or spec document as the daemon stores it: signed with the job's secret (tests/
+    conftest.py sets it in the environment, so the workers the tests start hold it too)."""
+    return signed_json(Keyring.configured(os.environ), kind, job, doc)
+
 
 TINY_ARCH = {
     "d_model": 32,
@@ -169,7 +177,7 @@ class Controller:
         self.errors: list[str] = []
 
     def start(self) -> Controller:
-        self.client.set(self.keys.spec, json.dumps(self.spec_dict))
+        self.client.set(self.keys.spec, signed_doc("spec", self.keys.job, self.spec_dict))
         self.reader.start()
         self._thread.start()
         return self
@@ -181,7 +189,7 @@ class Controller:
         self.client.close()
 
     def publish(self, plan: Plan) -> None:
-        self.client.set(self.keys.plan, json.dumps(plan_to_dict(plan)))
+        self.client.set(self.keys.plan, signed_doc("plan", self.keys.job, plan_to_dict(plan)))
         self.client.publish(self.keys.plans_channel, str(plan.generation))
         self.current = plan
         self.record.plans.append(plan)

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 import redis
 from redis.client import PubSub
 
+from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.protocol import Keys
 from workers.outbox import Outbox
@@ -50,14 +51,37 @@ def new_incarnation() -> str:
     return f"{os.getpid()}-{secrets.token_hex(4)}"
 
 
+class Refused:
+    """What this worker refused to act on because it was unsigned or forged (a plan, the spec):
+    counted (its heartbeats carry the count as `refused`) and logged once per distinct value."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._last: tuple[str, int] | None = None
+        self._lock = threading.Lock()
+
+    def note(self, what: str, raw: object, why: str) -> None:
+        seen = (what, hash(raw))
+        with self._lock:
+            self.count += 1
+            fresh, self._last = seen != self._last, seen
+        if fresh:
+            log.error("refused %s: %s (docs/security.md)", what, why)
+
+
 class Reporter:
     """The worker's events, one stream entry of flat string fields each, sent in order through an
-    `Outbox`: a Redis outage delays them and never stops training (workers/outbox.py)."""
+    `Outbox`: a Redis outage delays them and never stops training (workers/outbox.py). With a
+    keyring each entry is signed (chameleond/auth.py)."""
 
-    def __init__(self, client: redis.Redis, job: str, worker: str) -> None:
+    def __init__(
+        self, client: redis.Redis, job: str, worker: str, keyring: Keyring | None = None
+    ) -> None:
         self._redis = client
         self._keys = Keys(job)
         self.worker = worker
+        self.keyring = keyring
+        self.refused = Refused()
         self.outbox = Outbox()
 
     def start(self) -> None:
@@ -83,6 +107,9 @@ class Reporter:
         self.outbox.put(lambda: self._redis.set(key, value))
 
     def _xadd(self, entry: dict[str, str], keep: bool) -> None:
+        if self.keyring is not None:
+            entry = self.keyring.sign_event(self._keys.job, entry)
+
         def write() -> object:
             # No MAXLEN: a worker's trim cuts from the head, past entries the daemon has not
             # acknowledged yet (a fault, while the daemon restarts). The daemon trims, and
@@ -103,7 +130,10 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                self._reporter.send("heartbeat", {"at": f"{time.time():.3f}"}, keep=False)
+                fields: dict[str, object] = {"at": f"{time.time():.3f}"}
+                if self._reporter.refused.count:
+                    fields["refused"] = self._reporter.refused.count
+                self._reporter.send("heartbeat", fields, keep=False)
             except redis.RedisError as e:  # the outbox's error; the main thread ends with it
                 log.warning("heartbeat not sent: %s", e)
                 return
@@ -163,10 +193,18 @@ class PeerWatch(threading.Thread):
 class PlanWatcher(threading.Thread):
     """Keeps the newest valid plan of the job; `wait_newer` blocks until one above a generation."""
 
-    def __init__(self, client: redis.Redis, job: str) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        job: str,
+        keyring: Keyring | None = None,
+        refused: Refused | None = None,
+    ) -> None:
         super().__init__(name="plan-watcher", daemon=True)
         self._redis = client
         self._keys = Keys(job)
+        self._keyring = keyring  # a plan must carry the job's signature (None: not checked)
+        self.refused = refused or Refused()
         self._cond = threading.Condition()
         self._plan: Plan | None = None
         self._stop_event = threading.Event()
@@ -197,7 +235,17 @@ class PlanWatcher(threading.Thread):
         if raw is None:
             return
         try:
-            plan = plan_from_dict(json.loads(raw))
+            doc = json.loads(raw)
+            if self._keyring is not None:
+                if not isinstance(doc, dict):
+                    raise AuthError("not a JSON object")
+                self._keyring.verify_doc("plan", self._keys.job, doc)
+            plan = plan_from_dict(doc)
+        except AuthError as e:
+            # Unsigned or forged: whoever wrote it is not the job's daemon. Training keeps the
+            # plan it has; the daemon's next plan replaces the forged one.
+            self.refused.note(f"the plan under {self._keys.plan}", raw, str(e))
+            return
         except (json.JSONDecodeError, PlanError) as e:
             # A bad plan is the daemon's bug; training keeps the plan it has. Logged once.
             gen = hash(raw) & 0x7FFFFFFF

@@ -27,8 +27,9 @@ import redis
 import torch
 import torch.distributed as dist
 
+from chameleond.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.core.spec import SpecError
-from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
+from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url, url_error
 from workers.backend import (
     BackendUnavailable,
     DeviceChoice,
@@ -115,6 +116,17 @@ def build_parser() -> argparse.ArgumentParser:
         "pipeline bubbles); sync: stop training to write it (default %(default)s)",
     )
     p.add_argument(
+        "--secret-file",
+        default="",
+        help=f"file holding the job's secret (docs/security.md); default ${SECRET_FILE_ENV}, "
+        f"else the secret itself in ${SECRET_ENV}",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="run without a secret: events unsigned, plans and spec not verified",
+    )
+    p.add_argument(
         "--log-level",
         type=str.upper,
         choices=LOG_LEVELS,
@@ -196,6 +208,20 @@ def main(argv: list[str] | None = None) -> int:
         log.error("--group-timeout %s: expected a finite number of seconds > 0", args.group_timeout)
         return EXIT_USAGE
     try:
+        keyring = Keyring.configured(os.environ, args.secret_file)
+    except AuthError as e:
+        log.error("%s", e)
+        return EXIT_USAGE
+    if keyring is None and not args.insecure:
+        log.error(
+            "no secret: pass --secret-file, set %s or %s (docs/security.md), or --insecure",
+            SECRET_FILE_ENV, SECRET_ENV,
+        )  # fmt: skip
+        return EXIT_USAGE
+    if (why := url_error(args.redis_url)) is not None:
+        log.error("--redis-url %s", why)
+        return EXIT_USAGE
+    try:
         device = parse_device(args.device)
         check_device(device)
     except ValueError as e:
@@ -234,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         checkpoint_mode=args.checkpoint_mode,
+        keyring=keyring,
     )
     runtime = WorkerRuntime(cfg, client)
 

@@ -128,5 +128,7 @@ def join_generation(
         raise GenerationAbandoned(f"generation abandoned: {reason or 'by another member'}", absent)
     if joined.get(me) != incarnation:
         raise BuiltWithoutMe("the generation was built by an earlier process of this worker")
-    digest = hashlib.sha1("|".join(joined[w] for w in members).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(
+        "|".join(joined[w] for w in members).encode(), usedforsecurity=False
+    ).hexdigest()[:12]
     return f"{base}{digest}/", {w: joined[w] for w in members}

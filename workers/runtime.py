@@ -28,6 +28,7 @@ from pathlib import Path
 import redis
 import torch
 
+from chameleond.auth import Keyring
 from chameleond.core.plan import Plan
 from chameleond.protocol import Keys
 from workers import checkpoint
@@ -84,6 +85,7 @@ class WorkerConfig:
     checkpoint_dir: Path | None = None
     checkpoint_every: int = 0  # steps between checkpoints; 0: none
     checkpoint_mode: str = BUBBLE  # record them in pipeline bubbles, or stop and write (SYNC)
+    keyring: Keyring | None = None  # signs events, verifies plans and the spec (None: insecure)
 
 
 class Fenced(Exception):
@@ -105,8 +107,8 @@ class WorkerRuntime:
         self.cfg = cfg
         self.redis = client
         self.keys = Keys(cfg.job)
-        self.reporter = Reporter(client, cfg.job, cfg.worker_id)
-        self.watcher = PlanWatcher(client, cfg.job)
+        self.reporter = Reporter(client, cfg.job, cfg.worker_id, cfg.keyring)
+        self.watcher = PlanWatcher(client, cfg.job, cfg.keyring, self.reporter.refused)
         self.heartbeat = Heartbeat(self.reporter)
         self.stopping = False
         self._last_liveness_check = 0.0

@@ -24,11 +24,12 @@ from typing import Any
 import redis
 import torch
 
+from chameleond.auth import AuthError, Keyring
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.protocol import Keys
 from workers.backend import DeviceChoice, device_memory_bytes
 from workers.data import Corpus, CorpusError
-from workers.events import Reporter
+from workers.events import Refused, Reporter
 from workers.model import Arch
 from workers.profile import profile_model
 from workers.rendezvous import start_together
@@ -57,13 +58,28 @@ def _sharing(hosts: Mapping[str, str], host: str, workers: Collection[str]) -> i
     return sum(1 for w in workers if hosts.get(w) == host)
 
 
-def wait_for_spec(client: redis.Redis, keys: Keys, timeout_seconds: float) -> JobSpec:
+def wait_for_spec(
+    client: redis.Redis,
+    keys: Keys,
+    timeout_seconds: float,
+    keyring: Keyring | None = None,
+    refused: Refused | None = None,
+) -> JobSpec:
+    """The job's spec, once the daemon stored it. With a keyring, one without the job's signature
+    is refused (counted and logged) and waited past, as if it were not there yet."""
     deadline = time.monotonic() + timeout_seconds
     while True:
         raw = client.get(keys.spec)
         if raw is not None:
             try:
-                return parse_spec(json.loads(raw))
+                doc = json.loads(raw)
+                if keyring is not None:
+                    if not isinstance(doc, dict):
+                        raise AuthError("not a JSON object")
+                    keyring.verify_doc("spec", keys.job, doc)
+                return parse_spec(doc)
+            except AuthError as e:
+                (refused or Refused()).note(f"the spec under {keys.spec}", raw, str(e))
             except (json.JSONDecodeError, SpecError) as e:
                 raise SpecError(f"{keys.spec}: {e}") from e
         if time.monotonic() > deadline:
@@ -104,7 +120,7 @@ def join(
     """Wait for the job's spec, profile, then send `profile` and `register` (the reporter is
     started here)."""
     me = reporter.worker
-    spec = wait_for_spec(client, keys, spec_timeout_seconds)
+    spec = wait_for_spec(client, keys, spec_timeout_seconds, reporter.keyring, reporter.refused)
     hosts = {w.id: w.host for w in spec.workers}
     arch, corpus = Arch.from_mapping(spec.arch), Corpus()
     agree_on_corpus(client, keys, corpus.digest)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -47,6 +48,7 @@ from typing import Any, cast
 
 import redis
 
+from chameleond.auth import SIG_FIELD, Keyring, event_payload
 from chameleond.jobs import load_default_spec
 from chameleond.local.chaos import Daemon, PlanFollowers
 from chameleond.local.fuzz import fuzzed_entries
@@ -109,11 +111,16 @@ def _wait(predicate: Callable[[], Any], timeout: float, step: float = 0.02) -> b
 class Bench:
     def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
         self.args = args
-        self.rng = random.Random(args.seed)
+        self.rng = random.Random(args.seed)  # noqa: S311 - seeded choice of chaos, not a secret
         self.run_dir = args.logs or tmp / "logs"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(tmp / "redis").start()
         self.client = redis.Redis.from_url(self.redis.url, decode_responses=True, socket_timeout=5)
+        # The job's secret: the daemons, the workers' side and the trial's real faults hold it;
+        # forged messages are unsigned or signed with a stranger's key.
+        self.secret = secrets.token_hex(32)
+        self.keyring = Keyring((self.secret.encode(),))
+        self.stranger = Keyring((secrets.token_hex(32).encode(),))
         spec = load_default_spec()
         self.workers = [w.id for w in spec.workers]
         self.memory = max(w.memory_bytes for w in spec.workers)
@@ -137,8 +144,12 @@ class Bench:
         entries: list[tuple[str, dict[str, str]]] = cast(Any, self.client.xrange(keys.decisions))
         return [f for _, f in entries if f.get("kind") == "decision" and f.get("selected")]
 
-    def fault(self, keys: Keys, worker: str, **extra: str) -> str:
-        fields = {"type": "fault", "worker": worker, "cause": "chaos", **extra}
+    def fault(self, keys: Keys, worker: str, signer: Keyring | None = None, **extra: str) -> str:
+        """A fault about `worker`, signed with the job's key (or `signer`; None: unsigned)."""
+        fields: dict[str, str] = {"type": "fault", "worker": worker, "cause": "chaos", **extra}
+        ring = signer if signer is not None else self.keyring
+        if extra.get("cause") != "forged" or signer is not None:
+            fields = ring.sign_event(keys.job, fields)
         return str(self.client.xadd(keys.events, fields))  # type: ignore[arg-type]
 
     def restart_redis(self, away: float) -> float:
@@ -164,9 +175,9 @@ class Bench:
             "--decision-delay-seconds",
             delay,
         )
-        first = Daemon(self.redis.url, t.job, "a", self.run_dir, *common)
-        second = Daemon(self.redis.url, t.job, "b", self.run_dir, *common)
-        followers = PlanFollowers(self.redis.url, t.job, self.workers, self.memory)
+        first = Daemon(self.redis.url, t.job, "a", self.run_dir, self.secret, *common)
+        second = Daemon(self.redis.url, t.job, "b", self.run_dir, self.secret, *common)
+        followers = PlanFollowers(self.redis.url, t.job, self.workers, self.memory, self.keyring)
         daemons = (first, second)
         try:
             # Both start at once (a start takes seconds on a loaded machine); whichever takes
@@ -315,6 +326,8 @@ class Bench:
                     followers.kill(victim)
                     since = time.monotonic()
                     ids.append(self.fault(keys, victim))
+                if i % 3:  # signed: what a client holding the secret could write, to the parser
+                    fields = {**fields, SIG_FIELD: self.keyring.sign(event_payload(t.job, fields))}
                 raw.xadd(keys.events, fields)  # type: ignore[arg-type]
         finally:
             raw.close()
@@ -324,34 +337,48 @@ class Bench:
 
     def _forged(self, t: Trial, keys: Keys, leader: Daemon, standby: Daemon,
                 followers: PlanFollowers) -> tuple[set[str], list[str], float]:  # fmt: skip
+        """An unsigned plan and one signed with a stranger's key, both of a higher generation;
+        an unsigned fault and one signed with the stranger's key, each about a healthy worker.
+        A plan counts as accepted when a worker's watcher (holding the job's key) takes it, or
+        the daemon that takes over resumes from it; a fault when a decision answers it."""
         members = [w for p in self._members(keys) for w in p]
         plan = self.plan(keys) or {}
-        forged_generation = int(plan.get("generation", 1)) + 100
-        forged = {**plan, "generation": forged_generation, "excluded": members[1:],
-                  "cause": "forged"}  # fmt: skip
-        self.client.set(keys.plan, json.dumps(forged))
-        self.client.publish(keys.plans_channel, str(forged_generation))
-        t.forged_sent += 1
-        watcher = PlanWatcher(redis.Redis.from_url(self.redis.url), t.job)
-        watcher.refresh()  # what a worker does on the message
-        worker_took_it = watcher.newest_generation == forged_generation
-        healthy = self.rng.choice(members)
-        forged_fault = self.fault(keys, healthy, cause="forged")
-        t.forged_sent += 1
-        self._kill_leader(t, leader, standby)  # the standby restores from what Redis holds
+        plan.pop(SIG_FIELD, None)
+        generation = int(plan.get("generation", 1))
+        forged_plans = []
+        for n, signer in ((100, None), (200, self.stranger)):
+            doc = {**plan, "generation": generation + n, "excluded": members[1:],
+                   "cause": "forged"}  # fmt: skip
+            if signer is not None:
+                doc = signer.sign_doc("plan", t.job, doc)
+            self.client.set(keys.plan, json.dumps(doc))
+            self.client.publish(keys.plans_channel, str(generation + n))
+            t.forged_sent += 1
+            reader = redis.Redis.from_url(self.redis.url)
+            watcher = PlanWatcher(reader, t.job, self.keyring)
+            watcher.refresh()  # what a worker does on the message
+            reader.close()
+            forged_plans.append((generation + n, watcher.newest_generation == generation + n))
+        healthy = self.rng.sample(members, 2)
+        self.fault(keys, healthy[0], cause="forged")  # unsigned
+        self.fault(keys, healthy[1], signer=self.stranger, cause="forged")
+        t.forged_sent += 2
+        self._kill_leader(t, leader, standby)  # the standby resumes from what Redis holds
         code, body = standby.get("/api/v1/plan")
-        daemon_took_it = (
-            code == 200 and isinstance(body, dict) and (body.get("generation") == forged_generation)
-        )
-        t.forged_accepted += int(worker_took_it or daemon_took_it)
-        victim = self.rng.choice([w for w in members if w != healthy])
+        resumed = body.get("generation") if code == 200 and isinstance(body, dict) else None
+        for forged_generation, worker_took_it in forged_plans:
+            if worker_took_it or resumed == forged_generation:
+                t.forged_accepted += 1
+                t.notes.append(f"forged plan {forged_generation} accepted")
+        victim = self.rng.choice([w for w in members if w not in healthy])
         followers.kill(victim)
         since = time.monotonic()
         ids = [self.fault(keys, victim)]
         _wait(lambda: self._answered(keys, victim), SETTLE_SECONDS)
-        if any(healthy in json.loads(d.get("faults", "[]")) for d in self.decisions(keys)):
-            t.forged_accepted += 1
-            t.notes.append(f"the forged fault {forged_fault} about {healthy} was decided")
+        for w in healthy:
+            if self._answered(keys, w):
+                t.forged_accepted += 1
+                t.notes.append(f"the forged fault about {w} was decided")
         return {victim}, ids, since
 
     # ---- the figures -------------------------------------------------------------------------

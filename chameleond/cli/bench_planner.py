@@ -71,7 +71,7 @@ def cluster_spec(devices: int) -> JobSpec:
 
 def failure_sets(devices: int, seed: int = 0) -> list[list[str]]:
     """A first-stage worker, a last-stage worker, two and four random workers."""
-    rng = random.Random(seed + devices)
+    rng = random.Random(seed + devices)  # noqa: S311 - seeded choice of benchmark faults, not a secret
     ids = [f"w{i}" for i in range(devices)]
     return [
         ["w1" if devices > 8 else "w0"],

@@ -1,9 +1,11 @@
 """Report a fault for a worker, as an operator would. It sends exactly the event of
 
-    redis-cli -u URL XADD chameleon:JOB:events '*' type fault worker W cause "TEXT"
+    redis-cli -u URL XADD chameleon:JOB:events '*' type fault worker W cause "TEXT" sig SIG
 
-and prints the stream entry id; the daemon then decides how training continues. The worker
-process itself is not touched: if it is still alive, the daemon fences it (excluded from the plan).
+signed with the job's secret (--secret-file, $CHAMELEON_SECRET_FILE or $CHAMELEON_SECRET; without
+one the event goes unsigned, and a daemon with a secret refuses it), and prints the stream entry
+id; the daemon then decides how training continues. The worker process itself is not touched: if
+it is still alive, the daemon fences it (excluded from the plan).
 """
 
 from __future__ import annotations
@@ -16,8 +18,17 @@ from typing import Any, cast
 
 import redis
 
+from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.local.faults import redis_cli_args
-from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, Keys, redact_url
+from chameleond.protocol import (
+    MAX_ID_LEN,
+    MAX_TEXT_LEN,
+    REDIS_URL_ENV,
+    Keys,
+    redact_url,
+    scrub_url,
+    url_error,
+)
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
 
@@ -34,11 +45,14 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
 def redis_client(url: str, command: str) -> redis.Redis | None:
     """A client for --redis-url (not connected yet), or None once the reason the URL cannot be
     used is printed. The URL itself is not echoed: it may hold a password."""
-    try:
-        return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
-    except (ValueError, TypeError) as e:  # a scheme it does not know, a port not a number
-        print(f"chameleonctl {command}: bad --redis-url: {e}", file=sys.stderr)
-        return None
+    why = url_error(url)
+    if why is None:
+        try:
+            return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+        except (ValueError, TypeError) as e:  # what parse_url let through
+            why = scrub_url(str(e), url)
+    print(f"chameleonctl {command}: bad --redis-url {why}", file=sys.stderr)
+    return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--print-only", action="store_true", help="print the equivalent redis-cli line and exit"
     )
+    parser.add_argument(
+        "--secret-file",
+        default="",
+        help=f"the job's secret, to sign the event (default ${SECRET_FILE_ENV}, else "
+        "$CHAMELEON_SECRET; docs/security.md)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,8 +77,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"chameleonctl inject: bad worker id {worker!r}", file=sys.stderr)
         return 2
 
+    if len(args.cause) > MAX_TEXT_LEN:
+        print(f"chameleonctl inject: --cause is longer than {MAX_TEXT_LEN}", file=sys.stderr)
+        return 2
+    try:
+        keyring = Keyring.configured(os.environ, args.secret_file)
+    except AuthError as e:
+        print(f"chameleonctl inject: {e}", file=sys.stderr)
+        return 2
+    if keyring is None:
+        print(
+            "chameleonctl inject: warning: no secret, the event goes unsigned (a daemon with a "
+            "secret refuses it)",
+            file=sys.stderr,
+        )
+    event = {"type": "fault", "worker": worker, "cause": args.cause}
+    if keyring is not None:
+        event = keyring.sign_event(args.job, event)
+
     def line(url: str) -> str:
-        return shlex.join(["redis-cli", *redis_cli_args(url, args.job, worker, args.cause)[1:]])
+        argv = redis_cli_args(url, args.job, worker, args.cause, keyring)
+        return shlex.join(["redis-cli", *argv[1:]])
 
     client = redis_client(args.redis_url, "inject")
     if client is None:
@@ -68,9 +107,7 @@ def run(args: argparse.Namespace) -> int:
         print(line(args.redis_url))  # asked for: the line to run, credentials included
         return 0
     try:
-        entry: str = cast(Any, client).xadd(
-            Keys(args.job).events, {"type": "fault", "worker": worker, "cause": args.cause}
-        )
+        entry: str = cast(Any, client).xadd(Keys(args.job).events, event)
     except redis.RedisError as e:
         where = redact_url(args.redis_url)
         print(f"chameleonctl inject: cannot reach Redis at {where}: {e}", file=sys.stderr)

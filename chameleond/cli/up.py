@@ -21,6 +21,7 @@ from chameleond.local.progress import ProgressView
 from chameleond.local.report import build_report, print_table, write_report
 from chameleond.local.run import LocalRun, RunOptions
 from chameleond.local.trace import ReplayStep, TraceError, load_trace, plan_replay
+from chameleond.protocol import url_error
 
 # The default schedule (docs/local.md, "Why the two default faults end differently").
 # w0 has a replica of its stage (w2): rerouting keeps the layout and wins. w5 then holds a layer
@@ -163,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         check_workers(faults, worker_ids)
+        if args.redis_url and (why := url_error(args.redis_url)) is not None:
+            raise SpecError(f"--redis-url {why}")
         if not args.checkpoint_every and any(f.action == "corrupt" for f in faults):
             raise FaultSpecError("corrupt: faults need checkpoints to corrupt: --checkpoint-every")
         late = [f for f in faults if f.at_step is not None and f.at_step >= args.steps - 1]

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import urllib.error
@@ -23,11 +24,13 @@ from typing import Any
 import redis
 import uvloop
 
+from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring, new_secret_file
 from chameleond.core.decide import DecisionError, initial_plan
 from chameleond.core.spec import JobSpec, SpecError, load_spec
 from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
+from chameleond.local.faults import redis_cli_args
 from chameleond.protocol import CONSUMER_GROUP, Keys
-from chameleond.redis_server import RedisServer, redis_binary
+from chameleond.redis_server import RedisServer
 
 log = logging.getLogger("chameleond")
 
@@ -38,6 +41,12 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
     for name, f in FIELDS.items():
         default = getattr(defaults, name)
         kind = type(default)
+        if kind is bool:
+            p.add_argument(
+                "--" + name.replace("_", "-"), dest=name, action="store_const", const=True,
+                default=None, help=f"{HELP[name]} (env CHAMELEON_{name.upper()}=1)",
+            )  # fmt: skip
+            continue
         shown = f"default {default!r}" if default != "" else "default: see text"
         p.add_argument(
             "--" + name.replace("_", "-"),
@@ -101,6 +110,25 @@ def _embedded(cfg: Config) -> RedisServer:
     return server.start()
 
 
+def keyring(cfg: Config) -> tuple[Keyring | None, Path | None]:
+    """The job's secret: --secret-file, $CHAMELEON_SECRET_FILE or $CHAMELEON_SECRET. Without any,
+    an embedded Redis (nobody else can reach it without its port, and the job is local) gets a
+    fresh secret in the state directory, kept across restarts; an external Redis is refused
+    unless --insecure says that anybody who can write to it may steer the job (docs/security.md).
+    Returns the keyring and the secret file it made, if it made one; raises AuthError with a
+    one-line reason."""
+    found = Keyring.configured(os.environ, cfg.secret_file)
+    if found is not None or cfg.insecure:
+        return found, None
+    if cfg.redis_url:
+        raise AuthError(
+            f"no secret for an external Redis: set --secret-file, ${SECRET_FILE_ENV} or "
+            "$CHAMELEON_SECRET (docs/security.md), or pass --insecure to run without signatures"
+        )
+    path = new_secret_file(cfg.state_path / "secret").resolve()
+    return Keyring.from_file(path), path
+
+
 def run(cfg: Config) -> int:
     logging.basicConfig(
         level=cfg.log_level.upper(),
@@ -112,6 +140,16 @@ def run(cfg: Config) -> int:
     except SpecError as e:
         print(f"chameleond: job spec: {e}", file=sys.stderr)
         return 1
+    try:
+        ring, generated = keyring(cfg)
+    except (AuthError, OSError) as e:
+        print(f"chameleond: {e}", file=sys.stderr)
+        return 2
+    if ring is None:
+        log.warning(
+            "INSECURE: running without a secret; anybody who can write to Redis can publish "
+            "plans the workers obey and send events the daemon acts on (docs/security.md)"
+        )
     server = None
     url = cfg.redis_url
     if not url:
@@ -121,17 +159,20 @@ def run(cfg: Config) -> int:
             print(f"chameleond: embedded Redis: {e}", file=sys.stderr)
             return 1
         url = server.url
-        cli = f"{redis_binary('redis-cli')} -h {server.host} -p {server.port}"
         print(f"chameleond: embedded Redis at {url} (data in {server.data_dir})", flush=True)
+        # With the job's secret, the line carries that event's signature (docs/security.md).
+        line = shlex.join(redis_cli_args(url, cfg.job, "w3", "ECC error", ring))
+        print(f"chameleond: send a fault with:\n  {line}", flush=True)
+    if generated:
         print(
-            f"chameleond: send a fault with:\n  {cli} XADD {Keys(cfg.job).events} '*' "
-            'type fault worker w3 cause "ECC error"',
+            f"chameleond: the job's secret is in {generated}; start its workers with "
+            f"{SECRET_FILE_ENV}={generated}",
             flush=True,
         )
     from chameleond.daemon.service import Service
 
     async def main() -> int:
-        service = Service(cfg, spec, url)
+        service = Service(cfg, spec, url, keyring=ring)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, service.shutdown)

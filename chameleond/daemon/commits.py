@@ -20,6 +20,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
+from chameleond.auth import Keyring, signed_json
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.daemon.broadcast import Broadcaster, Commit
 from chameleond.daemon.job import Job
@@ -50,8 +51,10 @@ class Committer:
         lease: Lease,
         *,
         persist_interval_seconds: float,
+        keyring: Keyring | None = None,
     ) -> None:
         self.client = client
+        self.keyring = keyring  # signs the plan and spec documents (chameleond/auth.py)
         self.keys = keys
         self.job = job
         self.metrics = metrics
@@ -81,7 +84,7 @@ class Committer:
             # made again by the next batch (at the latest the next housekeeping tick).
             version = job.spec_version
             try:
-                await self.client.set(self.keys.spec, json.dumps(spec_document(job.spec)))
+                await self.client.set(self.keys.spec, self._signed("spec", spec_document(job.spec)))
             except (RedisError, OSError) as e:
                 self.reachability.failed(e)
                 log.warning("spec not written (%s); the next batch writes it", e)
@@ -108,7 +111,7 @@ class Committer:
         c = Commit(
             expected_generation=job.plan.generation if job.plan is not None else 0,
             generation=published.generation,
-            plan_json=json.dumps(plan_to_dict(published), separators=(",", ":")),
+            plan_json=self._signed("plan", plan_to_dict(published)),
             snapshot=job.snapshot(plan=published),
             records=[*_drain(job.records), record],
             acks=acks,
@@ -205,11 +208,14 @@ class Committer:
         seed = Commit(
             expected_generation=stored,
             generation=plan.generation,
-            plan_json=json.dumps(plan_to_dict(plan), separators=(",", ":")),
+            plan_json=self._signed("plan", plan_to_dict(plan)),
             snapshot=job.snapshot() if job.machine.generation == plan.generation else None,
         )
         await self.broadcaster.commit(seed)
         self.spec_written = -1  # write the workers' spec again
+
+    def _signed(self, kind: str, doc: dict[str, Any]) -> str:
+        return signed_json(self.keyring, kind, self.job.name, doc)
 
     async def _landed(self, c: Commit) -> bool:
         if not c.plan_json:

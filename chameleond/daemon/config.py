@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from chameleond.protocol import url_error
+
 POLICIES = ("adaptive", "reroute", "dynamic")
 
 
@@ -46,6 +48,10 @@ class Config:
     consumer: str = ""  # empty: the host name (stable, so a restart re-reads its own pending)
     decision_delay_seconds: float = 0.0  # fault injection: hold each decision before committing
     log_level: str = "info"
+    # The job's secret (docs/security.md): a file, else $CHAMELEON_SECRET; with neither, an
+    # embedded Redis gets a fresh secret in the state directory and an external one needs insecure.
+    secret_file: str = ""
+    insecure: bool = False  # run without signatures (no secret): anybody who can write Redis rules
 
     @property
     def http_host(self) -> str:
@@ -97,6 +103,11 @@ HELP: dict[str, str] = {
     "decision_delay_seconds": "fault injection for tests: hold each decision this long before "
     "committing it",
     "log_level": "debug, info, warning or error",
+    "secret_file": "file holding the job's secret (current, then optionally the previous one) "
+    "that signs plans and specs and verifies the workers' events; or the secret itself in "
+    "$CHAMELEON_SECRET",
+    "insecure": "run without a secret (no signatures): anybody who can write to the job's Redis "
+    "keys can publish plans the workers obey",
 }
 
 FIELDS = {f.name: f for f in fields(Config)}
@@ -170,10 +181,8 @@ def validate(cfg: Config) -> Config:
     host, sep, port = cfg.http.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ConfigError(f"http: {cfg.http!r} must be HOST:PORT")
-    if cfg.redis_url and not cfg.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError(
-            f"redis_url: {cfg.redis_url!r} must start with redis://, rediss:// or unix://"
-        )
+    if cfg.redis_url and (why := url_error(cfg.redis_url)) is not None:
+        raise ConfigError(f"redis_url: {why}")
     if cfg.block_ms <= 0 or cfg.block_ms >= cfg.socket_timeout_seconds * 1000 / 2:
         raise ConfigError(
             f"block_ms: {cfg.block_ms} must be > 0 and well under the socket timeout "

@@ -93,10 +93,9 @@ class Detector:
                     self.reported[worker] = now
                     log.warning("suspect %s: %s", worker, cause)
                     assert svc.client is not None
-                    await svc.client.xadd(
-                        svc.keys.events,
-                        {"type": "fault", "worker": worker, "cause": cause, "source": "detector"},
-                    )
+                    fault = {"type": "fault", "worker": worker, "cause": cause}
+                    fault["source"] = "detector"
+                    await svc.client.xadd(svc.keys.events, svc.signed(fault))  # type: ignore[arg-type]
                 for w in svc.job.expire_unconfirmed(now):
                     log.info("registration of %s expired: no profile followed it", w)
                 states = svc.job.worker_states(now, svc.cfg.heartbeat_timeout_seconds)

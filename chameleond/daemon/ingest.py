@@ -17,13 +17,14 @@ from collections.abc import Callable
 from redis.exceptions import RedisError
 
 import handlers
+from chameleond.auth import AuthError, Keyring
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.consumer import Entry, StreamConsumer
 from chameleond.daemon.decisions import Decisions
 from chameleond.daemon.job import Job
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
-from chameleond.protocol import EVENT_TYPES, Event, EventError, parse_event
+from chameleond.protocol import EVENT_TYPES, Event, EventError, check_size, parse_event, shorten
 
 log = logging.getLogger("chameleond")
 
@@ -43,6 +44,7 @@ class Ingest:
         *,
         max_deliveries: int,
         observer: EventObserver | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.job = job
         self.consumer = consumer
@@ -52,6 +54,9 @@ class Ingest:
         self.reachability = reachability  # a failed read says Redis is away
         self.max_deliveries = max_deliveries
         self.observer = observer
+        self.keyring = keyring  # verifies each event's signature; None: unauthenticated
+        self._forged_logged = 0.0  # when a refused signature was last logged (once a second)
+        self._forged_quiet = 0  # refused since then, not logged one by one
         self.last_loop = time.monotonic()  # the read loop's last turn (liveness, /healthz)
 
     async def replay_own_pending(self) -> None:
@@ -130,8 +135,16 @@ class Ingest:
                 m.count_event(kind, "invalid")
                 continue
             try:
+                self._verify(e.fields)
                 event = parse_event(e.fields)
                 outcome = handlers.dispatch(job, event, e.id, now)
+            except AuthError as err:
+                dead.append(_dead(e, e.fields, f"refused: {err}"))
+                acks.append(e.id)
+                m.count_event(kind, "invalid")
+                m.forged_counters[kind].inc()
+                self._log_forged(e.id, kind, str(err))
+                continue
             except EventError as err:
                 dead.append(_dead(e, e.fields, str(err)))
                 acks.append(e.id)
@@ -147,6 +160,22 @@ class Ingest:
                 self.observer(event, time.time())
         await self.committer.batch(acks, dead)
         self.decisions.maybe_decide()
+
+    def _verify(self, fields: dict[bytes, bytes]) -> None:
+        """The entry's signature (chameleond/auth.py); its size first, so an oversize entry is
+        refused before it costs a MAC."""
+        if self.keyring is not None:
+            check_size(fields)
+            self.keyring.verify_event(self.job.name, fields)
+
+    def _log_forged(self, entry: str, kind: str, why: str) -> None:
+        now = time.monotonic()
+        if now - self._forged_logged < 1.0:
+            self._forged_quiet += 1
+            return
+        more = f" ({self._forged_quiet} more since the last report)" if self._forged_quiet else ""
+        log.warning("refused %s event %s: %s%s", kind, entry, why, more)
+        self._forged_logged, self._forged_quiet = now, 0
 
 
 def _kind(fields: dict[bytes, bytes]) -> str:
@@ -176,7 +205,7 @@ def _dead(e: Entry, fields: dict[bytes, bytes] | dict[str, str], reason: str) ->
         out += [k, v]
     if cut:
         out += ["truncated", f"{cut} more fields not kept"]
-    return [*out, "entry", e.id, "error", reason]
+    return [*out, "entry", e.id, "error", shorten(reason)]
 
 
 def _bounded(v: str | bytes) -> str | bytes:

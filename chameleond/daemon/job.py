@@ -7,6 +7,7 @@ once the effect they caused is in Redis (`owed` holds the entries a pending deci
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -90,7 +91,9 @@ class StepMeter:
 
     def _finish(self) -> None:
         if self.reporters and self.seconds > 0 and not self.finished:
-            self.samples_per_second = self.samples / self.seconds
+            rate = self.samples / self.seconds
+            if math.isfinite(rate):  # a step of a few picoseconds is no measurement
+                self.samples_per_second = rate
         self.finished = True
 
 

@@ -16,12 +16,13 @@ from typing import Any
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import Plan
 from chameleond.core.spec import HostSpec, JobSpec, LayerProfile
-from chameleond.protocol import EventError
+from chameleond.protocol import MAX_BYTES, MAX_ID_LEN, MAX_SECONDS, EventError, shorten
 
 LAYER_FIELDS = tuple(f.name for f in fields(LayerProfile))
 _NUMERIC = tuple(n for n in LAYER_FIELDS if n != "name")
 # Fields a profile may leave out (older workers): the LayerProfile default applies.
 _OPTIONAL = frozenset({"update_seconds"})
+MAX_CORES = 1e6  # a host report's cores
 
 
 def spec_document(spec: JobSpec) -> dict[str, Any]:
@@ -55,20 +56,26 @@ def parse_profile(data: Mapping[str, Any], n_layers: int) -> dict[int, LayerProf
     layers = data.get("layers")
     if not isinstance(layers, list):
         raise EventError("profile: 'layers' must be a list")
+    if len(layers) > max(n_layers, 1):
+        raise EventError(f"profile: {len(layers)} layers listed, the job has {n_layers}")
     for pos, item in enumerate(layers):
         if not isinstance(item, Mapping):
             raise EventError(f"profile: layers[{pos}] must be an object")
         index = item.get("index", pos)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_layers:
             raise EventError(f"profile: layers[{pos}].index {index!r} is not in 0..{n_layers - 1}")
-        values: dict[str, Any] = {"name": str(item.get("name", f"layer{index}"))}
+        values: dict[str, Any] = {"name": shorten(str(item.get("name", f"layer{index}")), 128)}
         for name in _NUMERIC:
             if name in _OPTIONAL and name not in item:
                 continue
             v: Any = item.get(name)
             number = isinstance(v, int | float) and not isinstance(v, bool)
-            if not number or not math.isfinite(v) or v < 0:
-                raise EventError(f"profile: layers[{pos}].{name} must be a number >= 0, got {v!r}")
+            bound = MAX_SECONDS if name.endswith("seconds") else MAX_BYTES
+            if not number or not math.isfinite(v) or not 0 <= v <= bound:
+                raise EventError(
+                    f"profile: layers[{pos}].{name} must be a number in 0..{bound:g}, "
+                    f"got {shorten(repr(v), 64)}"
+                )
             values[name] = v if name.endswith("seconds") else int(v)
         out[index] = LayerProfile(**values)
     return out
@@ -125,7 +132,7 @@ class HostReport:
 def _positive(raw: Mapping[str, Any], key: str, *, zero: bool = False) -> float:
     v: Any = raw.get(key)
     number = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-    if not number or v < 0 or (v == 0 and not zero):
+    if not number or not 0 <= v <= MAX_CORES or (v == 0 and not zero):
         bound = ">= 0" if zero else "> 0"
         raise EventError(f"profile: host.{key} must be a number {bound}, got {v!r}")
     return float(v)
@@ -137,8 +144,9 @@ def parse_host_report(data: Mapping[str, Any]) -> HostReport | None:
     raw = data.get("host")
     if raw is None:
         return None
-    if not isinstance(raw, Mapping) or not isinstance(raw.get("name"), str):
-        raise EventError("profile: 'host' must be an object with a 'name'")
+    name = raw.get("name") if isinstance(raw, Mapping) else None
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_ID_LEN:
+        raise EventError(f"profile: 'host' must be an object with a 'name' (<= {MAX_ID_LEN})")
     step = _positive(raw, "step_cpu_seconds", zero=True) if "step_cpu_seconds" in raw else None
     return HostReport(raw["name"], _positive(raw, "cores"), _positive(raw, "busy_cores"), step)
 

@@ -27,6 +27,13 @@ class Metrics:
             ["type", "outcome"],
             registry=r,
         )
+        self.forged = Counter(
+            "chameleon_forged_messages",
+            "Events refused because they were unsigned or their signature did not verify "
+            "(docs/security.md), by type.",
+            ["kind"],
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "chameleon_decision_seconds",
             "Time from a fault received to its plan published.",
@@ -104,6 +111,7 @@ class Metrics:
             for kind in (*EVENT_TYPES, "unknown")
             for outcome in OUTCOMES
         }
+        self.forged_counters = {k: self.forged.labels(k) for k in (*EVENT_TYPES, "unknown")}
         for policy in POLICY_LABELS:
             self.policy_decisions.labels(policy)
             self.recovery_seconds.labels(policy)

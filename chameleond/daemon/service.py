@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from chameleond.auth import SIG_FIELD, AuthError, Keyring, signed_json
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
@@ -56,8 +57,11 @@ class Service:
         notifier: Notifier | None = None,
         observer: EventObserver | None = None,
         http: bool = True,
+        keyring: Keyring | None = None,
     ) -> None:
         self.cfg = cfg
+        # Signs plans and specs, verifies the workers' events; None: unauthenticated (--insecure)
+        self.keyring = keyring
         self.keys = Keys(cfg.job)
         self.redis_url = redis_url
         self.metrics = metrics or Metrics()
@@ -149,13 +153,13 @@ class Service:
             reachability = self.reachability = Reachability(self.metrics)
             committer = Committer(
                 client, self.keys, job, self.metrics, reachability, lease,
-                persist_interval_seconds=cfg.persist_interval_seconds,
+                persist_interval_seconds=cfg.persist_interval_seconds, keyring=self.keyring,
             )  # fmt: skip
             self.broadcaster = committer.broadcaster
             decisions = self.decisions = Decisions(job, cfg, committer, self.metrics)
             ingest = self.ingest = Ingest(
                 job, consumer, committer, decisions, self.metrics, reachability,
-                max_deliveries=cfg.max_deliveries, observer=self.observer,
+                max_deliveries=cfg.max_deliveries, observer=self.observer, keyring=self.keyring,
             )  # fmt: skip
             self.ready = True
             self.refresh_gauges()
@@ -245,42 +249,73 @@ class Service:
                 )
             log.info("resumed job=%s generation=%d phase=%s", self.cfg.job, stored,
                      job.machine.phase)  # fmt: skip
-        await client.set(k.spec, json.dumps(spec_document(job.spec)))
+        await client.set(
+            k.spec, signed_json(self.keyring, "spec", self.cfg.job, spec_document(job.spec))
+        )
 
     async def _restore_plan(
         self, client: aioredis.Redis, committed: dict[str, Any] | None
     ) -> Plan | None:
         """The current plan: the copy the last commit put in the snapshot. The plan key should
-        hold the same; when it does not, somebody else wrote it (a forged or stray plan), and it
-        is written again from the snapshot so that the daemon and the workers agree. A
-        snapshot from before it held the plan falls back to the key."""
+        hold the same, signed; when it does not, somebody else wrote it (a forged or stray
+        plan), and it is written again from the snapshot, so the daemon and the workers agree
+        and no client can keep the daemon from starting. A snapshot from before it held the
+        plan falls back to the key, which must then verify."""
         k = self.keys
         raw = await client.get(k.plan)
         if committed is None:
-            if raw is None:
-                return None
-            try:
-                return plan_from_dict(json.loads(raw))
-            except (PlanError, ValueError) as e:
-                raise RuntimeError(f"{k.plan} does not decode: {e}") from e
+            return self._plan_from_key(raw) if raw is not None else None
         try:
             plan = plan_from_dict(committed)
         except PlanError as e:
             raise RuntimeError(f"{k.state} snapshot: its plan does not decode: {e}") from e
-        try:
-            stored = json.loads(raw) if raw is not None else None
-        except ValueError:
-            stored = None
-        if stored != committed:
-            found = stored.get("generation") if isinstance(stored, dict) else None
+        why = self._plan_key_differs(raw, committed)
+        if why:
             log.error(
-                "the plan under %s is not the one this job published (generation %s there, %d "
-                "committed): writing generation %d again", k.plan, found, plan.generation,
-                plan.generation,
+                "the plan under %s is not the one this job published (%s): writing generation "
+                "%d again", k.plan, why, plan.generation,
             )  # fmt: skip
-            await client.set(k.plan, json.dumps(committed, separators=(",", ":")))
+            await client.set(k.plan, signed_json(self.keyring, "plan", self.cfg.job, committed))
             await client.publish(k.plans_channel, str(plan.generation))
         return plan
+
+    def _plan_key_differs(self, raw: bytes | str | None, committed: dict[str, Any]) -> str:
+        """Why the plan key is not the committed plan, signed by this job ("" when it is)."""
+        if raw is None:
+            return "it is missing"
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return "it does not decode"
+        if not isinstance(doc, dict):
+            return "it is no plan"
+        body = {key: v for key, v in doc.items() if key != SIG_FIELD}
+        if body != committed:
+            found = body.get("generation")
+            return f"generation {found!r} there, {committed['generation']} committed"
+        if self.keyring is not None:
+            try:
+                self.keyring.verify_doc("plan", self.cfg.job, doc)
+            except AuthError as e:
+                return f"its signature: {e}"
+        return ""
+
+    def _plan_from_key(self, raw: bytes | str) -> Plan:
+        k = self.keys
+        try:
+            doc = json.loads(raw)
+            if self.keyring is not None:
+                # The next decision starts from this plan: one written by anybody but this
+                # job's daemons must not steer it.
+                self.keyring.verify_doc("plan", self.cfg.job, doc)
+            return plan_from_dict(doc)
+        except (PlanError, ValueError) as e:  # AuthError is a ValueError
+            kind = (
+                "is not signed by this job's secret"
+                if isinstance(e, AuthError)
+                else ("does not decode")
+            )
+            raise RuntimeError(f"{k.plan} {kind}: {e}") from e
 
     # ---- periodic ------------------------------------------------------------------------------
 
@@ -301,6 +336,11 @@ class Service:
             except (RedisError, OSError) as e:
                 log.warning("housekeeping: %s", e)
             self.refresh_gauges()
+
+    def signed(self, fields: dict[str, str]) -> dict[str, str]:
+        """An event this daemon writes to its own stream (the detector's faults), signed as the
+        workers sign theirs, so that it passes the same check."""
+        return self.keyring.sign_event(self.cfg.job, fields) if self.keyring else fields
 
     # ---- views (HTTP, detector) --------------------------------------------------------------
 

@@ -4,7 +4,9 @@ leader and a standby), and the workers' side of the protocol without training.
 `Daemon` is a real `chameleond run` process, killed with a real SIGKILL. `PlanFollowers` does
 what the workers of a job do towards the daemon and nothing more: register, heartbeat every
 0.5 s, and acknowledge each plan that includes them, reading the plans with the workers' own
-`PlanWatcher`; a worker `kill`ed here goes silent as a killed process would. Faults, storms, fuzzed
+`PlanWatcher`; a worker `kill`ed here goes silent as a killed process would. Both hold the job's
+secret (chameleond/auth.py): the daemon through $CHAMELEON_SECRET, the followers sign what they
+send and their watcher refuses plans that do not verify, as workers do. Faults, storms, fuzzed
 and forged messages are written by the trial itself (chameleond/cli/bench_chaos.py).
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 import redis
 
+from chameleond.auth import SECRET_ENV, Keyring
 from chameleond.protocol import REDIS_URL_ENV, Keys
 from chameleond.redis_server import free_port
 from workers.events import PlanWatcher
@@ -35,8 +38,11 @@ TICK_SECONDS = 0.05
 class Daemon:
     """`chameleond run` on one job under a consumer name of its own; output in a log file."""
 
-    def __init__(self, redis_url: str, job: str, consumer: str, run_dir: Path, *args: str) -> None:
+    def __init__(
+        self, redis_url: str, job: str, consumer: str, run_dir: Path, secret: str, *args: str
+    ) -> None:
         self.redis_url = redis_url
+        self.secret = secret
         self.job = job
         self.consumer = consumer
         self.args = list(args)
@@ -50,9 +56,10 @@ class Daemon:
             sys.executable, "-m", "chameleond.daemon.cli", "run", "--job", self.job,
             "--http", f"127.0.0.1:{self.port}", "--consumer", self.consumer, *self.args,
         ]  # fmt: skip
-        env = {**os.environ, REDIS_URL_ENV: self.redis_url, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, REDIS_URL_ENV: self.redis_url, SECRET_ENV: self.secret}
+        env["OMP_NUM_THREADS"] = "1"
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(  # noqa: S603 - this interpreter and its daemon, no shell
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env
             )
         return self
@@ -116,11 +123,15 @@ class PlanFollowers(threading.Thread):
     """The workers of a job, as the daemon sees them: registered, heartbeating, acknowledging
     every plan that includes them. Redis errors are waited out (a restart of Redis)."""
 
-    def __init__(self, redis_url: str, job: str, workers: list[str], memory_bytes: int) -> None:
+    def __init__(
+        self, redis_url: str, job: str, workers: list[str], memory_bytes: int, keyring: Keyring
+    ) -> None:
         super().__init__(name=f"followers-{job}", daemon=True)
+        self.job = job
         self.keys = Keys(job)
+        self.keyring = keyring
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
-        self.watcher = PlanWatcher(self.client, job)
+        self.watcher = PlanWatcher(self.client, job, keyring)
         self.workers = list(workers)
         self.memory_bytes = memory_bytes
         self.alive = set(workers)
@@ -139,7 +150,8 @@ class PlanFollowers(threading.Thread):
         self.client.close()
 
     def _send(self, fields: dict[str, str]) -> None:
-        self.client.xadd(self.keys.events, fields)  # type: ignore[arg-type]
+        signed = self.keyring.sign_event(self.job, fields)
+        self.client.xadd(self.keys.events, signed)  # type: ignore[arg-type]
 
     def run(self) -> None:
         registered = False

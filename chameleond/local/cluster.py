@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from chameleond.auth import SECRET_ENV, SECRET_FILE_ENV, Keyring, new_secret_file
 from chameleond.protocol import REDIS_URL_ENV
 from chameleond.redis_server import RedisServer, free_port
 
@@ -112,6 +113,11 @@ class LocalCluster:
         # Keep each process to one thread: six workers on a 2-core machine must not oversubscribe.
         self.env.setdefault("OMP_NUM_THREADS", "1")
         self.env.setdefault("PYTHONUNBUFFERED", "1")
+        # The job's secret (docs/security.md): the caller's, else a fresh one for this run, handed
+        # to the daemon and every worker through the environment.
+        if not (self.env.get(SECRET_ENV) or self.env.get(SECRET_FILE_ENV)):
+            self.env[SECRET_FILE_ENV] = str(new_secret_file(self.run_dir / "secret").resolve())
+        self.keyring = Keyring.configured(self.env)
         self.redis: RedisServer | None = None
         self._external_redis = redis_url
         self.http_port = free_port()
@@ -167,7 +173,7 @@ class LocalCluster:
         logs.mkdir(parents=True, exist_ok=True)
         child = Child(name, argv, logs / f"{name}.log")
         child.log = child.log_path.open("ab")  # type: ignore[assignment]
-        child.proc = subprocess.Popen(
+        child.proc = subprocess.Popen(  # noqa: S603 - argv built from this project's commands, no shell
             argv,
             stdin=subprocess.DEVNULL,
             stdout=child.log,

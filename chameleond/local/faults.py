@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
+from chameleond.auth import Keyring
 from chameleond.protocol import MAX_ID_LEN, Keys
 from chameleond.redis_server import redis_binary
 
@@ -137,8 +138,11 @@ _TLS_FLAGS = {
 }
 
 
-def redis_cli_args(redis_url: str, job: str, worker: str, cause: str) -> list[str]:
-    """The argv of the redis-cli line an operator would type to report a fault.
+def redis_cli_args(
+    redis_url: str, job: str, worker: str, cause: str, keyring: Keyring | None = None
+) -> list[str]:
+    """The argv of the redis-cli line an operator would type to report a fault; with the job's
+    keyring it carries the event's signature (`sig`, docs/security.md).
 
     redis-cli reads neither a URL's query nor TLS settings in it: a rediss:// URL's certificates
     become --tls flags, and the query is dropped.
@@ -153,13 +157,18 @@ def redis_cli_args(redis_url: str, job: str, worker: str, cause: str) -> list[st
             elif key == "ssl_cert_reqs" and value.lower() == "none":
                 cli.append("--insecure")
     cli += ["-u", urlunsplit(url._replace(query="", fragment=""))]
-    return [*cli, "XADD", Keys(job).events, "*", "type", "fault", "worker", worker, "cause", cause]
+    event = {"type": "fault", "worker": worker, "cause": cause}
+    if keyring is not None:
+        event = keyring.sign_event(job, event)
+    return [*cli, "XADD", Keys(job).events, "*", *(x for kv in event.items() for x in kv)]
 
 
-def send_fault_event(redis_url: str, job: str, worker: str, cause: str) -> str:
+def send_fault_event(
+    redis_url: str, job: str, worker: str, cause: str, keyring: Keyring | None = None
+) -> str:
     """XADD a fault event through redis-cli itself; returns the stream entry id."""
-    proc = subprocess.run(
-        redis_cli_args(redis_url, job, worker, cause),
+    proc = subprocess.run(  # noqa: S603 - argv of redis-cli built here, no shell
+        redis_cli_args(redis_url, job, worker, cause, keyring),
         capture_output=True,
         text=True,
         timeout=10,

@@ -155,7 +155,9 @@ class LocalRun:
             at = cluster.kill_worker(f.worker)
             self.progress.note(f"fault: kill -9 {f.worker} (pid {child.pid}) at {f.when}")
         else:
-            entry = send_fault_event(cluster.redis_url, self.opts.job, f.worker, cause)
+            entry = send_fault_event(
+                cluster.redis_url, self.opts.job, f.worker, cause, cluster.keyring
+            )
             at = entry_seconds(entry)
             self.progress.note(f"fault: redis-cli XADD fault event for {f.worker} at {f.when}")
         self.injections.append(Injection(at, f.worker, f.action, cause, f.when))

@@ -1,0 +1,129 @@
+"""The daemon and signed events (docs/security.md): unsigned, forged, wrong-key and other-job
+events are dead-lettered and counted, and change nothing; the job goes on with signed ones; the
+previous key is accepted during a rotation; a plan key nobody signed is not resumed from; an
+external Redis without a secret needs --insecure."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import redis
+from daemon_harness import Daemon, Workers, keyring, signed, wait_for
+
+from chameleond.auth import SECRET_ENV, SECRET_PREVIOUS_ENV, Keyring, key_id
+from chameleond.redis_server import RedisServer, free_port
+
+EVENTS, DEAD, PLAN = "chameleon:default:events", "chameleon:default:dead", "chameleon:default:plan"
+
+
+def test_forged_events_are_dead_lettered_counted_and_change_nothing(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    daemon = Daemon(redis_server.url, tmp_path).start()
+    try:
+        daemon.wait_ready()
+        workers = Workers(client)
+        workers.run_first_plan()
+        fault = {"type": "fault", "worker": "w2", "cause": "forged"}
+        stranger = Keyring((secrets.token_hex(16).encode(),))
+        tampered = {**signed(fault), "worker": "w3"}
+        forged = [
+            fault,  # unsigned
+            stranger.sign_event("default", fault),  # a key the job does not hold
+            tampered,  # signed, then changed
+            signed(fault, job="other"),  # another job's
+            {**fault, "sig": "nonsense"},
+        ]
+        ids = [client.xadd(EVENTS, f) for f in forged]  # type: ignore[arg-type]
+        wait_for(lambda: client.xlen(DEAD) == len(forged), 15, "the forged events dead-lettered")
+        reasons = {e["entry"]: e["error"] for _, e in client.xrange(DEAD)}
+        assert reasons[ids[0]] == "refused: unsigned"
+        assert reasons[ids[1]].startswith("refused: signed with an unknown key")
+        assert reasons[ids[2]].startswith("refused: bad signature")
+        assert reasons[ids[3]].startswith("refused: bad signature")
+        assert reasons[ids[4]].startswith("refused: signed with an unknown key")
+        forged_total = 'chameleon_forged_messages_total{kind="fault"}'
+        assert daemon.metric(forged_total) == len(forged)
+        assert "refused fault event" in daemon.output()
+        assert workers.generation() == 1 and daemon.status()["failed"] == []
+        workers.send(**fault)  # the same fault, signed: it counts
+        wait_for(lambda: workers.generation() == 2, 15, "a plan for the signed fault")
+        assert daemon.status()["failed"] == ["w2"]
+    finally:
+        daemon.stop()
+        client.close()
+
+
+def test_rotation_accepts_the_previous_key_and_signs_with_the_new_one(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    old = os.environ[SECRET_ENV]
+    new = secrets.token_hex(16)
+    daemon = Daemon(redis_server.url, tmp_path).start()
+    try:
+        daemon.wait_ready()
+        Workers(client).run_first_plan()
+        daemon.terminate()
+        rotated = {SECRET_ENV: new, SECRET_PREVIOUS_ENV: old}
+        daemon = Daemon(redis_server.url, tmp_path).start(env=rotated).wait_ready()
+        # Workers not restarted yet still sign with the old key: accepted.
+        client.xadd(EVENTS, signed({"type": "fault", "worker": "w4", "cause": "old key"}))
+        wait_for(lambda: Workers(client).generation() == 2, 15, "a plan for the old-key fault")
+        plan = json.loads(client.get(PLAN) or "{}")
+        assert plan["sig"].split(".")[0] == key_id(new.encode())
+        Keyring((new.encode(),)).verify_doc("plan", "default", plan)
+        assert client.xlen(DEAD) == 0
+    finally:
+        daemon.stop()
+        client.close()
+
+
+def test_a_plan_key_nobody_signed_is_not_resumed_from(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The daemon resumes from the plan its last commit put in the snapshot, and writes it,
+    signed, over the one somebody else wrote: a client cannot steer it, nor keep it from
+    starting."""
+    client = redis.Redis.from_url(redis_server.url, decode_responses=True)
+    daemon = Daemon(redis_server.url, tmp_path).start()
+    try:
+        daemon.wait_ready()
+        Workers(client).run_first_plan()
+        daemon.kill()
+        plan = json.loads(client.get(PLAN) or "{}")
+        plan["excluded"] = ["w0", "w1"]  # written by somebody without the secret
+        client.set(PLAN, json.dumps(plan))
+        daemon = Daemon(redis_server.url, tmp_path).start().wait_ready()
+        assert "chameleon:default:plan is not the one this job published" in daemon.output()
+        genuine = json.loads(client.get(PLAN) or "{}")
+        keyring().verify_doc("plan", "default", genuine)
+        assert genuine == keyring().sign_doc("plan", "default", {**plan, "excluded": []})
+        assert daemon.status()["generation"] == 1
+    finally:
+        daemon.stop()
+        client.close()
+
+
+def test_an_external_redis_without_a_secret_needs_insecure(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHAMELEON_SECRET")}
+    argv = [sys.executable, "-m", "chameleond.daemon.cli", "run", "--redis-url", redis_server.url,
+            "--http", f"127.0.0.1:{free_port()}"]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.startswith("chameleond: no secret for an external Redis")
+    assert len(r.stderr.strip().splitlines()) == 1
+    daemon = Daemon(redis_server.url, tmp_path, "--insecure")
+    try:
+        daemon.start(env={SECRET_ENV: ""}).wait_ready()
+        assert "INSECURE" in daemon.output()
+    finally:
+        daemon.stop()
