@@ -38,3 +38,22 @@ def test_a_bad_url_is_a_one_line_usage_error_without_the_password(
     assert "Traceback" not in out
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) == 1 and "redis" in lines[0].lower(), out
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["chameleond.daemon.cli"],
+        ["chameleond.daemon.cli", "run", "--block-ms", "soon"],
+        ["chameleond.cli.ctl", "status", "--bogus"],
+        ["chameleond.cli.ctl", "inject"],
+        ["chameleond.cli.ctl", "bench", "nothing"],
+        ["workers.main", "--group-timeout", "x"],
+    ],
+)
+def test_a_bad_argument_is_a_one_line_usage_error(argv: list[str], tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", *argv], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert r.returncode == 2 and r.stdout == ""
+    assert len(r.stderr.strip().splitlines()) == 1 and ": error: " in r.stderr, r.stderr

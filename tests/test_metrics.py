@@ -28,6 +28,7 @@ NAMES = {
     "chameleon_job_state": "gauge",
     "chameleon_checkpoint_step": "gauge",
     "chameleon_leader": "gauge",
+    "chameleon_forged_messages": "counter",
 }
 
 

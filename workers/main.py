@@ -30,6 +30,7 @@ import torch.distributed as dist
 from chameleond.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url, url_error
+from chameleond.usage import Parser
 from workers.backend import (
     BackendUnavailable,
     DeviceChoice,
@@ -60,7 +61,7 @@ class _Stop(BaseException):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="chameleon-worker",
         description="Train one slot of a chameleond job: profile, register, follow the plans.",
         epilog="exit codes: 0 fenced, finished or stopped by a signal; 2 bad command line; "

@@ -8,6 +8,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from chameleond.usage import Parser
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("chameleond.cli.up", "run a whole fault-tolerant training job locally and report"),
     "status": ("chameleond.cli.status", "show the job's state, plan, workers and last decisions"),
@@ -18,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chameleonctl", description=__doc__)
+    parser = Parser(prog="chameleonctl", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         mod = importlib.import_module(module)

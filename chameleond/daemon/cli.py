@@ -31,6 +31,7 @@ from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
 from chameleond.local.faults import redis_cli_args
 from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.redis_server import RedisServer
+from chameleond.usage import Parser
 
 log = logging.getLogger("chameleond")
 
@@ -59,7 +60,7 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="chameleond", description=__doc__)
+    parser = Parser(prog="chameleond", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = sub.add_parser(
         "run", help="run the daemon", description="Run the daemon in the foreground. " + __doc__
