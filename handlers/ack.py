@@ -1,8 +1,9 @@
 """`ack`: a worker's answer to a plan generation. phase=ready: it built the generation's process
-groups and finished migration. phase=stopped: fenced, it stopped. phase=unrestorable: the plan is
-a `restore` and the worker cannot load its layers from the checkpoint of `step` (files missing or
-unreadable there); the restore is decided again from an older checkpoint, and the entry is
-acknowledged with that decision."""
+groups and finished migration. phase=stopped: it stopped: fenced, or on its own as a member of
+the plan (`reason` finished: it committed its last step; left: stopped by a signal), which is
+no failure. phase=unrestorable: the plan is a `restore` and the worker cannot load its layers
+from the checkpoint of `step` (files missing or unreadable there); the restore is decided again
+from an older checkpoint, and the entry is acknowledged with that decision."""
 
 from __future__ import annotations
 
@@ -26,15 +27,10 @@ if TYPE_CHECKING:
 @handles("ack")
 def handle_ack(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
     generation = reported_generation(job, event)
-    rec = job.workers[event.worker]
-    rec.last_heartbeat = now
+    job.heard(event.worker, now)
     phase = event.get("phase")
     if phase == "stopped":
-        if rec.stopped_generation >= generation:
-            return DUPLICATE
-        rec.stopped_generation = generation
-        job.dirty = True
-        return HANDLED
+        return _stopped(job, event, entry_id, generation, now)
     if phase == "unrestorable":
         return _unrestorable(job, event, entry_id, generation, now)
     if event.worker in job.machine.plan_workers:  # a member's rebuilds, nobody else's
@@ -44,6 +40,37 @@ def handle_ack(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
     if not acked:
         return DUPLICATE
     job.dirty = True
+    return HANDLED
+
+
+def _stopped(job: Job, event: Event, entry_id: str, generation: int, now: float) -> Outcome:
+    """A worker stopped. Fenced (outside the plan it names): it obeyed. A member of the current
+    plan stopping on its own finished its steps, or left (`reason=left`): it is never declared
+    failed, and one that left is taken out of the plans like a fault, without counting one."""
+    rec = job.workers[event.worker]
+    m = job.machine
+    member = (
+        generation == m.generation
+        and event.worker in m.plan_workers
+        and not job.declared_failed(event.worker)
+    )
+    reason = event.get("reason", "")
+    if not member or (rec.ended and rec.stopped_generation >= generation):
+        if rec.stopped_generation >= generation:
+            return DUPLICATE
+        rec.stopped_generation = generation
+        job.dirty = True
+        return HANDLED
+    rec.stopped_generation = generation
+    rec.ended = "left" if reason == "left" else "finished"
+    job.dirty = True
+    if rec.ended == "finished":
+        return HANDLED  # its peers finish at the same step: nothing to decide
+    new, transitions = m.fault(event.worker, "left the job", now)
+    job.record(transitions)
+    if new and job.pending(event.worker):
+        job.owe(event.worker, entry_id)  # acknowledged with the plan that lets it go
+        return HANDLED_OWED
     return HANDLED
 
 

@@ -13,8 +13,6 @@ if TYPE_CHECKING:
 
 @handles("heartbeat")
 def handle_heartbeat(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    rec = job.workers.get(event.worker)
-    if rec is not None:
-        rec.last_heartbeat = now
     # A heartbeat from an unknown worker is harmless noise: counted, not dead-lettered.
+    job.heard(event.worker, now)
     return HANDLED

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from chameleond.core.machine import Phase
+from chameleond.core.spec import JobSpec, LayerProfile
 from chameleond.daemon.jobspec import fold_profile
 from chameleond.protocol import Event, EventError
 from handlers import DUPLICATE, HANDLED, Outcome, handles
+from handlers.register import admitted
 
 if TYPE_CHECKING:
     from chameleond.daemon.job import Job
@@ -18,16 +21,33 @@ if TYPE_CHECKING:
 
 @handles("profile")
 def handle_profile(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    if not job.knows(event.worker):
+    held = job.unconfirmed.get(event.worker)
+    if not job.knows(event.worker) and held is None:
         raise EventError(f"profile from {event.worker!r}, not a worker of job {job.name!r}")
     data = json.loads(event.get("data"))  # parse_event checked: an object with 'layers'
+    if held is not None:
+        # The profile a worker outside the spec sends after `register` confirms it (a bad one
+        # raises and leaves the registration held).
+        job.confirm(event.worker)
+        try:
+            spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
+        except (EventError, ValueError, KeyError, TypeError):
+            job.unconfirm(event.worker, held)
+            raise
+        _fold(job, event.worker, spec, profile)
+        if job.machine.phase is Phase.WAITING:
+            return HANDLED
+        return admitted(job, event.worker, entry_id, now, changed=True)
     # Held in the job's base spec: a measurement like the profiles, re-sent periodically, so a
     # restarted daemon has it again within one reporting period.
     spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
-    rec = job.worker(event.worker)
-    if rec.profile == profile and not has_host:
+    if job.worker(event.worker).profile == profile and not has_host:
         return DUPLICATE
-    rec.profile = profile
+    _fold(job, event.worker, spec, profile)
+    return HANDLED
+
+
+def _fold(job: Job, worker: str, spec: JobSpec, profile: dict[int, LayerProfile]) -> None:
+    job.worker(worker).profile = profile
     job.base_spec = spec
     job.spec_changed()
-    return HANDLED

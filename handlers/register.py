@@ -1,5 +1,10 @@
 """`register`: a worker announces itself (host, device, memory). Before the initial plan this
-counts towards --min-workers; afterwards a worker outside the current plan is a join."""
+counts towards --min-workers; afterwards a worker outside the current plan is a join.
+
+A worker the spec does not list becomes one of the job's workers only once its profile follows
+(workers send `register` then `profile`, workers/startup.py): until then its registration is held
+(`Job.unconfirmed`), for at most the registration TTL and with at most UNCONFIRMED_MAX held at
+once, so registrations nobody follows up can neither pile up nor be planned in."""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from chameleond.core.machine import Phase
 from chameleond.core.spec import WorkerSpec
-from chameleond.protocol import Event
+from chameleond.daemon.job import UNCONFIRMED_MAX, Registration
+from chameleond.protocol import Event, EventError
 from handlers import DUPLICATE, HANDLED, Outcome, handles
 from handlers.rejoin import join
 
@@ -17,21 +23,34 @@ if TYPE_CHECKING:
 
 @handles("register")
 def handle_register(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    rec = job.worker(event.worker)
     host, device = event.get("host"), event.get("device", "cpu") or "cpu"
     memory = int(event.get("memory_bytes"))
+    if not job.knows(event.worker):
+        if not job.await_profile(event.worker, Registration(host, memory, device, now)):
+            raise EventError(
+                f"register from {event.worker!r}, not a worker of the spec: "
+                f"{UNCONFIRMED_MAX} registrations already wait for their profile"
+            )
+        return HANDLED
+    rec = job.worker(event.worker)
     known = (rec.host, rec.device, rec.memory_bytes, rec.registered)
     changed = known != (host, device, memory, True)
     rec.host, rec.device, rec.memory_bytes, rec.registered = host, device, memory, True
+    ended = bool(rec.ended)
+    job.new_process(event.worker)
     rec.last_heartbeat = now
-    in_spec = any(w.id == event.worker for w in job.base_spec.workers)
-    if not in_spec and changed:
-        # A new worker: the planner needs its host and memory to place anything on it.
+    if event.worker in job.extra_workers and changed:
         job.extra_workers[event.worker] = WorkerSpec(event.worker, host, memory, device)
-    if changed:
+    if changed or ended:
         job.spec_changed()
     if job.machine.phase is Phase.WAITING:
         return HANDLED if changed else DUPLICATE
-    outcome = join(job, event.worker, entry_id, now)
+    return admitted(job, event.worker, entry_id, now, changed)
+
+
+def admitted(job: Job, worker: str, entry_id: str, now: float, changed: bool) -> Outcome:
+    """A registered worker (of the spec, or confirmed by its profile) outside the current plan
+    is a join."""
+    outcome = join(job, worker, entry_id, now)
     # The registration itself is new information even when the join is not.
     return HANDLED if changed and outcome.duplicate else outcome

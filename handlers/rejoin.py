@@ -34,5 +34,6 @@ def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
 def handle_rejoin(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
     if not job.knows(event.worker) or not job.workers[event.worker].registered:
         raise EventError(f"rejoin from {event.worker!r}, which never registered: send register")
+    job.new_process(event.worker)
     job.worker(event.worker).last_heartbeat = now
     return join(job, event.worker, entry_id, now)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 @handles("step")
 def handle_step(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
     generation = reported_generation(job, event)
-    job.workers[event.worker].last_heartbeat = now  # a committed step is as good as a heartbeat
+    job.heard(event.worker, now)  # a committed step is as good as a heartbeat
     if generation == job.machine.generation and event.worker not in job.machine.plan_workers:
         return DUPLICATE  # a fenced worker's last step: not part of the plan's throughput
     fresh = job.observe_step(

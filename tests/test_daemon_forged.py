@@ -88,6 +88,9 @@ def test_rotation_accepts_the_previous_key_and_signs_with_the_new_one(
 def test_a_plan_key_nobody_signed_is_not_resumed_from(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
+    """The daemon resumes from the plan its last commit put in the snapshot, and writes it,
+    signed, over the one somebody else wrote: a client cannot steer it, nor keep it from
+    starting."""
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     daemon = Daemon(redis_server.url, tmp_path).start()
     try:
@@ -97,10 +100,12 @@ def test_a_plan_key_nobody_signed_is_not_resumed_from(
         plan = json.loads(client.get(PLAN) or "{}")
         plan["excluded"] = ["w0", "w1"]  # written by somebody without the secret
         client.set(PLAN, json.dumps(plan))
-        daemon = Daemon(redis_server.url, tmp_path).start()
-        assert daemon.proc is not None and daemon.proc.wait(timeout=40) == 1
-        assert "chameleon:default:plan is not signed by this job's secret" in daemon.output()
-        keyring().verify_doc("plan", "default", {**plan, "excluded": []})  # the genuine one
+        daemon = Daemon(redis_server.url, tmp_path).start().wait_ready()
+        assert "chameleon:default:plan is not the one this job published" in daemon.output()
+        genuine = json.loads(client.get(PLAN) or "{}")
+        keyring().verify_doc("plan", "default", genuine)
+        assert genuine == keyring().sign_doc("plan", "default", {**plan, "excluded": []})
+        assert daemon.status()["generation"] == 1
     finally:
         daemon.stop()
         client.close()

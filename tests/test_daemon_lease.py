@@ -4,10 +4,12 @@ writing; a clean stop hands the lease over at once."""
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import WORKERS, Daemon, Generations, Workers, wait_for
 
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
@@ -89,3 +91,89 @@ def test_a_daemon_whose_lease_was_taken_stops_without_writing(
         assert pending or _stamp(delivered) < _stamp(fault)  # it waits for the daemon that leads
     finally:
         daemon.stop()
+
+
+def _decisions_for(workers: Workers, generation: int) -> list[dict[str, str]]:
+    return [
+        d
+        for d in workers.decisions()
+        if d.get("kind") == "decision" and d.get("generation") == str(generation)
+    ]
+
+
+def test_the_leader_killed_mid_decision_hands_over_within_the_lease(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """kill -9 while a fault's decision is held: the standby sees the leader's connections gone,
+    takes the lease before it lapses, claims the fault left in flight at once (not after
+    claim_idle_seconds) and answers it with exactly one plan."""
+    lease = "4"
+    args = ("--lease-seconds", lease, "--socket-timeout-seconds", "2", "--block-ms", "500")
+    leader = Daemon(redis_server.url, tmp_path, *args, "--decision-delay-seconds", "30").start()
+    standby = Daemon(redis_server.url, tmp_path, *args, "--consumer", "standby")
+    workers = Workers(redis_client)
+    seen = Generations(redis_server.url)
+    try:
+        leader.wait_ready()
+        workers.run_first_plan()
+        wait_for(lambda: leader.status()["state"] == "training", 15, "training")
+        standby.start()
+        wait_for(lambda: standby.get("/readyz")[0] == 503, 15, "the standby's HTTP")
+        fault = workers.send(type="fault", worker="w1", cause="ECC error")
+        wait_for(lambda: leader.status()["state"] == "planning", 15, "the leader deciding")
+        held = redis_client.xpending_range(KEYS.events, "chameleond", fault, fault, 1)
+        assert held and held[0]["consumer"] == "test-daemon"  # in flight at the leader
+
+        leader.kill()
+        killed = time.monotonic()
+        wait_for(lambda: standby.get("/readyz")[0] == 200, 30, "the standby taking over")
+        takeover = time.monotonic() - killed
+        wait_for(lambda: workers.generation() == 2, 30, "generation 2 from the standby")
+        planned = time.monotonic() - killed
+        assert takeover < float(lease), f"took over {takeover:.2f} s after the kill"
+        assert planned < float(lease), f"first plan {planned:.2f} s after the kill"
+
+        plan = workers.plan()
+        assert plan is not None and plan["excluded"] == ["w1"]
+        answered = _decisions_for(workers, 2)
+        assert len(answered) == 1 and "w1" in answered[0]["faults"]
+        assert not redis_client.xpending_range(KEYS.events, "chameleond", fault, fault, 1)
+        time.sleep(1.0)
+        assert workers.generation() == 2 and seen.seen.count(2) >= 1 and 3 not in seen.seen
+        assert "claimed 1 in-flight entries" in standby.output()
+    finally:
+        seen.close()
+        leader.stop()
+        standby.stop()
+
+
+def test_a_stalled_leader_that_wakes_up_after_the_takeover_decides_nothing(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    """SIGSTOP keeps the leader's connections open, so the standby waits for the lease to lapse;
+    the old leader, resumed after the takeover with its decision in hand, cannot commit it: the
+    fault is answered once, by the new leader."""
+    args = ("--lease-seconds", "3", "--socket-timeout-seconds", "1.5", "--block-ms", "500")
+    leader = Daemon(redis_server.url, tmp_path, *args, "--decision-delay-seconds", "2").start()
+    standby = Daemon(redis_server.url, tmp_path, *args, "--consumer", "standby")
+    workers = Workers(redis_client)
+    try:
+        leader.wait_ready()
+        workers.run_first_plan()
+        wait_for(lambda: leader.status()["state"] == "training", 15, "training")
+        standby.start()
+        wait_for(lambda: standby.get("/readyz")[0] == 503, 15, "the standby's HTTP")
+        workers.send(type="fault", worker="w1", cause="ECC error")
+        wait_for(lambda: leader.status()["state"] == "planning", 15, "the leader deciding")
+        assert leader.proc is not None
+        leader.proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: workers.generation() == 2, 30, "generation 2 from the standby")
+        finally:
+            leader.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: leader.proc is not None and leader.proc.poll() is not None, 30, "exit")
+        assert leader.proc.returncode == 1
+        assert len(_decisions_for(workers, 2)) == 1 and workers.generation() == 2
+    finally:
+        leader.stop()
+        standby.stop()

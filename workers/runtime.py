@@ -114,6 +114,7 @@ class WorkerRuntime:
         self._last_liveness_check = 0.0
         self._failed_at = 0.0
         self._took_part = False  # some generation's rendezvous completed with this process
+        self._member_of = 0  # the last generation whose rendezvous completed with this process
         self._peers: dict[str, str | None] = {}  # the current generation's members (incarnations)
         # Set at this process's first commit: the job has trained (see migrate.plan_moves).
         self.trained_key = self.keys.prefix + "workers:trained"
@@ -141,6 +142,11 @@ class WorkerRuntime:
         try:
             code = self.follow_plans(state, joined)
         finally:
+            if self.stopping and self._took_part:
+                # Stopped by a signal: tell the daemon this worker left, so it is taken out of
+                # the plans without being declared failed.
+                fields = {"generation": self._member_of, "phase": "stopped", "reason": "left"}
+                self.reporter.send("ack", fields)
             self.heartbeat.stop()
             self.watcher.stop()
             for thread in (self.heartbeat, self.watcher):
@@ -188,7 +194,8 @@ class WorkerRuntime:
             try:
                 self.run_generation(plan, state, joined, attempt)
             except Finished:
-                self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
+                fields = {"generation": plan.generation, "phase": "stopped", "reason": "finished"}
+                self.reporter.send("ack", fields)
                 log.info("step %d committed: finished", state.committed_step)
                 return 0
             except GenerationAbandoned as e:
@@ -329,6 +336,7 @@ class WorkerRuntime:
             connect(sync=False)
             self.absences.built(plan.generation)
             self._took_part = True
+            self._member_of = plan.generation
             t_world = time.perf_counter()
             self._restore(plan, state)
             rec = reconcile(

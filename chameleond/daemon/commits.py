@@ -112,7 +112,7 @@ class Committer:
             expected_generation=job.plan.generation if job.plan is not None else 0,
             generation=published.generation,
             plan_json=self._signed("plan", plan_to_dict(published)),
-            snapshot=job.snapshot(),
+            snapshot=job.snapshot(plan=published),
             records=[*_drain(job.records), record],
             acks=acks,
         )

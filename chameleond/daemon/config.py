@@ -36,6 +36,7 @@ class Config:
     min_workers: int = 0  # 0: every worker of the spec must register before the initial plan
     heartbeat_timeout_seconds: float = 3.0
     ready_timeout_seconds: float = 30.0
+    registration_ttl_seconds: float = 60.0  # a register from outside the spec awaits its profile
     block_ms: int = 1000
     socket_timeout_seconds: float = 5.0
     batch_count: int = 512
@@ -87,6 +88,8 @@ HELP: dict[str, str] = {
     "heartbeat_timeout_seconds": "a worker of the plan silent this long is declared failed",
     "ready_timeout_seconds": "a worker not acknowledging a plan this long, while others of it "
     "have, is declared failed",
+    "registration_ttl_seconds": "a registration from a worker the spec does not list is dropped "
+    "if its profile does not follow within this long",
     "block_ms": "XREADGROUP BLOCK in milliseconds (keep well under the socket timeout)",
     "socket_timeout_seconds": "Redis client socket timeout",
     "batch_count": "stream entries read per XREADGROUP (COUNT)",
@@ -188,6 +191,7 @@ def validate(cfg: Config) -> Config:
     positive = (
         "heartbeat_timeout_seconds",
         "ready_timeout_seconds",
+        "registration_ttl_seconds",
         "batch_count",
         "max_deliveries",
         "claim_idle_seconds",

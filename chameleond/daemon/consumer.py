@@ -108,6 +108,34 @@ class StreamConsumer:
             for i, r in zip(ids, rows, strict=True)
         ]
 
+    async def claim_orphans(self) -> int:
+        """Claim, at once, every entry pending under another consumer name (XCLAIM with min-idle 0
+        and JUSTID: no delivery is counted, the entries were never handled). Only for a daemon
+        that holds the job's lease: no other daemon reads the stream, so what another name holds
+        is what a dead leader left in flight. They are then read as this consumer's own pending
+        entries (`own_pending`). Returns how many were claimed."""
+        summary: Any = await self.client.xpending(self.keys.events, CONSUMER_GROUP)
+        names = [_id(c["name"]) for c in (summary or {}).get("consumers") or []]
+        claimed = 0
+        for name in names:
+            if name == self.consumer:
+                continue
+            seen: set[str] = set()
+            while True:
+                rows = await self.client.xpending_range(
+                    self.keys.events, CONSUMER_GROUP, min="-", max="+",
+                    count=self.count, consumername=name,
+                )  # fmt: skip
+                ids: list[Any] = [_id(r["message_id"]) for r in rows]
+                if not ids or seen.issuperset(ids):
+                    break
+                seen.update(ids)
+                await self.client.xclaim(
+                    self.keys.events, CONSUMER_GROUP, self.consumer, 0, ids, justid=True
+                )
+                claimed += len(ids)
+        return claimed
+
     async def claim_stale(self, keep: Collection[str] = ()) -> list[Entry]:
         """Entries idle for claim_idle_ms under any consumer name (a daemon that died on another
         host, or a handler that failed), claimed by this one with XAUTOCLAIM; a page per call.

@@ -1,5 +1,10 @@
 """Failure detection: heartbeat lapse, plans not acknowledged in time, and fencing.
 
+Only on evidence: a worker that stopped cleanly (`ack phase=stopped` as a member of the plan:
+finished, or left) is never suspected; a failed worker is `fenced` only when it was heard from
+after it was declared failed (otherwise it is dead, and logged so); registrations from outside
+the spec that no profile followed expire.
+
 What the detector suspects it writes to the event stream as an ordinary `fault` (with
 `source=detector`), so a suspicion takes the same durable path as a reported fault and an operator
 sees it in the stream. A worker declared failed that still heartbeats is fenced: it is in the
@@ -33,6 +38,7 @@ class Detector:
         self.reported: dict[str, float] = {}  # worker -> when a suspicion was written
         self.last_nudge = 0.0
         self.fenced_logged: set[str] = set()
+        self.dead_logged: set[str] = set()
 
     def suspects(self, now: float) -> dict[str, str]:
         """Workers of the current plan or on standby to declare failed now, with the reason."""
@@ -48,9 +54,12 @@ class Detector:
         if redis is None or redis.error or now - redis.since < hold:
             return {}
         out: dict[str, str] = {}
-        # A worker on standby is offered to every decision: one that died must not be planned in.
-        for w in (*m.plan_workers, *sorted(m.standby)):
-            if w in m.failed or job.pending(w) or now - self.reported.get(w, 0.0) < hold:
+        # A worker on standby is offered to every decision, a joining one to the next: one that
+        # died must not be planned in.
+        for w in (*m.plan_workers, *sorted(m.standby), *sorted(m.pending_joins)):
+            if w in out or w in m.failed or now - self.reported.get(w, 0.0) < hold:
+                continue
+            if job.ended(w) or (job.pending(w) and w not in m.pending_joins):
                 continue
             age = now - job.worker(w).last_heartbeat
             if age > cfg.heartbeat_timeout_seconds:
@@ -59,6 +68,8 @@ class Detector:
                     f"(timeout {cfg.heartbeat_timeout_seconds:g} s)"
                 )
         for w in m.overdue(now):
+            if job.ended(w):
+                continue
             if w not in out and not job.pending(w) and now - self.reported.get(w, 0.0) >= hold:
                 out[w] = (
                     f"did not acknowledge generation {m.generation} within "
@@ -85,10 +96,17 @@ class Detector:
                     fault = {"type": "fault", "worker": worker, "cause": cause}
                     fault["source"] = "detector"
                     await svc.client.xadd(svc.keys.events, svc.signed(fault))  # type: ignore[arg-type]
-                fenced = self.fenced_alive(now)
+                for w in svc.job.expire_unconfirmed(now):
+                    log.info("registration of %s expired: no profile followed it", w)
+                states = svc.job.worker_states(now, svc.cfg.heartbeat_timeout_seconds)
+                fenced = sorted(w for w, s in states.items() if s == "fenced")
                 for w in set(fenced) - self.fenced_logged:
-                    log.warning("fenced %s: declared failed but still heartbeating", w)
+                    log.warning("fenced %s: heard from after it was declared failed", w)
                 self.fenced_logged = set(fenced)
+                dead = {w for w, s in states.items() if s == "failed"}
+                for w in sorted(dead - self.dead_logged):
+                    log.warning("%s is dead: nothing heard from it since it was declared failed", w)
+                self.dead_logged = dead
                 if fenced and now - self.last_nudge >= NUDGE_SECONDS:
                     self.last_nudge = now
                     await svc.broadcaster.nudge(svc.job.machine.generation)

@@ -20,8 +20,12 @@ from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
 from chameleond.daemon.jobspec import measured_layers, profile_from_json, profile_to_json
 
-WORKER_STATES = ("waiting", "active", "failed", "fenced", "stopped")
+WORKER_STATES = ("waiting", "active", "failed", "fenced", "stopped", "finished", "left")
 RECORDS_KEEP = 10_000  # decision/transition entries kept in the decisions stream
+# Registrations of workers the spec does not list wait for the worker's profile (docs/daemon.md,
+# Failure detection): at most this many at once, each for at most the registration TTL.
+UNCONFIRMED_MAX = 64
+ENDED = ("finished", "left")  # how a worker's process stopped cleanly (`ack phase=stopped`)
 
 
 @dataclass
@@ -35,6 +39,21 @@ class WorkerRecord:
     since_generation: int = 0  # the first generation this worker's current process can be in
     last_heartbeat: float = 0.0  # soft state: wall-clock time of the last heartbeat seen
     profile: dict[int, LayerProfile] = field(default_factory=dict)
+    ended: str = ""  # "finished" or "left": this process stopped cleanly; never declared failed
+    # Soft state: the last time this worker was heard from while declared failed (0: never). Only
+    # that makes a failed worker `fenced` (alive); a heartbeat from before it was declared, or the
+    # restart of the daemon, does not.
+    heard_while_failed: float = 0.0
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A `register` from a worker the spec does not list, waiting for the worker's profile."""
+
+    host: str
+    memory_bytes: int
+    device: str
+    at: float  # when it was (last) received
 
 
 @dataclass
@@ -102,8 +121,19 @@ class FollowUp:
 
 
 class Job:
-    def __init__(self, name: str, spec: JobSpec, *, policy: str, machine: PolicyMachine) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: JobSpec,
+        *,
+        policy: str,
+        machine: PolicyMachine,
+        registration_ttl_seconds: float = 60.0,
+    ) -> None:
         self.name = name
+        self.registration_ttl_seconds = registration_ttl_seconds
+        # Registrations from outside the spec awaiting a profile (bounded: UNCONFIRMED_MAX, TTL).
+        self.unconfirmed: dict[str, Registration] = {}
         self.base_spec = spec
         self.policy = policy  # adaptive | reroute | dynamic
         self.machine = machine
@@ -187,6 +217,73 @@ class Job:
 
     def knows(self, worker: str) -> bool:
         return worker in self.workers
+
+    # ---- liveness ------------------------------------------------------------------------------
+
+    def heard(self, worker: str, now: float) -> None:
+        """The worker's current process sent something (heartbeat, step, ack)."""
+        rec = self.workers.get(worker)
+        if rec is None:
+            return
+        rec.last_heartbeat = now
+        if self.declared_failed(worker):
+            rec.heard_while_failed = now
+
+    def declared_failed(self, worker: str) -> bool:
+        """Out of the plans, or about to be: a committed or a pending fault names it."""
+        m = self.machine
+        flight = m.in_flight
+        return (
+            worker in m.failed
+            or worker in m.pending_faults
+            or (flight is not None and worker in flight.failed)
+        )
+
+    def new_process(self, worker: str) -> None:
+        """A registration or rejoin: whatever the worker's earlier process did is over."""
+        rec = self.worker(worker)
+        rec.ended, rec.heard_while_failed = "", 0.0
+
+    def ended(self, worker: str) -> bool:
+        rec = self.workers.get(worker)
+        return rec is not None and bool(rec.ended)
+
+    # ---- registrations from outside the spec ---------------------------------------------------
+
+    def expire_unconfirmed(self, now: float) -> list[str]:
+        """Drop registrations that waited longer than the TTL for their profile."""
+        ttl = self.registration_ttl_seconds
+        gone = [w for w, r in self.unconfirmed.items() if now - r.at > ttl]
+        for w in gone:
+            del self.unconfirmed[w]
+        if gone:
+            self.dirty = True
+        return gone
+
+    def await_profile(self, worker: str, registration: Registration) -> bool:
+        """Hold a registration from outside the spec until the worker's profile confirms it.
+        False when UNCONFIRMED_MAX registrations already wait (the caller refuses it)."""
+        self.expire_unconfirmed(registration.at)
+        if worker not in self.unconfirmed and len(self.unconfirmed) >= UNCONFIRMED_MAX:
+            return False
+        self.unconfirmed[worker] = registration
+        self.dirty = True
+        return True
+
+    def confirm(self, worker: str) -> bool:
+        """The worker behind a held registration sent its profile: it is a worker of the job
+        from now on (the planner may place layers on it). False when nothing was held."""
+        reg = self.unconfirmed.pop(worker, None)
+        if reg is None:
+            return False
+        rec = self.worker(worker)
+        rec.host, rec.device, rec.memory_bytes, rec.registered = (
+            reg.host, reg.device, reg.memory_bytes, True,
+        )  # fmt: skip
+        rec.last_heartbeat = reg.at
+        self.extra_workers[worker] = WorkerSpec(worker, reg.host, reg.memory_bytes, reg.device)
+        self.spec_changed()
+        return True
 
     def worker(self, worker: str) -> WorkerRecord:
         rec = self.workers.get(worker)
@@ -288,10 +385,22 @@ class Job:
         arriving after the worker rejoined)."""
         return generation < self.worker(worker).since_generation
 
+    def unconfirm(self, worker: str, registration: Registration) -> None:
+        """Undo `confirm` (the profile that came was unusable): the registration waits again."""
+        self.workers.pop(worker, None)
+        self.extra_workers.pop(worker, None)
+        self.unconfirmed[worker] = registration
+        self.spec_changed()
+
     # ---- persistence ---------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
+        """The job's durable state. It holds the current plan (`plan`: the one a commit is about
+        to publish) as well: the plan key is what workers read, and anyone who can write to Redis
+        can write there, so a restarted daemon resumes from this copy (daemon/service.py)."""
+        current = plan or self.plan
         return {
+            "plan": plan_to_dict(current) if current is not None else None,
             "machine": self.machine.snapshot(),
             "started": self.started,
             "fault_times": self.decided_fault_times()[-1000:],
@@ -299,6 +408,10 @@ class Job:
             "waiting_faults": self.waiting_faults(time.time()),  # shown by status, never restored
             "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
             "checkpoints": self.checkpoints.to_json(),
+            "unconfirmed": {
+                w: {"host": r.host, "memory_bytes": r.memory_bytes, "device": r.device, "at": r.at}
+                for w, r in self.unconfirmed.items()
+            },
             "extra_workers": [
                 {"id": w.id, "host": w.host, "memory_bytes": w.memory_bytes, "device": w.device}
                 for w in self.extra_workers.values()
@@ -311,6 +424,7 @@ class Job:
                     "registered": w.registered,
                     "stopped_generation": w.stopped_generation,
                     "since_generation": w.since_generation,
+                    "ended": w.ended,
                     "profile": profile_to_json(w.profile),
                 }
                 for w in self.workers.values()
@@ -362,6 +476,12 @@ class Job:
         fu = snap.get("follow_up")
         self.follow_up = FollowUp.from_json(fu) if fu else None
         self.checkpoints = Checkpoints.from_json(snap.get("checkpoints", {}))
+        self.unconfirmed = {
+            str(w): Registration(
+                str(r["host"]), int(r["memory_bytes"]), str(r["device"]), float(r["at"])
+            )
+            for w, r in snap.get("unconfirmed", {}).items()
+        }
         for w in snap.get("extra_workers", []):
             self.extra_workers[w["id"]] = WorkerSpec(
                 str(w["id"]), str(w["host"]), int(w["memory_bytes"]), str(w["device"])
@@ -372,6 +492,7 @@ class Job:
             rec.memory_bytes, rec.registered = int(d["memory_bytes"]), bool(d["registered"])
             rec.stopped_generation = int(d["stopped_generation"])
             rec.since_generation = int(d.get("since_generation", 0))
+            rec.ended = str(d.get("ended", ""))
             rec.profile = profile_from_json(d["profile"])
         now = time.time()
         # Nobody could acknowledge or heartbeat to a daemon that was down: start the clocks again.
@@ -385,16 +506,32 @@ class Job:
 
     def worker_state(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> str | None:
         m = self.machine
-        alive = now - rec.last_heartbeat <= heartbeat_timeout and rec.last_heartbeat > 0
+        if rec.ended:
+            return rec.ended  # stopped cleanly: finished its steps, or left the job
         if rec.id in m.standby or rec.id in m.pending_joins:
             return "waiting"  # back, offered to the next decision (core/machine.py)
         if rec.id in m.failed or (self.plan and rec.id in self.plan.excluded):
             if rec.stopped_generation >= m.generation and m.generation:
                 return "stopped"
-            return "fenced" if alive else "failed"
+            # Fenced only on evidence: heard from after it was declared failed, recently.
+            heard = rec.heard_while_failed
+            return "fenced" if heard and now - heard <= heartbeat_timeout else "failed"
         if rec.id in m.plan_workers:
             return "active"
         return "waiting" if rec.registered else None
+
+    def liveness(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> str:
+        """What the daemon knows of the worker's process, on evidence: `stopped` (it said so:
+        finished, left or fenced), `dead` (declared failed, nothing heard since), `heartbeating`
+        (heard within the timeout) or `silent`."""
+        m = self.machine
+        if rec.ended or (rec.stopped_generation >= m.generation and m.generation):
+            return "stopped"
+        if self.declared_failed(rec.id) or (self.plan and rec.id in self.plan.excluded):
+            heard = rec.heard_while_failed
+            return "heartbeating" if heard and now - heard <= heartbeat_timeout else "dead"
+        fresh = rec.last_heartbeat and now - rec.last_heartbeat <= heartbeat_timeout
+        return "heartbeating" if fresh else "silent"
 
     def worker_states(self, now: float, heartbeat_timeout: float) -> dict[str, str]:
         out = {}

@@ -22,9 +22,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from chameleond.auth import AuthError, Keyring, signed_json
+from chameleond.auth import SIG_FIELD, AuthError, Keyring, signed_json
 from chameleond.core.machine import PolicyMachine
-from chameleond.core.plan import PlanError, plan_from_dict
+from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.daemon import views
 from chameleond.daemon.broadcast import Broadcaster
@@ -37,7 +37,7 @@ from chameleond.daemon.http import HttpServer
 from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.job import Job
 from chameleond.daemon.jobspec import spec_document
-from chameleond.daemon.lease import Lease, LeaseLost
+from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.protocol import Keys, redact_url
@@ -72,6 +72,7 @@ class Service:
             replace(spec, name=cfg.job),
             policy=cfg.policy,
             machine=PolicyMachine(ready_timeout_seconds=cfg.ready_timeout_seconds),
+            registration_ttl_seconds=cfg.registration_ttl_seconds,
         )
         self.http = HttpServer(self) if http else None
         self.ready = False
@@ -116,14 +117,16 @@ class Service:
 
     async def _run(self) -> int:
         cfg, job = self.cfg, self.job
+        incarnation = new_incarnation()
         client = self.client = aioredis.Redis.from_url(
             self.redis_url,
             socket_timeout=cfg.socket_timeout_seconds,
             socket_connect_timeout=cfg.socket_timeout_seconds,
             decode_responses=False,
+            client_name=connection_name(incarnation),  # how a standby sees this process live
         )
         tasks: list[asyncio.Task[Any]] = []
-        lease = Lease(client, self.keys, cfg.consumer_name, cfg.lease_seconds)
+        lease = Lease(client, self.keys, cfg.consumer_name, cfg.lease_seconds, incarnation)
         try:
             await client.ping()
             if self.http is not None:
@@ -140,6 +143,12 @@ class Service:
                 claim_idle_ms=int(cfg.claim_idle_seconds * 1000), maxlen=cfg.stream_maxlen,
             )  # fmt: skip
             await consumer.ensure_group()
+            # The lease says no other daemon reads the stream now: what another consumer name
+            # holds pending (the events in flight when the leader died) is ours at once, not
+            # after claim_idle_seconds.
+            orphans = await consumer.claim_orphans()
+            if orphans:
+                log.info("claimed %d in-flight entries of the daemon that led before", orphans)
             await self._restore(client)
             reachability = self.reachability = Reachability(self.metrics)
             committer = Committer(
@@ -230,24 +239,9 @@ class Service:
             await client.hsetnx(k.state, "base_spec", doc)
         snap = state.get(b"snapshot")
         if snap is not None:
-            raw_plan = await client.get(k.plan)
-            plan = None
-            if raw_plan is not None:
-                try:
-                    doc = json.loads(raw_plan)
-                    if self.keyring is not None:
-                        # The next decision starts from this plan: one written by anybody but
-                        # this job's daemons must not steer it.
-                        self.keyring.verify_doc("plan", self.cfg.job, doc)
-                    plan = plan_from_dict(doc)
-                except (PlanError, ValueError) as e:  # AuthError is a ValueError
-                    kind = (
-                        "is not signed by this job's secret"
-                        if isinstance(e, AuthError)
-                        else ("does not decode")
-                    )
-                    raise RuntimeError(f"{k.plan} {kind}: {e}") from e
-            job.restore(json.loads(snap), plan, ready_timeout=self.cfg.ready_timeout_seconds)
+            snapshot = json.loads(snap)
+            plan = await self._restore_plan(client, snapshot.get("plan"))
+            job.restore(snapshot, plan, ready_timeout=self.cfg.ready_timeout_seconds)
             stored = int(state.get(b"generation", b"0"))
             if stored != job.machine.generation:
                 raise RuntimeError(
@@ -258,6 +252,70 @@ class Service:
         await client.set(
             k.spec, signed_json(self.keyring, "spec", self.cfg.job, spec_document(job.spec))
         )
+
+    async def _restore_plan(
+        self, client: aioredis.Redis, committed: dict[str, Any] | None
+    ) -> Plan | None:
+        """The current plan: the copy the last commit put in the snapshot. The plan key should
+        hold the same, signed; when it does not, somebody else wrote it (a forged or stray
+        plan), and it is written again from the snapshot, so the daemon and the workers agree
+        and no client can keep the daemon from starting. A snapshot from before it held the
+        plan falls back to the key, which must then verify."""
+        k = self.keys
+        raw = await client.get(k.plan)
+        if committed is None:
+            return self._plan_from_key(raw) if raw is not None else None
+        try:
+            plan = plan_from_dict(committed)
+        except PlanError as e:
+            raise RuntimeError(f"{k.state} snapshot: its plan does not decode: {e}") from e
+        why = self._plan_key_differs(raw, committed)
+        if why:
+            log.error(
+                "the plan under %s is not the one this job published (%s): writing generation "
+                "%d again", k.plan, why, plan.generation,
+            )  # fmt: skip
+            await client.set(k.plan, signed_json(self.keyring, "plan", self.cfg.job, committed))
+            await client.publish(k.plans_channel, str(plan.generation))
+        return plan
+
+    def _plan_key_differs(self, raw: bytes | str | None, committed: dict[str, Any]) -> str:
+        """Why the plan key is not the committed plan, signed by this job ("" when it is)."""
+        if raw is None:
+            return "it is missing"
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return "it does not decode"
+        if not isinstance(doc, dict):
+            return "it is no plan"
+        body = {key: v for key, v in doc.items() if key != SIG_FIELD}
+        if body != committed:
+            found = body.get("generation")
+            return f"generation {found!r} there, {committed['generation']} committed"
+        if self.keyring is not None:
+            try:
+                self.keyring.verify_doc("plan", self.cfg.job, doc)
+            except AuthError as e:
+                return f"its signature: {e}"
+        return ""
+
+    def _plan_from_key(self, raw: bytes | str) -> Plan:
+        k = self.keys
+        try:
+            doc = json.loads(raw)
+            if self.keyring is not None:
+                # The next decision starts from this plan: one written by anybody but this
+                # job's daemons must not steer it.
+                self.keyring.verify_doc("plan", self.cfg.job, doc)
+            return plan_from_dict(doc)
+        except (PlanError, ValueError) as e:  # AuthError is a ValueError
+            kind = (
+                "is not signed by this job's secret"
+                if isinstance(e, AuthError)
+                else ("does not decode")
+            )
+            raise RuntimeError(f"{k.plan} {kind}: {e}") from e
 
     # ---- periodic ------------------------------------------------------------------------------
 

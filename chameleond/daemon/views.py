@@ -36,6 +36,7 @@ def status(job: Job, cfg: Config) -> dict[str, Any]:
         age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
         workers[wid] = {
             "state": state,
+            "liveness": job.liveness(rec, now, cfg.heartbeat_timeout_seconds),
             "host": rec.host,
             "device": rec.device,
             "memory_bytes": rec.memory_bytes,
@@ -51,6 +52,8 @@ def status(job: Job, cfg: Config) -> dict[str, Any]:
         "plan_policy": job.plan.policy if job.plan else None,
         "workers": workers,
         "failed": sorted(m.failed),
+        # Registrations from outside the spec waiting for their profile (bounded, expiring).
+        "registrations_waiting": sorted(job.unconfirmed),
         "pending_faults": dict(sorted(m.pending_faults.items())),
         "waiting_faults": job.waiting_faults(now),
         "faults_waited_seconds": dict(sorted(job.waited.items())),

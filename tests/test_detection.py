@@ -1,0 +1,123 @@
+"""Honest detection against an in-memory job: a worker that stopped cleanly is finished or left,
+never failed; a failed worker is fenced only when heard from after it was declared; registrations
+from outside the spec wait for a profile, expire, are bounded, and are never planned before."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import handlers
+from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
+from chameleond.daemon.job import UNCONFIRMED_MAX, Job
+from chameleond.daemon.jobspec import profile_to_json
+from chameleond.jobs import load_default_spec
+from chameleond.protocol import EventError, parse_event
+
+SPEC = load_default_spec()
+WORKERS = tuple(w.id for w in SPEC.workers)
+PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(SPEC.layers)))})
+
+
+def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> handlers.Outcome:
+    return handlers.dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
+
+
+def training_job(ttl: float = 60.0) -> Job:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine(), registration_ttl_seconds=ttl)
+    for w in WORKERS:
+        send(j, type="register", worker=w, host="localhost", memory_bytes=2**31)
+    j.record(j.machine.initial(1, WORKERS, 1.0))
+    for w in WORKERS:
+        send(j, type="ack", worker=w, generation=1, phase="ready")
+    assert j.machine.phase is Phase.TRAINING
+    return j
+
+
+def test_a_worker_that_finished_is_finished_not_failed() -> None:
+    j = training_job()
+    out = send(j, type="ack", worker="w2", generation=1, phase="stopped", reason="finished")
+    assert out.label == "handled" and not out.owed
+    # Long silent afterwards: still finished, and nothing is pending about it.
+    assert j.worker_state(j.workers["w2"], 1000.0, 3.0) == "finished"
+    assert j.ended("w2") and not j.machine.pending_faults
+    assert send(j, type="ack", worker="w2", generation=1, phase="stopped").duplicate
+    # The state survives a restart of the daemon.
+    again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    assert again.worker_state(again.workers["w2"], 1000.0, 3.0) == "finished"
+
+
+def test_a_worker_that_left_is_taken_out_of_the_plans_without_a_fault_counted() -> None:
+    j = training_job()
+    out = send(j, "9-0", type="ack", worker="w4", generation=1, phase="stopped", reason="left")
+    assert out.owed and "w4" in j.machine.pending_faults  # the next plan lets it go
+    assert j.fault_times == []  # no failure for the failure rate
+    assert j.worker_state(j.workers["w4"], 1000.0, 3.0) == "left"
+    # A peer reporting it afterwards folds into the same decision.
+    assert send(j, "10-0", type="fault", worker="w4", cause="peer gone").duplicate
+
+
+def test_a_failed_worker_is_fenced_only_when_heard_from_after_it_was_declared() -> None:
+    j = training_job()
+    send(j, now=10.0, type="heartbeat", worker="w3")  # its last heartbeat before kill -9
+    send(j, "5-0", now=10.5, type="fault", worker="w3", cause="peer gone")
+    request, _ = j.machine.next_request(11.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 11.0)
+    # Its heartbeat is 1 s old, within the timeout, but it came before the fault: dead.
+    assert j.worker_state(j.workers["w3"], 11.0, 3.0) == "failed"
+    send(j, now=12.0, type="heartbeat", worker="w3")  # heard from after: alive, fenced
+    assert j.worker_state(j.workers["w3"], 12.5, 3.0) == "fenced"
+    assert j.worker_state(j.workers["w3"], 20.0, 3.0) == "failed"  # then silent again
+
+
+def test_a_registration_from_outside_the_spec_waits_for_its_profile() -> None:
+    j = training_job()
+    assert send(j, now=2.0, type="register", worker="x1", host="h", memory_bytes=2**31).label == (
+        "handled"
+    )
+    assert not j.knows("x1") and "x1" in j.unconfirmed and not j.machine.pending_joins
+    assert "x1" not in {w.id for w in j.spec.workers}  # the planner cannot place it
+    joined = send(j, "20-0", now=3.0, type="profile", worker="x1", data=PROFILE)
+    assert j.knows("x1") and "x1" in j.machine.pending_joins and joined.owed
+    assert "x1" in {w.id for w in j.spec.workers}
+
+
+def test_unconfirmed_registrations_expire_and_are_bounded() -> None:
+    j = training_job(ttl=5.0)
+    for i in range(UNCONFIRMED_MAX):
+        send(j, now=2.0, type="register", worker=f"p{i}", host="h", memory_bytes=2**31)
+    with pytest.raises(EventError, match="registrations already wait"):
+        send(j, now=3.0, type="register", worker="one-too-many", host="h", memory_bytes=1)
+    assert len(j.unconfirmed) == UNCONFIRMED_MAX
+    assert len(j.expire_unconfirmed(8.0)) == UNCONFIRMED_MAX and not j.unconfirmed
+    send(j, now=9.0, type="register", worker="late", host="h", memory_bytes=2**31)
+    assert list(j.unconfirmed) == ["late"]
+    # Expired: a profile that comes afterwards is from nobody the job knows.
+    j.expire_unconfirmed(20.0)
+    with pytest.raises(EventError, match="not a worker"):
+        send(j, now=21.0, type="profile", worker="late", data=PROFILE)
+    assert not j.machine.pending_joins and not j.extra_workers
+
+
+def test_a_bad_profile_leaves_the_registration_waiting() -> None:
+    j = training_job()
+    send(j, now=2.0, type="register", worker="x1", host="h", memory_bytes=2**31)
+    bad = json.dumps({"layers": [{"forward_seconds": 0.01, "index": 999}]})
+    with pytest.raises((EventError, ValueError, KeyError, TypeError)):
+        send(j, now=3.0, type="profile", worker="x1", data=bad)
+    assert "x1" in j.unconfirmed and not j.knows("x1") and "x1" not in j.extra_workers
+
+
+def test_liveness_names_a_killed_worker_dead_and_a_fenced_one_heartbeating() -> None:
+    j = training_job()
+    send(j, now=10.0, type="heartbeat", worker="w3")
+    send(j, "5-0", now=10.5, type="fault", worker="w3", cause="peer gone")
+    assert j.liveness(j.workers["w3"], 11.0, 3.0) == "dead"
+    send(j, now=11.5, type="heartbeat", worker="w3")
+    assert j.liveness(j.workers["w3"], 12.0, 3.0) == "heartbeating"
+    assert j.liveness(j.workers["w0"], 12.0, 3.0) == "silent"  # nothing since 1.0
+    send(j, type="ack", worker="w1", generation=1, phase="stopped", reason="finished")
+    assert j.liveness(j.workers["w1"], 12.0, 3.0) == "stopped"
