@@ -65,9 +65,9 @@ class Trainable:
             )
         if len(training.dataset) < 1:
             raise ModelError("the dataset is empty")
+        self._check_ties()
         if self._modules is not None:
             _check_shared(self._modules, self.ties)
-        self._check_ties()
         self.name = training.name or type(self.build(0)).__name__
         self.fingerprint = self._fingerprint()
 
