@@ -7,7 +7,7 @@ failures; the library owns those (docs/worker-api.md).
 
 The job's spec must have 6 layers and [training] global_batch 12, micro_batch 2. Set
 SGD_TIED_MALFORMED=shape to start it with a layer whose output shape changes between calls (the
-worker refuses it, exit 8).
+worker refuses it, exit 8). `chameleon-worker --script examples/sgd_tied.py ...` trains it too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import torch
 from torch import nn
 
-from chameleond.worker import Layers, Tie, Training, run
+from chameleond.worker import Job, Layers, Tie, Training, run
 
 VOCAB, WIDTH, SEQ, BLOCKS = 64, 16, 8, 4
 
@@ -86,7 +86,7 @@ def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
 
 
-def training(malformed: str = "") -> Training:
+def build(malformed: str = "") -> Training:
     torch.manual_seed(0)  # every worker builds the same initial weights
     embed = nn.Embedding(VOCAB, WIDTH)
     nn.init.normal_(embed.weight, std=0.1)
@@ -106,5 +106,10 @@ def training(malformed: str = "") -> Training:
     )
 
 
+def training(job: Job) -> Training:
+    """What `run` (and `chameleon-worker --script`) trains, once the job's spec is known."""
+    return build(os.environ.get("SGD_TIED_MALFORMED", ""))
+
+
 if __name__ == "__main__":
-    sys.exit(run(training(os.environ.get("SGD_TIED_MALFORMED", ""))))
+    sys.exit(run(training))

@@ -22,7 +22,7 @@ from chameleond.worker import Layers, ModelError, Tie, Training, split
 from workers import checkpoint
 from workers.identity import from_env
 from workers.layer import LayerState, run_layers
-from workers.main import EXIT_MODEL
+from workers.main import EXIT_MODEL, EXIT_USAGE
 from workers.profile import profile_model
 from workers.reference import reference_losses
 from workers.trainable import Trainable
@@ -115,14 +115,14 @@ def test_layers_that_cannot_be_pipelined_are_refused_naming_the_layer() -> None:
 
 def test_the_example_refuses_its_malformed_variant() -> None:
     with pytest.raises(ModelError, match=r"layer 2 \(Shifty\) changed its output shape"):
-        check_model(Trainable(sgd_tied.training("shape")), 2, CPU)
+        check_model(Trainable(sgd_tied.build("shape")), 2, CPU)
 
 
 # The user's optimizer --------------------------------------------------------------------------
 
 
 def test_a_moved_layer_carries_momentum_and_schedule_exactly() -> None:
-    model = Trainable(sgd_tied.training())
+    model = Trainable(sgd_tied.build())
     original = [LayerState(model, i, CPU) for i in range(model.n_layers)]
 
     def train(layers: list[LayerState], step: int) -> float:
@@ -147,7 +147,7 @@ def test_a_moved_layer_carries_momentum_and_schedule_exactly() -> None:
 
 
 def test_the_profile_counts_the_users_optimizer_state() -> None:
-    sgd = profile_model(Trainable(sgd_tied.training()), 2, CPU)["layers"]
+    sgd = profile_model(Trainable(sgd_tied.build()), 2, CPU)["layers"]
     assert all(lay["optimizer_bytes"] == lay["param_bytes"] > 0 for lay in sgd)  # momentum: 1x
     assert [lay["output_bytes"] for lay in sgd] == [2 * 8 * 16 * 4] * 5 + [0]
     adamw = profile_model(builtin_model(TINY_ARCH, 12, 2), 2, CPU)["layers"]
@@ -155,6 +155,18 @@ def test_the_profile_counts_the_users_optimizer_state() -> None:
 
 
 # Launch identity -------------------------------------------------------------------------------
+
+
+def test_a_script_without_a_training_is_a_usage_error(tmp_path: Path) -> None:
+    script = tmp_path / "empty.py"
+    script.write_text("x = 1\n")
+    for path, why in ((script, "defines no `training`"), (tmp_path / "gone.py", "No such file")):
+        r = subprocess.run(
+            [sys.executable, "-m", "workers.main", "--script", str(path), "--worker-id", "w0",
+             "--redis-url", "redis://127.0.0.1:1/0"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == EXIT_USAGE and why in r.stderr, r.stderr
 
 
 def test_identity_comes_from_the_launchers_environment() -> None:
@@ -209,11 +221,11 @@ def test_a_user_script_survives_repartition_with_its_optimizer_state(
         controller.stop()
     committed = controller.record.committed()
     assert sorted(committed) == list(range(steps))
-    ref = reference_losses(sgd_tied.training(), steps)
+    ref = reference_losses(sgd_tied.build(), steps)
     worst = max(abs(committed[s] - ref[s]) for s in range(steps))
     assert worst <= LOSS_ATOL, [(committed[s], ref[s]) for s in range(steps)]
     # The tied copies: layer 0's embedding and the head's weight, at the last checkpoint.
-    model = Trainable(sgd_tied.training())
+    model = Trainable(sgd_tied.build())
     step = checkpoint.covering_step(ckpt, model)
     assert step == 14
     held: dict[int, LayerState] = {}
@@ -229,14 +241,21 @@ def test_a_user_script_survives_repartition_with_its_optimizer_state(
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_malformed_model_is_refused_at_start(redis_server: RedisServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "command",
+    [[str(SCRIPT)], ["-m", "workers.main", "--script", str(SCRIPT)]],
+    ids=["the script", "chameleon-worker --script"],
+)
+def test_a_malformed_model_is_refused_at_start(
+    redis_server: RedisServer, tmp_path: Path, command: list[str]
+) -> None:
     import redis
 
     client = redis.Redis.from_url(redis_server.url)
     client.set(Keys("m").spec, json.dumps(tiny_spec("m", global_batch=12, micro_batch=2)))
     env = {**os.environ, "SGD_TIED_MALFORMED": "shape"}
     r = subprocess.run(
-        [sys.executable, str(SCRIPT), "--redis-url", redis_server.url, "--job", "m",
+        [sys.executable, *command, "--redis-url", redis_server.url, "--job", "m",
          "--worker-id", "w0"],
         capture_output=True, text=True, timeout=100, env=env,
     )  # fmt: skip
@@ -269,6 +288,6 @@ def test_torchrun_starts_workers_named_by_rank(redis_server: RedisServer, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     assert {e["worker"] for e in controller.record.of("register")} == {"w0", "w1"}
     committed = controller.record.committed()
-    ref = reference_losses(sgd_tied.training(), steps)
+    ref = reference_losses(sgd_tied.build(), steps)
     assert sorted(committed) == list(range(steps))
     assert max(abs(committed[s] - ref[s]) for s in range(steps)) <= LOSS_ATOL
