@@ -268,12 +268,19 @@ def test_a_malformed_model_is_refused_at_start(
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_torchrun_starts_workers_named_by_rank(redis_server: RedisServer, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stages", [2, 1], ids=["tie across workers", "tie within a worker"])
+def test_torchrun_starts_workers_named_by_rank(
+    redis_server: RedisServer, tmp_path: Path, stages: int
+) -> None:
+    """Two ranks of torchrun become w0 and w1. With two stages the tied layers (the first and the
+    last) are on different workers; with one stage each worker holds both and adds the two
+    gradients itself before the data-parallel sum. Either way the losses are the single-process
+    run's."""
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
     if not Path(torchrun).exists():
         pytest.fail("torchrun is part of torch: it must be installed next to python")
     steps = 6
-    spec = tiny_spec("tr", workers=2, stages=2, global_batch=12, micro_batch=2)
+    spec = tiny_spec("tr", workers=2, stages=stages, global_batch=12, micro_batch=2)
     controller = Controller(redis_server.url, spec, policy="reroute").start()
     env = {**os.environ, "CHAMELEON_REDIS_URL": redis_server.url, "CHAMELEON_JOB": "tr"}
     env.pop("CHAMELEON_WORKER_ID", None)
