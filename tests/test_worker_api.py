@@ -113,6 +113,17 @@ def test_layers_that_cannot_be_pipelined_are_refused_naming_the_layer() -> None:
     check([nn.Embedding(16, 4), nn.Linear(4, 16)])
 
 
+def test_a_layer_without_parameters_trains_and_moves() -> None:
+    model = Trainable(tiny([nn.Embedding(16, 4), nn.GELU(), nn.Linear(4, 16)]))
+    check_model(model, 2, CPU)
+    assert len(reference_losses(model, 2)) == 2
+    layer = LayerState(model, 1, CPU)
+    layer.apply_update(4, 0)
+    copy = LayerState(model, 1, CPU)
+    copy.load_buffer(layer.state_buffer(), 0)
+    assert copy.version == 0 and copy.params() == []
+
+
 def test_the_example_refuses_its_malformed_variant() -> None:
     with pytest.raises(ModelError, match=r"layer 2 \(Shifty\) changed its output shape"):
         check_model(Trainable(sgd_tied.build("shape")), 2, CPU)
