@@ -22,7 +22,7 @@ from chameleond.worker import Layers, ModelError, Tie, Training, split
 from workers import checkpoint
 from workers.identity import from_env
 from workers.layer import LayerState, run_layers
-from workers.main import EXIT_MODEL, EXIT_USAGE
+from workers.main import EXIT_MODEL, EXIT_SPEC, EXIT_USAGE
 from workers.profile import profile_model
 from workers.reference import reference_losses
 from workers.trainable import Trainable
@@ -275,6 +275,35 @@ def test_a_malformed_model_is_refused_at_start(
     assert "Traceback" not in r.stderr
     assert not client.xlen(Keys("m").events)  # refused before it registered
     client.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("script", "spec_kw", "message"),
+    [
+        (False, {"arch": {**TINY_ARCH, "heads": 3}}, "heads (3) must divide d_model (32)"),
+        (True, {"global_batch": 8}, "training.global_batch is 8, the script's 12"),
+        (True, {"arch": {**TINY_ARCH, "blocks": 3}}, "[model] has 5 layers, the script's model 6"),
+    ],
+    ids=["built-in arch", "batch", "layer count"],
+)
+def test_a_training_the_spec_disagrees_with_is_refused(
+    redis_server: RedisServer, script: bool, spec_kw: dict[str, object], message: str
+) -> None:
+    import redis
+
+    spec = tiny_spec("s", **{"global_batch": 12, "micro_batch": 2, **spec_kw})  # type: ignore[arg-type]
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(Keys("s").spec, json.dumps(spec))
+    client.close()
+    command = [str(SCRIPT)] if script else ["-m", "workers.main"]
+    r = subprocess.run(
+        [sys.executable, *command, "--redis-url", redis_server.url, "--job", "s",
+         "--worker-id", "w0"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert r.returncode == EXIT_SPEC and message in r.stderr, r.stderr
 
 
 @pytest.mark.slow

@@ -49,7 +49,6 @@ from workers.backend import (
 from workers.events import connection_name, new_incarnation
 from workers.hooks import fault_hook_error
 from workers.identity import from_env
-from workers.model import ArchError
 from workers.runtime import WorkerConfig, WorkerRuntime
 from workers.saver import BUBBLE, MODES
 
@@ -325,7 +324,7 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
     except DeviceFailed as e:
         log.error("leaving: this worker's device failed (%s); it reported itself", e)
         return EXIT_DEVICE
-    except (SpecError, ArchError, TimeoutError) as e:
+    except (SpecError, TimeoutError) as e:
         log.error("job spec: %s", e)
         return EXIT_SPEC
     except DataError as e:
