@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +33,19 @@ def signed_doc(kind: str, job: str, doc: dict[str, Any]) -> str:
     """A plan or spec document as the daemon stores it: signed with the job's secret (tests/
     conftest.py sets it in the environment, so the workers the tests start hold it too)."""
     return signed_json(Keyring.configured(os.environ), kind, job, doc)
+
+
+def builtin_model(
+    arch: Mapping[str, Any] | Any, global_batch: int = 8, micro_batch: int = 2
+) -> Any:
+    """The built-in training (workers.builtin) of `arch` (an Arch or a [model.arch] mapping), as
+    the runtime holds it (a workers.trainable.Trainable)."""
+    from workers import builtin
+    from workers.model import Arch
+    from workers.trainable import Trainable
+
+    arch = arch if isinstance(arch, Arch) else Arch.from_mapping(arch)
+    return Trainable(builtin.training(arch, global_batch, micro_batch))
 
 
 TINY_ARCH = {
@@ -298,11 +311,19 @@ class Controller:
 
 
 class Workers:
-    """chameleon-worker subprocesses; logs under `log_dir`."""
+    """chameleon-worker subprocesses (or a user's script on the worker library: `command`); logs
+    under `log_dir`."""
 
     def __init__(
-        self, url: str, job: str, log_dir: Path, *, extra_args: list[str] | None = None
+        self,
+        url: str,
+        job: str,
+        log_dir: Path,
+        *,
+        extra_args: list[str] | None = None,
+        command: list[str] | None = None,
     ) -> None:
+        self.command = command or [sys.executable, "-m", "workers.main"]
         self.extra_args = list(extra_args or [])
         self.url = url
         self.job = job
@@ -324,9 +345,7 @@ class Workers:
             log = open(self.log_dir / f"{w}.log", "ab")  # noqa: SIM115 - closed with the process
             self.procs[w] = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "workers.main",
+                    *self.command,
                     "--redis-url",
                     self.url,
                     "--job",

@@ -12,9 +12,11 @@
    Each missing layer comes from the plan's Transfer when its source really holds a current copy,
    and otherwise from the lowest-ranked worker that does (a fault in the middle of an earlier
    migration leaves the plan's idea of who holds what behind the truth). Transfers run in the plan's
-   rounds, repairs in one extra round. Before any step has committed, missing layers are built from
-   the seed instead. Sources keep their layers; the runtime drops unowned layers after the
-   generation's first commit.
+   rounds, repairs in one extra round. A layer's state is a byte buffer whose length only its
+   sender knows (the user's optimizer decides what it holds), so each round first exchanges the
+   lengths, then the buffers. Before any step has committed, missing layers are built from
+   their initial weights instead. Sources keep their layers; the runtime drops unowned layers
+   after the generation's first commit.
 
 Every worker derives the same moves from the same gathered rows, and issues a round's transfers in
 one order (`round_order`: by layer, source, destination): between any two workers, the sends of
@@ -33,7 +35,7 @@ import torch
 from chameleond.core.plan import Plan
 from workers.backend import P2POp, allreduce_sum, exchange
 from workers.generation import Generation
-from workers.model import LayerState
+from workers.layer import LayerState
 from workers.state import WorkerState
 
 log = logging.getLogger("chameleon.worker")
@@ -61,7 +63,7 @@ class Reconciled:
 
 
 def _rows(gen: Generation, state: WorkerState) -> torch.Tensor:
-    n = state.arch.n_layers
+    n = state.model.n_layers
     rows = torch.zeros((len(gen.world), 2, n + 2), dtype=torch.float64)
     mine = rows[gen.rank]
     mine[0, 0] = state.committed_step
@@ -183,28 +185,42 @@ def _execute(
 ) -> None:
     me = gen.me
     for moves_of_round in round_order(moves):
+        sends: list[tuple[int, torch.Tensor]] = []  # (peer rank, state buffer)
+        receives: list[tuple[int, LayerState]] = []  # (peer rank, skeleton)
         for m in moves_of_round:
             if m.dst == me and m.src is None:
                 state.build_from_seed(m.layer)
-        transfers: list[P2POp] = []
-        received: list[tuple[LayerState, torch.Tensor]] = []
         for send, peer, index in round_transfers(moves_of_round, me):
             if send:
-                transfers.append((True, state.layer(index).state_buffer(), gen.rank_of(peer)))
+                sends.append(
+                    (gen.rank_of(peer), state.layer(index).state_buffer().to(state.device))
+                )
             else:
-                skeleton = LayerState(state.arch, index, state.device)
-                buf = torch.empty(skeleton.state_numel(), device=state.device)
-                transfers.append((False, buf, gen.rank_of(peer)))
-                received.append((skeleton, buf))
-        # One batch per round. The plan's rounds give a worker one transfer each, but the repair
-        # round may give it several, both ways.
-        works = exchange(gen.world_group, transfers)
+                receives.append((gen.rank_of(peer), LayerState(state.model, index, state.device)))
+        # One batch per round, twice: the lengths, then the buffers. The plan's rounds give a
+        # worker one transfer each, but the repair round may give it several, both ways; every
+        # worker lists a round's transfers in one order (round_transfers), so each pair matches
+        # by order alone.
+        lengths = [torch.empty(1, dtype=torch.int64, device=state.device) for _ in receives]
+        ops: list[P2POp] = [
+            (True, torch.tensor([b.numel()], dtype=torch.int64, device=state.device), r)
+            for r, b in sends
+        ] + [(False, n, r) for (r, _), n in zip(receives, lengths, strict=True)]
+        for work in exchange(gen.world_group, ops):
+            work.wait()
+        if receives:
+            gen.check()
+        bufs = [torch.empty(int(n.item()), dtype=torch.uint8, device=state.device) for n in lengths]
+        ops = [(True, b, r) for r, b in sends] + [
+            (False, b, r) for (r, _), b in zip(receives, bufs, strict=True)
+        ]
+        works = exchange(gen.world_group, ops)
         if on_round is not None:
             on_round(moves_of_round[0].round)
         for work in works:
             work.wait()
-        if received:
+        if receives:
             gen.check()  # an aborted round may leave its buffers unfinished
-        for layer, buf in received:
+        for (_, layer), buf in zip(receives, bufs, strict=True):
             layer.load_buffer(buf, committed)
             state.layers[layer.index] = layer
