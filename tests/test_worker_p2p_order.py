@@ -21,11 +21,13 @@ from chameleond.core.plan import Plan
 from chameleond.core.schedule import Op
 from chameleond.core.spec import JobSpec, parse_spec
 from chameleond.jobs import load_default_spec
-from workers import generation
+from workers import builtin, generation
 from workers.backend import DeviceChoice
 from workers.generation import Generation
+from workers.layer import LayerState
 from workers.migrate import Move, plan_moves, round_order, round_transfers
-from workers.model import Arch, LayerState
+from workers.model import Arch
+from workers.trainable import Trainable
 
 GLOO = DeviceChoice("cpu", 0, "gloo")
 ABSENT = -2.0
@@ -161,7 +163,9 @@ def rows_for(
 
 @cache
 def state_numel(arch: Arch, layer: int) -> int:
-    return LayerState(arch, layer, torch.device("cpu")).state_numel()
+    """The serialized state's size of a fresh layer (the length a migration sends first)."""
+    model = Trainable(builtin.training(arch, global_batch=4, micro_batch=1))
+    return int(LayerState(model, layer, torch.device("cpu")).state_buffer().numel())
 
 
 def migration_wire(moves: Sequence[Move], world: Sequence[str], arch: Arch) -> list[dict]:
