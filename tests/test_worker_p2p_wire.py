@@ -19,6 +19,7 @@ import pytest
 from worker_harness import TINY_ARCH, Controller, Workers, tiny_spec, wait_until
 
 from chameleond.redis_server import RedisServer
+from workers import builtin
 from workers.model import Arch
 from workers.reference import reference_losses
 
@@ -113,7 +114,9 @@ def test_every_p2p_call_has_tag_0_and_every_pair_matches_by_order(
 
     committed = controller.record.committed()
     assert sorted(committed) == list(range(STEPS))
-    ref = reference_losses(Arch.from_mapping(TINY_ARCH), GLOBAL_BATCH, MICRO_BATCH, STEPS)
+    ref = reference_losses(
+        builtin.training(Arch.from_mapping(TINY_ARCH), GLOBAL_BATCH, MICRO_BATCH), STEPS
+    )
     for s in range(STEPS):
         assert abs(committed[s] - ref[s]) <= LOSS_RTOL * abs(ref[s]), (s, committed[s], ref[s])
 
