@@ -42,7 +42,7 @@ def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision
     def ctl_status() -> str:
         return subprocess.run(
             [sys.executable, "-m", "chameleond.cli.ctl", "status", "--redis-url", redis_server.url],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True, text=True, timeout=120, check=True,
         ).stdout  # fmt: skip
 
     out = wait_for(lambda: "fault waiting" in (o := ctl_status()) and o, 60, "status line")
