@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
+from daemon_harness import Daemon, Workers, wait_for
 
 from chameleond.core.plan import plan_from_dict
 from chameleond.local.timeline import entry_seconds
@@ -35,13 +35,14 @@ def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision
     fault_id = workers.send(type="fault", worker="w3", cause="ECC error")
     waiting = wait_for(lambda: daemon.status()["waiting_faults"], 60, "the waiting fault")
     assert [(f["worker"], f["cause"]) for f in waiting] == [("w3", "ECC error")]
-    assert waiting[0]["received_at"] == pytest.approx(entry_seconds(fault_id), abs=1.0)
+    received = waiting[0]["received_at"]
+    assert entry_seconds(fault_id) - 0.01 <= received <= time.time()
     assert daemon.status()["workers_registered"] == 0
 
     def ctl_status() -> str:
         return subprocess.run(
             [sys.executable, "-m", "chameleond.cli.ctl", "status", "--redis-url", redis_server.url],
-            capture_output=True, text=True, timeout=30, check=True,
+            capture_output=True, text=True, timeout=120, check=True,
         ).stdout  # fmt: skip
 
     out = wait_for(lambda: "fault waiting" in (o := ctl_status()) and o, 60, "status line")
@@ -49,8 +50,7 @@ def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision
 
     time.sleep(WAIT)  # the workers take their time to come up
     workers.register()
-    wait_for(lambda: workers.generation() == 1, 60, "generation 1")
-    workers.ready(1, WORKERS)
+    # The initial plan (generation 1), then at once the decision that answers w3.
     wait_for(lambda: workers.generation() == 2, 60, "the decision that answers w3")
     raw = workers.plan()
     assert raw is not None
@@ -67,14 +67,15 @@ def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision
         float(decision["at"]) - float(initial["at"]), abs=0.01
     )
     assert daemon.metric("chameleon_fault_waiting_seconds_count") == 1
-    assert daemon.metric("chameleon_fault_waiting_seconds_sum") == pytest.approx(waited, abs=0.5)
+    # From the daemon's receipt (after the XADD, before the status showed it) to the initial plan.
+    assert WAIT <= daemon.metric("chameleon_fault_waiting_seconds_sum") <= waited + 0.01
     assert daemon.metric("chameleon_decision_seconds_count") == 1
     assert daemon.metric("chameleon_decision_seconds_sum") == pytest.approx(
         float(decision["decision_seconds"]), abs=0.01
     )
     status = daemon.status()
     assert status["waiting_faults"] == []
-    assert status["faults_waited_seconds"]["w3"] == pytest.approx(waited, abs=0.5)
+    assert WAIT <= status["faults_waited_seconds"]["w3"] <= waited + 0.01
 
     # Recovery too: every worker of the new plan commits a step; it counts from the plan as well.
     for w in plan.workers:

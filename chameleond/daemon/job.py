@@ -405,7 +405,7 @@ class Job:
             "started": self.started,
             "fault_times": self.decided_fault_times()[-1000:],
             "last_decision": self.last_decision,
-            "waiting_faults": self.waiting_faults(time.time()),  # shown by status, never restored
+            "waiting_faults": self.waiting_faults(),  # shown by status, never restored
             "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
             "checkpoints": self.checkpoints.to_json(),
             "unconfirmed": {
@@ -438,16 +438,19 @@ class Job:
         if self.pending(worker):
             self.undecided_faults[worker] = now
 
-    def waiting_faults(self, now: float) -> list[dict[str, Any]]:
+    def waiting_faults(self) -> list[dict[str, Any]]:
         """Faults no decision has answered yet, oldest first (what status shows): one received
         before the workers registered waits here for the initial plan."""
         m = self.machine
-        out = []
-        for w, cause in m.pending_faults.items():
-            at = self.undecided_faults.get(w, m.pending_since or now)
-            out.append({"worker": w, "cause": cause, "received_at": at,
-                        "age_seconds": round(max(0.0, now - at), 3)})  # fmt: skip
-        return sorted(out, key=lambda f: f["received_at"])
+        out = [
+            {
+                "worker": w,
+                "cause": cause,
+                "received_at": self.undecided_faults.get(w, m.pending_since),
+            }
+            for w, cause in m.pending_faults.items()
+        ]
+        return sorted(out, key=lambda f: f["received_at"] or 0.0)
 
     def act_from(self, now: float) -> dict[str, float]:
         """The initial plan is out: the daemon can act on the faults that waited for it, so their

@@ -55,7 +55,10 @@ def status(job: Job, cfg: Config) -> dict[str, Any]:
         # Registrations from outside the spec waiting for their profile (bounded, expiring).
         "registrations_waiting": sorted(job.unconfirmed),
         "pending_faults": dict(sorted(m.pending_faults.items())),
-        "waiting_faults": job.waiting_faults(now),
+        "waiting_faults": [
+            {**f, "age_seconds": round(now - f["received_at"], 3) if f["received_at"] else None}
+            for f in job.waiting_faults()
+        ],
         "faults_waited_seconds": dict(sorted(job.waited.items())),
         "workers_registered": job.registered_spec_workers(),
         "workers_needed": cfg.min_workers or len(job.base_spec.workers),

@@ -80,8 +80,8 @@ class LocalRun:
                 cluster.start_daemon()
                 cluster.start_workers()
                 self.progress.note(
-                    f"cluster up: redis {redact_url(cluster.redis_url)}, chameleond http "
-                    f"{cluster.http_url}, {len(o.workers)} workers; logs in {o.run_dir / 'logs'}"
+                    f"cluster up: redis {redact_url(cluster.redis_url)}, status page "
+                    f"{cluster.http_url}/, {len(o.workers)} workers; logs in {o.run_dir / 'logs'}"
                 )
                 completed, reason = self._loop(cluster, monitor)
                 monitor.read_all()
