@@ -27,7 +27,8 @@ Figures: `lost_events` (real faults never answered by a decision, or left unackn
 `forged_accepted` (forged messages a worker's PlanWatcher took as its newest plan or the daemon
 acted on), `max_recovery_seconds` (a fault -> the plan excluding its worker in Redis; from Redis
 answering again when it was away), `max_takeover_seconds` (kill -9 of the leader -> the standby
-ready).
+ready); beside them `max_stall_takeover_seconds` (SIGSTOP of the leader -> the standby ready: the
+lease must lapse) and `by_kind` (trials and the longest recovery per kind).
 """
 
 from __future__ import annotations
@@ -139,10 +140,15 @@ class Bench:
         plan = self.plan(keys)
         return plan is not None and workers <= set(plan.get("excluded", ()))
 
-    def decisions(self, keys: Keys) -> list[dict[str, str]]:
+    def decisions(self, keys: Keys, *, planned: bool = False) -> list[dict[str, str]]:
+        """The job's decision records (`planned`: only those that published a plan)."""
         # decode_responses=True: every field is a str (redis-py's stubs cannot say so).
         entries: list[tuple[str, dict[str, str]]] = cast(Any, self.client.xrange(keys.decisions))
-        return [f for _, f in entries if f.get("kind") == "decision" and f.get("selected")]
+        return [
+            f
+            for _, f in entries
+            if f.get("kind") == "decision" and (f.get("selected") or not planned)
+        ]
 
     def fault(self, keys: Keys, worker: str, signer: Keyring | None = None, **extra: str) -> str:
         """A fault about `worker`, signed with the job's key (or `signer`; None: unsigned)."""
@@ -408,7 +414,7 @@ class Bench:
             t.notes.append(f"unanswered {sorted(unanswered)}, unacknowledged {sorted(held)}")
         records = self.decisions(keys)
         per_generation: dict[str, int] = {}
-        for d in records:
+        for d in self.decisions(keys, planned=True):
             per_generation[d["generation"]] = per_generation.get(d["generation"], 0) + 1
         t.duplicates += sum(n - 1 for n in per_generation.values())
         for v in victims:
@@ -450,7 +456,19 @@ def run(args: argparse.Namespace) -> int:
         finally:
             bench.close()
     recoveries = [t.recovery_seconds for t in trials if t.recovery_seconds is not None]
-    takeovers = [t.takeover_seconds for t in trials if t.takeover_seconds is not None]
+    # kill -9 of the leader: the standby sees its connections gone. A stalled leader's lease
+    # must lapse first: those takeovers are reported apart.
+    takeovers = [
+        t.takeover_seconds for t in trials if t.takeover_seconds is not None and t.kind != "stall"
+    ]
+    stalls = [t.takeover_seconds for t in trials if t.takeover_seconds and t.kind == "stall"]
+    by_kind: dict[str, dict[str, Any]] = {}
+    for t in trials:
+        k = by_kind.setdefault(t.kind, {"trials": 0, "max_recovery_seconds": None})
+        k["trials"] += 1
+        if t.recovery_seconds is not None:
+            k["max_recovery_seconds"] = round(max(k["max_recovery_seconds"] or 0.0,
+                                                  t.recovery_seconds), 3)  # fmt: skip
     out = {
         "trials": len(trials),
         "lost_events": sum(t.lost for t in trials),
@@ -459,6 +477,8 @@ def run(args: argparse.Namespace) -> int:
         "forged_accepted": sum(t.forged_accepted for t in trials),
         "max_recovery_seconds": round(max(recoveries), 3) if recoveries else None,
         "max_takeover_seconds": round(max(takeovers), 3) if takeovers else None,
+        "max_stall_takeover_seconds": round(max(stalls), 3) if stalls else None,
+        "by_kind": by_kind,
         "forged_sent": sum(t.forged_sent for t in trials),
         "lease_seconds": args.lease_seconds,
         "wall_seconds": round(time.monotonic() - started, 1),

@@ -10,7 +10,10 @@ What the detector suspects it writes to the event stream as an ordinary `fault` 
 sees it in the stream. A worker declared failed that still heartbeats is fenced: it is in the
 plan's `excluded` list, and the current generation is published again now and then so it learns.
 Silence while Redis is unreachable, and for one timeout after it is back, is nobody's fault: a
-Redis restart must not turn into every worker declared failed.
+Redis restart must not turn into every worker declared failed. Nor is silence while the daemon
+itself did not run (stopped, starved: a tick comes more than STALL_SECONDS late): nobody's
+heartbeat was read meanwhile. A suspicion is written only while this daemon holds the lease
+(`Lease.xadd`), so one that stalled past its lease and wakes up writes nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("chameleond.detector")
 TICK_SECONDS = 0.2
+STALL_SECONDS = 1.0  # a tick this much late: the daemon was not running
 NUDGE_SECONDS = 2.0
 
 
@@ -39,6 +43,8 @@ class Detector:
         self.last_nudge = 0.0
         self.fenced_logged: set[str] = set()
         self.dead_logged: set[str] = set()
+        self.last_tick = time.monotonic()
+        self.quiet_until = 0.0  # after a stall of the daemon: nobody is suspected until then
 
     def suspects(self, now: float) -> dict[str, str]:
         """Workers of the current plan or on standby to declare failed now, with the reason."""
@@ -51,7 +57,7 @@ class Detector:
         # While Redis was away no heartbeat or ack could arrive; once it is back every worker
         # gets a whole timeout to be heard from again (their kept events come first).
         redis = svc.reachability
-        if redis is None or redis.error or now - redis.since < hold:
+        if redis is None or redis.error or now - redis.since < hold or now < self.quiet_until:
             return {}
         out: dict[str, str] = {}
         # A worker on standby is offered to every decision, a joining one to the next: one that
@@ -87,15 +93,22 @@ class Detector:
         svc = self.service
         while True:
             await asyncio.sleep(TICK_SECONDS)
+            tick = time.monotonic()
+            late, self.last_tick = tick - self.last_tick - TICK_SECONDS, tick
             now = time.time()
+            if late > STALL_SECONDS:
+                hold = max(2.0, svc.cfg.heartbeat_timeout_seconds)
+                self.quiet_until = now + hold
+                log.warning("the daemon did not run for %.1f s: suspecting nobody for %.0f s",
+                            late, hold)  # fmt: skip
             try:
                 for worker, cause in self.suspects(now).items():
                     self.reported[worker] = now
                     log.warning("suspect %s: %s", worker, cause)
-                    assert svc.client is not None
+                    assert svc.lease is not None
                     fault = {"type": "fault", "worker": worker, "cause": cause}
                     fault["source"] = "detector"
-                    await svc.client.xadd(svc.keys.events, svc.signed(fault))  # type: ignore[arg-type]
+                    await svc.lease.xadd(svc.keys.events, svc.signed(fault))
                 for w in svc.job.expire_unconfirmed(now):
                     log.info("registration of %s expired: no profile followed it", w)
                 states = svc.job.worker_states(now, svc.cfg.heartbeat_timeout_seconds)

@@ -25,7 +25,6 @@ RECORDS_KEEP = 10_000  # decision/transition entries kept in the decisions strea
 # Registrations of workers the spec does not list wait for the worker's profile (docs/daemon.md,
 # Failure detection): at most this many at once, each for at most the registration TTL.
 UNCONFIRMED_MAX = 64
-ENDED = ("finished", "left")  # how a worker's process stopped cleanly (`ack phase=stopped`)
 
 
 @dataclass

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -77,6 +77,11 @@ end
 
 
 RENEW_LUA = hold_lua("KEYS[1]", "ARGV[1]", "ARGV[2]") + "return 1\n"
+# An entry written to a stream only while holding the lease (the detector's suspicions).
+XADD_LUA = (
+    hold_lua("KEYS[1]", "ARGV[1]", "ARGV[2]")
+    + "return redis.call('XADD', KEYS[2], '*', unpack(ARGV, 3))\n"
+)
 
 
 def lost(error: BaseException) -> bool:
@@ -114,6 +119,7 @@ class Lease:
         self._back_since: float | None = None
         self._pause = POLL_SECONDS  # until the next look: sooner when the lease expires sooner
         self._renew = client.register_script(RENEW_LUA)
+        self._xadd = client.register_script(XADD_LUA)
 
     async def acquire(self, stop: asyncio.Event, standing_by: Callable[[str], None]) -> bool:
         """Wait until this daemon holds the lease (True) or `stop` is set (False). Calls
@@ -223,6 +229,19 @@ class Lease:
                 failing = True
                 pause = POLL_SECONDS  # renew as soon as Redis answers again
             await _sleep(stop, pause)
+
+    async def xadd(self, stream: str, fields: Mapping[str, str]) -> None:
+        """XADD `fields` to `stream` only if this daemon still leads; raises LeaseLost if not. A
+        daemon that stalled past its lease must not write what it concluded meanwhile."""
+        args: list[Any] = [self.token, self.ttl_ms]
+        for k, v in fields.items():
+            args += [k, v]
+        try:
+            await self._xadd(keys=[self.key, stream], args=args)
+        except RedisError as e:
+            if lost(e):
+                raise LeaseLost(str(e)) from None
+            raise
 
     async def release(self) -> None:
         """Give the lease up at a clean stop, so a standby takes over at once."""

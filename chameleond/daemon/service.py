@@ -88,6 +88,7 @@ class Service:
         self._failed: BaseException | None = None
         self.standby_for = ""  # the daemon that leads the job while this one stands by
         self.leading = False  # holds the job's leader lease (daemon/lease.py)
+        self.lease: Lease | None = None  # built by run()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -126,7 +127,9 @@ class Service:
             client_name=connection_name(incarnation),  # how a standby sees this process live
         )
         tasks: list[asyncio.Task[Any]] = []
-        lease = Lease(client, self.keys, cfg.consumer_name, cfg.lease_seconds, incarnation)
+        lease = self.lease = Lease(
+            client, self.keys, cfg.consumer_name, cfg.lease_seconds, incarnation
+        )
         try:
             await client.ping()
             if self.http is not None:
