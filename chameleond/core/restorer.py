@@ -406,13 +406,40 @@ def _migration(
 
     keys = sorted(coalesced, key=lambda sd: (order[sd[1]], order[sd[0]]))
     seconds = [links(src, dst).transfer_seconds(coalesced[(src, dst)][1]) for src, dst in keys]
-    colour, migration_seconds = weighted_rounds(keys, seconds)
+    colour, _ = weighted_rounds(keys, seconds)
+    sizes = [coalesced[k][1] for k in keys]
+    migration_seconds = nic_bound_seconds(spec, links.host, keys, sizes, seconds, colour)
     transfers = [
         Transfer(src, dst, tuple(sorted(coalesced[(src, dst)][0])), coalesced[(src, dst)][1], c)
         for (src, dst), c in zip(keys, colour, strict=True)
     ]
     transfers.sort(key=lambda t: (t.round, order[t.dst], order[t.src]))
     return tuple(transfers), migration_seconds
+
+
+def nic_bound_seconds(
+    spec: JobSpec,
+    host: dict[str, str],
+    pairs: Sequence[tuple[str, str]],
+    nbytes: Sequence[int],
+    seconds: Sequence[float],
+    colour: Sequence[int],
+) -> float:
+    """Migration time of transfers run in colouring rounds, each round a barrier: a round lasts
+    as long as its slowest transfer, and never less than the busiest host interface needs for
+    the bytes that round sends out of it or into it across hosts (every device of a host shares
+    its interface: `spec.nic_bytes_per_second()`). Rounds add up."""
+    nic = spec.nic_bytes_per_second()
+    slowest: dict[int, float] = {}
+    through: dict[tuple[int, str, str], int] = {}  # (round, host, "out" | "in") -> bytes
+    for (src, dst), b, t, c in zip(pairs, nbytes, seconds, colour, strict=True):
+        slowest[c] = max(slowest.get(c, 0.0), t)
+        if host[src] != host[dst]:
+            through[(c, host[src], "out")] = through.get((c, host[src], "out"), 0) + b
+            through[(c, host[dst], "in")] = through.get((c, host[dst], "in"), 0) + b
+    for (c, _, _), b in through.items():
+        slowest[c] = max(slowest[c], b / nic)
+    return sum(slowest.values())
 
 
 def sync_groups(pipelines: Sequence[Pipeline], excluded: Collection[str]) -> tuple[SyncGroup, ...]:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, product
 
-from chameleond.core.estimator import LayerTable, pipeline_seconds, ring_allreduce_seconds
+from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
 from chameleond.core.plan import Pipeline, Stage
 from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.spec import JobSpec
@@ -70,7 +70,7 @@ class ShapeModel:
         self.link = spec.inter_host if spans_hosts else spec.intra_host
         self.n_survivors = len(chosen)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
-        self._timed: dict[tuple[tuple[float, ...], tuple[float, ...], int], float] = {}
+        self._timed: dict[tuple[tuple[float, ...], tuple[float, ...], int], list[float]] = {}
         self.shapes_timed = 0
 
     def splits(self, n: int) -> list[tuple[int, ...]]:
@@ -110,14 +110,27 @@ class ShapeModel:
         key = (fwd, bwd, n_micro)
         if key not in self._timed:
             comm = [self.link.transfer_seconds(t.output_bytes(b)) for _, b in spans[:-1]]
-            self._timed[key] = pipeline_seconds(fwd, bwd, comm, n_micro)
+            self._timed[key] = stage_finishes(fwd, bwd, comm, n_micro)
             self.shapes_timed += 1
-        return self._timed[key] + self.sync_seconds(sizes)
+        return self.with_sync(sizes, self._timed[key])
+
+    def with_sync(self, sizes: Sequence[int], finishes: Sequence[float]) -> float:
+        """The pipeline's time with its share of the gradient all-reduce: each stage's gradients
+        in a ring over N / n_j peers (as many as there would be pipelines of this length), on the
+        search's link; after the whole pipeline, or from each stage's own last backward when the
+        job overlaps sync with backward. Exact for layouts of one length and split (every stage
+        one group, one round)."""
+        if not self.spec.training.overlap_sync:
+            return max(finishes) + self.sync_seconds(sizes)
+        peers = self.n_survivors / len(sizes)
+        tails = [
+            f + ring_allreduce_seconds(peers, self.table.gradient_bytes(a, b), self.link)
+            for f, (a, b) in zip(finishes, self.bounds(sizes), strict=True)
+        ]
+        return max(*finishes, *tails)
 
     def sync_seconds(self, sizes: Sequence[int]) -> float:
-        """The pipeline's share of the gradient all-reduce: its largest stage's gradients in a ring
-        over N / n_j peers (as many as there would be pipelines of this length), on the search's
-        link. Exact for layouts of one length and split (every stage one group, one round)."""
+        """The largest stage's all-reduce: the sync share when it follows the whole pipeline."""
         peers = self.n_survivors / len(sizes)
         grad = max(self.table.gradient_bytes(a, b) for a, b in self.bounds(sizes))
         return ring_allreduce_seconds(peers, grad, self.link)
@@ -132,6 +145,8 @@ class ShapeModel:
             best = max(best, before + n_micro * work)
             before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
             del s
+        if self.spec.training.overlap_sync:
+            return best  # the sync may hide behind the backward passes
         return best + self.sync_seconds(sizes)
 
     def floor(self, n: int, n_micro: int) -> float:
@@ -423,7 +438,7 @@ def exhaustive(spec: JobSpec, survivors: Sequence[str], limit: int = 20_000) -> 
 
                 # Pipelines share no worker: each one's longest path, plus its sync share.
                 seconds = max(
-                    _alone(model, pp, rt) + model.sync_seconds(sz)
+                    model.with_sync(sz, _alone(model, pp, rt))
                     for pp, rt, sz in zip(pipes, routing, sizes, strict=True)
                 )
                 if best is None or seconds < best.seconds:
@@ -462,8 +477,9 @@ def _placements(lengths: Sequence[int], n_surv: int, total: int) -> list[tuple[i
     return out
 
 
-def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> float:
-    """schedule.build_schedule's makespan of one pipeline on the search's link."""
+def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> list[float]:
+    """Per stage, the end of its last op in schedule.build_schedule's schedule of one pipeline
+    on the search's link."""
     t = model.table
 
     def op(_p: int, s: int, kind: str, _w: str) -> float:
@@ -476,4 +492,5 @@ def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> float
         end = pipe.stages[s].end_layer
         return 0.0 if a == b else model.link.transfer_seconds(t.output_bytes(end))
 
-    return build_schedule([pipe], [routing], op, comm).makespan
+    ops = build_schedule([pipe], [routing], op, comm).ops
+    return [max(o.end for o in ops[st.worker]) for st in pipe.stages]
