@@ -291,7 +291,7 @@ def decide(
         # Every survivor loads its layers from the checkpoint: any of them suits any slot.
         anywhere = {w: [(0, len(spec.layers))] for w in survivors}
         dyn, _, search_seconds, considered = _dynamic_candidate(
-            spec, est, current, survivors, anywhere, generation, mtbf, cause
+            spec, est, current, survivors, anywhere, generation, mtbf, cause, fenced
         )
         if dyn.plan is None:
             why = f"{lost}; no plan to restore step {checkpoint_step} on: {dyn.reason}"
@@ -316,7 +316,7 @@ def decide(
     held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
     rr = _reroute_candidate(spec, est, current, fenced, held, generation, mtbf, cause)
     dyn, switch, search_seconds, considered = _dynamic_candidate(
-        spec, est, current, survivors, held, generation, mtbf, cause
+        spec, est, current, survivors, held, generation, mtbf, cause, fenced
     )
 
     selected, note = select(rr, dyn, force)
@@ -415,6 +415,7 @@ def _dynamic_candidate(
     generation: int,
     mtbf: float,
     cause: str,
+    fenced: set[str],
 ) -> tuple[Candidate, Plan | None, float, int]:
     """The dynamic candidate, the same plan as a background switch (search hidden), search time,
     layouts considered."""
@@ -423,15 +424,18 @@ def _dynamic_candidate(
     if found.layout is None:
         reason = found.reason or "no layout"
         return _infeasible("dynamic", reason), None, search_seconds, found.plans_considered
+    slots = sum(len(pipe) for pipe in found.layout.shape)
+    used = _in_use(spec, survivors, held, slots)
     try:
         restored = restorer.assign(
-            spec, current, found.layout.shape, found.layout.micro_batches, survivors, held
+            spec, current, found.layout.shape, found.layout.micro_batches, used, held
         )
     except (restorer.RestoreError, restorer.LostLayers) as e:
         return _infeasible("dynamic", str(e)), None, search_seconds, found.plans_considered
     order = _order(spec)
     known = {st.worker for pipe in current.pipelines for st in pipe.stages} | set(current.excluded)
-    excluded = sorted(known - set(survivors), key=order.__getitem__)
+    # Failed workers are excluded; survivors a layout leaves idle stay on standby (spares).
+    excluded = sorted((known | fenced) - set(survivors), key=order.__getitem__)
     pipelines = restored.pipelines
     routing = tuple(
         tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
@@ -477,6 +481,21 @@ def restore_seconds(
     load = largest / spec.costs.checkpoint_read_bytes_per_second
     lost_steps = max(0, step - checkpoint_step) if step is not None else 0
     return load + lost_steps * current.estimates.step_seconds + spec.rebuild_seconds
+
+
+def _in_use(spec: JobSpec, survivors: Sequence[str], held: Held, slots: int) -> list[str]:
+    """The survivors a layout of `slots` slots runs on: those left idle as spares hold the
+    fewest bytes of state (a rejoined worker first), the later in the job's order on ties."""
+    if slots >= len(survivors):
+        return list(survivors)
+    table = Estimator(spec).table
+    order = _order(spec)
+
+    def holding(w: str) -> int:
+        return sum(table.state_bytes(a, b) for a, b in held.get(w, ()))
+
+    idle = set(sorted(survivors, key=lambda w: (holding(w), -order[w]))[: len(survivors) - slots])
+    return [w for w in survivors if w not in idle]
 
 
 def _finite(x: float) -> float | None:

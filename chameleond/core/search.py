@@ -184,8 +184,45 @@ def micro_batch_floor(total: int, survivors: int, length: int) -> int:
     return max(total * length // survivors, 1)
 
 
+def spare_counts(spec: JobSpec, n_surv: int) -> list[int]:
+    """How many survivors a layout may use: all of them, or fewer, leaving the rest idle as
+    spares, where pipelines of one allowed length use more of them than any layout of all:
+    n x floor(N / n) for each allowed length n, within one pipeline's length of N."""
+    lo = max(spec.search.min_stages, 1)
+    hi = min(spec.search.max_stages, len(spec.layers), n_surv)
+    out = {n_surv}
+    for n in range(lo, hi + 1):
+        used = n * (n_surv // n)
+        if used and n_surv - used < hi:
+            out.add(used)
+    return sorted(out, reverse=True)
+
+
 def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
-    """The fastest layout shape over the survivors (workers are assigned later by the restorer)."""
+    """The fastest layout shape over the survivors (workers are assigned later by the restorer).
+
+    A layout may leave a few survivors idle (`spare_counts`): with B fixed, fewer devices in a
+    better-balanced layout can step faster than all of them (31 survivors of an 8 x 4 job: 7 x 4
+    and 3 spares beats any partition of 31). Each count is searched exactly; the fastest wins,
+    all survivors on ties. Which survivors stay idle is the caller's choice (core.decide)."""
+    best: SearchResult | None = None
+    considered = timed = 0
+    for used in spare_counts(spec, len(survivors)):
+        found = _search_all(spec, survivors[:used])
+        considered += found.plans_considered
+        timed += found.shapes_timed
+        if found.layout is not None and (
+            best is None or best.layout is None or found.layout.seconds < best.layout.seconds
+        ):
+            best = found
+        elif best is None:
+            best = found
+    assert best is not None
+    return SearchResult(best.layout, considered, timed, best.reason)
+
+
+def _search_all(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
+    """Algorithm 1 over exactly these survivors, every one of them in the layout."""
     n_surv, total = len(survivors), spec.training.micro_batches
     if n_surv == 0:
         return SearchResult(None, 0, 0, "no surviving workers")
@@ -408,9 +445,23 @@ class Exhaustive:
 def exhaustive(spec: JobSpec, survivors: Sequence[str], limit: int = 20_000) -> Exhaustive:
     """Algorithm 1's space enumerated literally, without memo or pruning: the search's referee.
 
-    Every partition, every remainder placement, every combination of layer splits over the
-    pipelines; each layout timed by `schedule.build_schedule` over all its pipelines at once.
+    For every survivor count the search may use (`spare_counts`): every partition, every
+    remainder placement, every combination of layer splits over the pipelines; each layout timed
+    by `schedule.build_schedule` over all its pipelines at once.
     """
+    best: Layout | None = None
+    timed = 0
+    for used in spare_counts(spec, len(survivors)):
+        ref = _exhaustive_all(spec, survivors[:used], limit - timed)
+        timed += ref.layouts
+        if not ref.complete:
+            return Exhaustive(None, timed, False)
+        if ref.layout is not None and (best is None or ref.layout.seconds < best.seconds):
+            best = ref.layout
+    return Exhaustive(best, timed, True)
+
+
+def _exhaustive_all(spec: JobSpec, survivors: Sequence[str], limit: int) -> Exhaustive:
     n_surv, total = len(survivors), spec.training.micro_batches
     model = ShapeModel(spec, survivors)
     lo = max(spec.search.min_stages, 1)
