@@ -10,6 +10,7 @@ BENCHES = {
     "ingest": "chameleond.cli.bench_ingest",
     "recovery": "chameleond.cli.bench_recovery",
     "checkpoint": "chameleond.cli.bench_checkpoint",
+    "policies": "chameleond.cli.bench_policies",
 }
 
 

@@ -211,11 +211,10 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
         found = _search_all(spec, survivors[:used])
         considered += found.plans_considered
         timed += found.shapes_timed
-        if found.layout is not None and (
-            best is None or best.layout is None or found.layout.seconds < best.layout.seconds
-        ):
-            best = found
-        elif best is None:
+        if (
+            found.layout is not None
+            and (best is None or best.layout is None or found.layout.seconds < best.layout.seconds)
+        ) or best is None:
             best = found
     assert best is not None
     return SearchResult(best.layout, considered, timed, best.reason)
