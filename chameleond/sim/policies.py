@@ -154,7 +154,7 @@ class Policy:
             force=force, holdings=state.held if holdings is None else holdings,
             checkpoint_step=ckpt, step=step,
         )  # fmt: skip
-        if d.follow_up is not None:
+        if d.follow_up is not None and self.force is None:
             self.generation = d.follow_up.generation
         return d
 
@@ -233,7 +233,7 @@ class Choose(Policy):
             Phase("transition", tr, 0.0, JobState(plan, state.held)),
             Phase("training", INF, self.throughput(plan), JobState(plan, of_plan(plan))),
         ]
-        if d.follow_up is not None:
+        if d.follow_up is not None and self.force is None:
             f = d.follow_up
             phases[-1] = replace(phases[-1], seconds=d.search_seconds)
             phases += [
