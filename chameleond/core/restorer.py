@@ -223,7 +223,10 @@ def match_slots(
     for j, (_, _, a, b) in enumerate(slots):
         col_classes.setdefault((a, b), []).append(j)
     if by_class is None:
-        by_class = len(row_classes) * len(col_classes) <= _CLASS_PAIRS_LIMIT
+        # The flow's graph has one edge per class pair; the matrix, n^2 entries. Beyond a few
+        # thousand survivors the matrix (and scipy's O(n^3) worst case) costs far more.
+        limit = max(_CLASS_PAIRS_LIMIT, len(rows) // 2)
+        by_class = len(row_classes) * len(col_classes) <= limit
     if not by_class:
         pairs, _ = min_cost_assignment(_cost_matrix(rows, held, slots, layer_bytes))
         owner = [0] * len(slots)

@@ -36,9 +36,13 @@ from itertools import combinations, product
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
 from chameleond.core.plan import Pipeline, Stage
 from chameleond.core.schedule import FORWARD, build_schedule
-from chameleond.core.spec import JobSpec
+from chameleond.core.spec import JobSpec, LinkSpec
 
 Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (first_layer, end_layer)
+
+
+Paths = dict[tuple[tuple[float, ...], tuple[float, ...], int], list[float]]
+SharedPaths = dict[LinkSpec, Paths]
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,9 @@ class SearchResult:
 class ShapeModel:
     """Pipeline times and memory of shapes under the homogeneous-device assumption."""
 
-    def __init__(self, spec: JobSpec, survivors: Sequence[str]) -> None:
+    def __init__(
+        self, spec: JobSpec, survivors: Sequence[str], shared: SharedPaths | None = None
+    ) -> None:
         self.spec = spec
         self.table = LayerTable(spec)
         self.n_layers = len(spec.layers)
@@ -70,7 +76,9 @@ class ShapeModel:
         self.link = spec.inter_host if spans_hosts else spec.intra_host
         self.n_survivors = len(chosen)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
-        self._timed: dict[tuple[tuple[float, ...], tuple[float, ...], int], list[float]] = {}
+        # Longest paths depend on the stage durations, micro-batches and link only: searches over
+        # several survivor counts share them.
+        self._timed = {} if shared is None else shared.setdefault(self.link, {})
         self.shapes_timed = 0
 
     def splits(self, n: int) -> list[tuple[int, ...]]:
@@ -146,7 +154,11 @@ class ShapeModel:
             before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
             del s
         if self.spec.training.overlap_sync:
-            return best  # the sync may hide behind the backward passes
+            # Stage 0 ends last (its last backward waits for every other stage's), and its own
+            # all-reduce starts only then.
+            a, b = self.bounds(sizes)[0]
+            peers = self.n_survivors / len(sizes)
+            return best + ring_allreduce_seconds(peers, t.gradient_bytes(a, b), self.link)
         return best + self.sync_seconds(sizes)
 
     def floor(self, n: int, n_micro: int) -> float:
@@ -207,8 +219,9 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
     all survivors on ties. Which survivors stay idle is the caller's choice (core.decide)."""
     best: SearchResult | None = None
     considered = timed = 0
+    shared: SharedPaths = {}
     for used in spare_counts(spec, len(survivors)):
-        found = _search_all(spec, survivors[:used])
+        found = _search_all(spec, survivors[:used], shared)
         considered += found.plans_considered
         timed += found.shapes_timed
         if (
@@ -220,12 +233,14 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
     return SearchResult(best.layout, considered, timed, best.reason)
 
 
-def _search_all(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
+def _search_all(
+    spec: JobSpec, survivors: Sequence[str], shared: SharedPaths | None = None
+) -> SearchResult:
     """Algorithm 1 over exactly these survivors, every one of them in the layout."""
     n_surv, total = len(survivors), spec.training.micro_batches
     if n_surv == 0:
         return SearchResult(None, 0, 0, "no surviving workers")
-    model = ShapeModel(spec, survivors)
+    model = ShapeModel(spec, survivors, shared)
     lo = max(spec.search.min_stages, 1)
     hi = min(spec.search.max_stages, model.n_layers, n_surv)
     # When a length's proportional share floors to 0, the repairs can overshoot and other

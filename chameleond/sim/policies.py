@@ -154,7 +154,7 @@ class Policy:
             force=force, holdings=state.held if holdings is None else holdings,
             checkpoint_step=ckpt, step=step,
         )  # fmt: skip
-        if d.follow_up is not None and self.force is None:
+        if d.follow_up is not None:
             self.generation = d.follow_up.generation
         return d
 
