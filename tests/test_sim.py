@@ -111,8 +111,9 @@ def test_short_window_reroute_must_win() -> None:
                            for k in (1, 2)), 1, 8, 0, 180.0)  # fmt: skip
     res = {p: simulate(spec, trace, p) for p in ("chameleon", "reroute", "dynamic")}
     assert [r.selected for r in res["chameleon"].records] == ["reroute", "reroute"]
-    assert res["chameleon"].average_throughput == pytest.approx(res["reroute"].average_throughput)
-    assert res["chameleon"].average_throughput > res["dynamic"].average_throughput
+    assert res["reroute"].average_throughput > res["dynamic"].average_throughput
+    # Chameleon may still switch later, once its search ran hidden behind the rerouted steps.
+    assert res["chameleon"].average_throughput >= res["reroute"].average_throughput
 
 
 def test_long_window_repartition_must_win() -> None:
