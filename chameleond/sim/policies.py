@@ -75,15 +75,28 @@ class Policy:
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def checkpoint_seconds(self) -> float:
-        """Training seconds between bubble checkpoints: one checkpoint's write (the largest slot
-        over the storage bandwidth) fits in the pipeline bubbles (N_pp - 1)/(N_pp + N_m - 1) of
-        the steps it spans."""
+    def window_seconds(self) -> float:
+        """Training seconds one bubble checkpoint spans: its write (the largest slot over the
+        storage bandwidth) fits in the pipeline bubbles (N_pp - 1)/(N_pp + N_m - 1) of the
+        steps it spans."""
         write = self.write_seconds(self.initial)
         pipe = self.initial.pipelines[0]
         n, m = len(pipe.stages), pipe.micro_batches
         bubble = (n - 1) / (n + m - 1) if n > 1 else 0.0
         return write / bubble if bubble > 0 else write * 100.0
+
+    def checkpoint_seconds(self, mtbf: float | None = None) -> float:
+        """Training seconds between bubble checkpoints: Young's interval sqrt(2 c D) for a
+        checkpoint costing c = BAFT's share of its window, never shorter than the window."""
+        window = self.window_seconds()
+        cost = self.cfg.bubble_checkpoint_overhead * window
+        d = self.spec.mtbf_prior_seconds if mtbf is None else mtbf
+        return max(window, math.sqrt(2 * cost * d))
+
+    def kept(self) -> float:
+        """The share of training time bubble checkpoints leave to training."""
+        cost = self.cfg.bubble_checkpoint_overhead * self.window_seconds()
+        return 1 - cost / self.interval
 
     def write_seconds(self, plan: Plan) -> float:
         largest = max(
@@ -95,12 +108,13 @@ class Policy:
 
     def start(self) -> Timeline:
         state = JobState(self.initial, of_plan(self.initial))
-        tl = Timeline(state, self.checkpoint_seconds())
+        self.interval = self.checkpoint_seconds()
+        tl = Timeline(state, self.interval)
         tl.follow([Phase("training", INF, self.throughput(self.initial))])
         return tl
 
     def throughput(self, plan: Plan) -> float:
-        return self.batch / plan.estimates.step_seconds * (1 - self.cfg.bubble_checkpoint_overhead)
+        return self.batch / plan.estimates.step_seconds * self.kept()
 
     def mtbf(self, now: float) -> float:
         return selector.estimate_mtbf(self.fault_times, now, 0.0, self.spec.mtbf_prior_seconds)
@@ -120,6 +134,9 @@ class Policy:
     def event(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         if ev.failed:
             self.fault_times.append(ev.seconds)
+        if not isinstance(self, Restart):  # the interval follows D (Young, D estimated online)
+            self.interval = self.checkpoint_seconds(self.mtbf(ev.seconds))
+            tl.checkpoint_seconds = self.interval
         state: JobState = tl.state
         held = {w: iv for w, iv in state.held.items() if w not in ev.failed and w not in down}
         # A worker that comes back is a new process: it holds nothing.
@@ -257,8 +274,8 @@ class Restart(Policy):
         self.write = self.write_seconds(self.initial)
         self.interval = math.sqrt(2 * self.write * spec.mtbf_prior_seconds)
 
-    def checkpoint_seconds(self) -> float:
-        return self.interval
+    def checkpoint_seconds(self, mtbf: float | None = None) -> float:
+        return math.sqrt(2 * self.write * (self.spec.mtbf_prior_seconds if mtbf is None else mtbf))
 
     def throughput(self, plan: Plan) -> float:
         return (
@@ -307,7 +324,7 @@ class DropReplica(Policy):
         groups = restorer.sync_groups(live, ())
         step = self.est.step_seconds(live, routing, groups)
         samples = sum(p.micro_batches for p in live) * self.spec.training.micro_batch
-        return live, samples / step * (1 - self.cfg.bubble_checkpoint_overhead)
+        return live, samples / step * self.kept()
 
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         now = ev.seconds
@@ -410,9 +427,7 @@ class Redundant(Policy):
         return self.rc_throughput(plan, ())
 
     def rc_throughput(self, plan: Plan, down: Collection[str]) -> float:
-        return (
-            self.batch / self.step_seconds(plan, down) * (1 - self.cfg.bubble_checkpoint_overhead)
-        )
+        return self.batch / self.step_seconds(plan, down) * self.kept()
 
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         now = ev.seconds
