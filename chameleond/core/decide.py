@@ -424,11 +424,9 @@ def _dynamic_candidate(
     if found.layout is None:
         reason = found.reason or "no layout"
         return _infeasible("dynamic", reason), None, search_seconds, found.plans_considered
-    slots = sum(len(pipe) for pipe in found.layout.shape)
-    used = _in_use(spec, survivors, held, slots)
     try:
         restored = restorer.assign(
-            spec, current, found.layout.shape, found.layout.micro_batches, used, held
+            spec, current, found.layout.shape, found.layout.micro_batches, survivors, held
         )
     except (restorer.RestoreError, restorer.LostLayers) as e:
         return _infeasible("dynamic", str(e)), None, search_seconds, found.plans_considered
@@ -481,21 +479,6 @@ def restore_seconds(
     load = largest / spec.costs.checkpoint_read_bytes_per_second
     lost_steps = max(0, step - checkpoint_step) if step is not None else 0
     return load + lost_steps * current.estimates.step_seconds + spec.rebuild_seconds
-
-
-def _in_use(spec: JobSpec, survivors: Sequence[str], held: Held, slots: int) -> list[str]:
-    """The survivors a layout of `slots` slots runs on: those left idle as spares hold the
-    fewest bytes of state (a rejoined worker first), the later in the job's order on ties."""
-    if slots >= len(survivors):
-        return list(survivors)
-    table = Estimator(spec).table
-    order = _order(spec)
-
-    def holding(w: str) -> int:
-        return sum(table.state_bytes(a, b) for a, b in held.get(w, ()))
-
-    idle = set(sorted(survivors, key=lambda w: (holding(w), -order[w]))[: len(survivors) - slots])
-    return [w for w in survivors if w not in idle]
 
 
 def _finite(x: float) -> float | None:

@@ -123,6 +123,7 @@ def assign(
     held: Held | None = None,
 ) -> Restoration:
     """Put the survivors into the slots of `shape` moving the fewest bytes; plan the migration.
+    With more survivors than slots, the matching also chooses which stay idle (spares).
 
     `held`: what each worker holds (core.holdings); by default what `current` gives it. Raises
     `RestoreError` on inconsistent input and `LostLayers` when some layer has no surviving replica
@@ -136,8 +137,12 @@ def assign(
     if len(set(survivors)) != len(survivors):
         raise RestoreError("survivors: a worker is listed twice")
     slots = [(p, s, a, b) for p, stages in enumerate(shape) for s, (a, b) in enumerate(stages)]
-    if len(survivors) != len(slots):
+    if len(survivors) < len(slots):
         raise RestoreError(f"{len(survivors)} survivors for {len(slots)} slots")
+    n_slots = len(slots)
+    # Survivors beyond the slots stay idle as spares: zero-cost idle slots (no layers) let the
+    # matching choose them, and they remain sources of what they hold.
+    slots += [(-1, -1, 0, 0)] * (len(survivors) - n_slots)
 
     # Rows in the job's worker order, columns in (pipeline, stage) order: the matrix, and so the
     # matching, does not depend on the order the caller listed the survivors in.
@@ -145,7 +150,8 @@ def assign(
     have = _held_by(rows, of_plan(current) if held is None else held)
     layer_bytes = _layer_bytes(spec)
     replicas = _replicas(have, layer_bytes)
-    owner = {j: rows[r] for j, r in enumerate(match_slots(rows, have, slots, layer_bytes))}
+    matched = match_slots(rows, have, slots, layer_bytes)
+    owner = {j: rows[r] for j, r in enumerate(matched[:n_slots])}
 
     pipelines: list[Pipeline] = []
     first_mb, j = 0, 0
