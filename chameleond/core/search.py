@@ -42,7 +42,18 @@ Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (fir
 
 
 Paths = dict[tuple[tuple[float, ...], tuple[float, ...], int], list[float]]
-SharedPaths = dict[LinkSpec, Paths]
+
+
+class Shared:
+    """What searches over several survivor counts of one job share: longest paths, chain
+    bounds, memory checks and layer splits depend on the shapes, the link and the device memory,
+    not on the number of survivors."""
+
+    def __init__(self) -> None:
+        self.paths: dict[LinkSpec, Paths] = {}
+        self.chains: dict[tuple[LinkSpec, tuple[int, ...], int], float] = {}
+        self.fits: dict[tuple[int, tuple[int, ...], int], bool] = {}
+        self.splits: dict[int, list[tuple[int, ...]]] = {}
 
 
 @dataclass(frozen=True)
@@ -64,7 +75,7 @@ class ShapeModel:
     """Pipeline times and memory of shapes under the homogeneous-device assumption."""
 
     def __init__(
-        self, spec: JobSpec, survivors: Sequence[str], shared: SharedPaths | None = None
+        self, spec: JobSpec, survivors: Sequence[str], shared: Shared | None = None
     ) -> None:
         self.spec = spec
         self.table = LayerTable(spec)
@@ -78,7 +89,8 @@ class ShapeModel:
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
         # Longest paths depend on the stage durations, micro-batches and link only: searches over
         # several survivor counts share them.
-        self._timed = {} if shared is None else shared.setdefault(self.link, {})
+        self.shared = Shared() if shared is None else shared
+        self._timed = self.shared.paths.setdefault(self.link, {})
         self.shapes_timed = 0
 
     def splits(self, n: int) -> list[tuple[int, ...]]:
@@ -87,6 +99,8 @@ class ShapeModel:
         Enumerated with the leftover layers on later stages first, so that ties go there: stage i
         stashes activations for N_pp - i micro-batches, so later stages have room to spare.
         """
+        if n in self.shared.splits:
+            return self.shared.splits[n]
         q, e = divmod(self.n_layers, n)
         out = []
         for extra in combinations(range(n - 1, -1, -1), e):
@@ -94,6 +108,7 @@ class ShapeModel:
             for s in extra:
                 sizes[s] += 1
             out.append(tuple(sizes))
+        self.shared.splits[n] = out
         return out
 
     def bounds(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -104,11 +119,14 @@ class ShapeModel:
         return out
 
     def fits(self, sizes: Sequence[int], n_micro: int) -> bool:
-        n = len(sizes)
-        return all(
-            self.table.stage_memory(a, b, s, n, n_micro) <= self.memory
-            for s, (a, b) in enumerate(self.bounds(sizes))
-        )
+        key = (self.memory, tuple(sizes), n_micro)
+        if key not in self.shared.fits:
+            n = len(sizes)
+            self.shared.fits[key] = all(
+                self.table.stage_memory(a, b, s, n, n_micro) <= self.memory
+                for s, (a, b) in enumerate(self.bounds(sizes))
+            )
+        return self.shared.fits[key]
 
     def seconds(self, sizes: Sequence[int], n_micro: int) -> float:
         t = self.table
@@ -147,12 +165,15 @@ class ShapeModel:
         """A chain through the busiest stage k: micro-batch 0 forward to k, all of k's 2 N_m ops,
         the last backward back to stage 0."""
         t = self.table
-        best, before = 0.0, 0.0
-        for s, (a, b) in enumerate(self.bounds(sizes)):
-            work = t.forward_seconds(a, b) + t.backward_seconds(a, b)
-            best = max(best, before + n_micro * work)
-            before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
-            del s
+        key = (self.link, tuple(sizes), n_micro)
+        best = self.shared.chains.get(key, -1.0)
+        if best < 0:
+            best, before = 0.0, 0.0
+            for a, b in self.bounds(sizes):
+                work = t.forward_seconds(a, b) + t.backward_seconds(a, b)
+                best = max(best, before + n_micro * work)
+                before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
+            self.shared.chains[key] = best
         if self.spec.training.overlap_sync:
             # Stage 0 ends last (its last backward waits for every other stage's), and its own
             # all-reduce starts only then.
@@ -224,7 +245,7 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
     all survivors on ties. Which survivors stay idle is the caller's choice (core.decide)."""
     best: SearchResult | None = None
     considered = timed = 0
-    shared: SharedPaths = {}
+    shared = Shared()
     for used in spare_counts(spec, len(survivors)):
         found = _search_all(spec, survivors[:used], shared)
         considered += found.plans_considered
@@ -239,7 +260,7 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
 
 
 def _search_all(
-    spec: JobSpec, survivors: Sequence[str], shared: SharedPaths | None = None
+    spec: JobSpec, survivors: Sequence[str], shared: Shared | None = None
 ) -> SearchResult:
     """Algorithm 1 over exactly these survivors, every one of them in the layout."""
     n_surv, total = len(survivors), spec.training.micro_batches
