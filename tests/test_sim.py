@@ -165,3 +165,39 @@ def test_simulate_cli_json_and_plot(tmp_path: Any, capsys: pytest.CaptureFixture
                  "--policy", "nope"]) == 2  # fmt: skip
     assert "unknown policy" in capsys.readouterr().err
     assert main(["simulate", "--spec", str(spec_path), "--trace", str(tmp_path / "none")]) == 2
+
+
+def fail_then_back(worker: str) -> JobTrace:
+    return JobTrace(
+        (JobEvent(100.0, frozenset({worker}), frozenset()),
+         JobEvent(500.0, frozenset(), frozenset({worker}))), 1, 8, 0, 1000.0,
+    )  # fmt: skip
+
+
+def training_rates(segments: Any) -> list[float]:
+    return [s.throughput for s in segments if s.kind == "training"]
+
+
+def test_drop_replica_drops_the_pipeline_then_takes_it_back() -> None:
+    r = simulate(job(), fail_then_back("w3"), "drop-replica")
+    first, dropped, *_, last = training_rates(r.segments)
+    assert dropped == pytest.approx(first * 3 / 4, rel=0.02)  # 3 of 4 pipelines train
+    assert last == pytest.approx(first, rel=1e-3)  # the checkpoint cadence follows D
+    assert [x.selected for x in r.records] == ["drop", "rejoin"]
+
+
+def test_reroute_gives_a_returning_worker_its_slot_back() -> None:
+    r = simulate(job(), fail_then_back("w3"), "reroute")
+    rates = training_rates(r.segments)
+    assert [x.selected for x in r.records] == ["reroute", "reroute"]
+    assert rates[1] < rates[0] and rates[-1] == pytest.approx(rates[0], rel=1e-3)
+
+
+def test_redundant_takes_over_a_failed_stage_and_falls_back_when_neighbours_fail() -> None:
+    spec = job()
+    one = simulate(spec, one_fault(100.0, {"w1"}, 1000.0), "redundant")
+    assert [x.selected for x in one.records] == ["redundant"]
+    assert one.breakdown["restart"] == 0.0
+    both = simulate(spec, one_fault(100.0, {"w0", "w1"}, 1000.0), "redundant")
+    assert [x.selected for x in both.records] == ["restore"]
+    assert both.breakdown["restart"] > 0

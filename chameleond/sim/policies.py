@@ -329,7 +329,8 @@ class DropReplica(Policy):
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         now = ev.seconds
         state: JobState = tl.state
-        before, thr_before = self.live_plan(state.plan, down | ev.failed - ev.joined)
+        # Who was down before this event: its failures were not, its rejoins were.
+        before, thr_before = self.live_plan(state.plan, (down - ev.failed) | ev.joined)
         live, thr = self.live_plan(state.plan, down)
         if not live:
             self.restore(tl, now, down)
