@@ -40,7 +40,8 @@ COLUMNS = ("policy", "average_throughput", "gap_to_ideal", "chameleon_ratio", "t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--specs", default=",".join(SPECS), help="example jobs (names)")
+    parser.add_argument("--specs", default=",".join(SPECS),
+                        help="example jobs (names under examples/) or spec files")  # fmt: skip
     parser.add_argument("--traces", default=None,
                         help="traces (packaged names, files, llama3-24h, llama3-30d); default: "
                              "per job, see the module doc")  # fmt: skip
@@ -62,7 +63,11 @@ def _events(name: str, devices: int, seed: int) -> tuple[TraceEvent, ...]:
 def run(args: argparse.Namespace) -> int:
     results: list[dict[str, Any]] = []
     for spec_name in [s for s in args.specs.split(",") if s]:
-        spec = load_spec(EXAMPLES / f"{spec_name}.toml")
+        path = Path(spec_name)
+        spec = load_spec(
+            path if path.suffix in (".toml", ".json") else EXAMPLES / f"{spec_name}.toml"
+        )
+        spec_name = spec.name
         n = len(spec.workers)
         names = args.traces.split(",") if args.traces else DEFAULT_TRACES.get(spec_name, SYNTHETIC)
         for name in names:
