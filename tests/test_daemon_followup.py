@@ -18,10 +18,12 @@ from chameleond.core.spec import parse_spec
 from chameleond.redis_server import RedisServer
 
 # 2 pipelines x 4 stages; times scaled so the window where reroute wins but a later switch pays
-# is about (618 s, 742 s) of D. With one fault T seconds after the initial plan the daemon's D is
-# (prior + T) / 2 = 685 + T / 2: inside it for any T under a minute.
+# is about (1360 s, 1840 s) of D: the switch itself costs its migration and rebuild, so only
+# the search (priced at 1 s per plan considered, about 230 s) is saved by switching later. With
+# one fault T seconds after the initial plan the daemon's D is (prior + T) / 2 = 1550 + T / 2:
+# inside it for any T under a few minutes.
 S = 1000.0
-PRIOR = 1370.0
+PRIOR = 3100.0
 WORKERS = tuple(f"w{i}" for i in range(8))
 
 
@@ -42,6 +44,7 @@ def spec_document() -> dict[str, Any]:
                               "activation_bytes": 10**5, "output_bytes": 10**4, "count": 8}]},
         "training": {"global_batch": 32, "micro_batch": 2},
         "plan": {"stages": 4},
+        "costs": {"search_seconds_per_plan": 0.001 * S},
     }  # fmt: skip
 
 

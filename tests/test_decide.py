@@ -20,7 +20,7 @@ from chameleond.core.decide import (
     select,
 )
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
-from chameleond.core.spec import JobSpec, parse_spec
+from chameleond.core.spec import CostSpec, JobSpec, parse_spec
 
 
 def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**12) -> JobSpec:
@@ -184,24 +184,32 @@ def test_fault_during_a_transition_plans_from_the_published_plan() -> None:
 
 
 def test_reroute_now_and_switch_later_when_it_pays() -> None:
-    spec = replace(job(2, 4, 8, 16), restart_seconds=0.0)  # the paper's score: no risk term
+    # The paper's score (no risk term), and a search slow enough that hiding it pays.
+    spec = replace(
+        job(2, 4, 8, 16), restart_seconds=0.0, costs=CostSpec(search_seconds_per_plan=0.01)
+    )
     current = initial_plan(spec)
-    rr, dyn = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
+    first = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2)
+    rr, dyn = first.candidates
     assert rr.feasible and dyn.feasible and dyn.step_seconds < rr.step_seconds
     direct = selector.break_even_seconds(
         rr.step_seconds, rr.transition_seconds, dyn.step_seconds, dyn.transition_seconds
     )
     assert direct is not None
-    # Switching later stops training only for the rebuild; staging takes the migration time.
-    after = spec.rebuild_seconds * rr.step_seconds / (rr.step_seconds - dyn.step_seconds)
-    prep = dyn.transition_seconds - spec.rebuild_seconds
+    # The search runs while the rerouted plan trains; the switch stops training for its real
+    # transition, migration + rebuild (the state moved changes every step, so it is not staged).
+    prep = first.search_seconds
+    assert prep > 0
+    switch = dyn.transition_seconds - prep
+    after = switch * rr.step_seconds / (rr.step_seconds - dyn.step_seconds)
     assert prep + after < direct
     d = decide(spec, current, ["w1"], mtbf_seconds=(prep + after + direct) / 2, generation=2)
     assert d.selected == "reroute" and d.follow_up is not None
     assert d.follow_up_after_seconds is not None
     assert math.isclose(d.follow_up_after_seconds, after, rel_tol=1e-9)
     assert d.follow_up.generation == 3 and d.follow_up.policy == "dynamic"
-    assert d.follow_up.estimates.transition_seconds == spec.rebuild_seconds
+    assert math.isclose(d.follow_up.estimates.transition_seconds, switch, rel_tol=1e-9)
+    assert switch > spec.rebuild_seconds
     assert violations(spec, d.follow_up) == []
     # Too short a window for the switch to pay: no follow-up.
     short = decide(spec, current, ["w1"], mtbf_seconds=prep * 0.9, generation=2)

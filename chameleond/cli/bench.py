@@ -11,6 +11,7 @@ BENCHES = {
     "recovery": "chameleond.cli.bench_recovery",
     "checkpoint": "chameleond.cli.bench_checkpoint",
     "chaos": "chameleond.cli.bench_chaos",
+    "policies": "chameleond.cli.bench_policies",
 }
 
 

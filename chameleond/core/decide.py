@@ -5,18 +5,21 @@ Candidates (PAPER.md sections 3-7):
 * reroute: the current layout, failed slots executed by their same-range peers (core.reroute);
   transition = communicator rebuild only (nothing moves).
 * dynamic: Algorithm 1 over the survivors (core.search), survivors put into the new slots with the
-  fewest bytes moved (core.restorer); transition = search time + migration + rebuild.
+  fewest bytes moved (core.restorer); transition = search time + migration + rebuild. The search
+  time is modelled (plans considered x `costs.search_seconds_per_plan`), never measured, so a
+  decision is a pure function of its inputs.
 
 Both are timed by the same model (core.estimator) and scored by core.selector; the higher score
 wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
 
 1. Reroute first, switch later: when reroute wins but the dynamic plan steps faster, that plan is
-   returned as `follow_up`. It is prepared while the rerouted plan trains: its search and its
-   migration (sources keep serving, receivers stage the state) take prep = search + migration
-   seconds, and the switch itself stops training only for the rebuild, t_sw. Over a remaining
-   window R the switch pays when B/t_dyn * (R - t_sw) > B/t_rr * R, i.e.
-   R > t_sw * t_rr / (t_rr - t_dyn) = `follow_up_after_seconds`. It is offered only if
-   D > prep + that; whoever switches re-checks the remaining window when the plan is ready.
+   returned as `follow_up`. Its search runs while the rerouted plan trains (prep = search
+   seconds); the switch itself is priced at its real transition, t_sw = migration + rebuild:
+   parameters and optimizer state change every step, so state staged ahead of the switch would be
+   stale and the migration stops training like any other. Over a remaining window R the switch
+   pays when B/t_dyn * (R - t_sw) > B/t_rr * R, i.e. R > t_sw * t_rr / (t_rr - t_dyn) =
+   `follow_up_after_seconds`. It is offered only if D > prep + that; whoever switches re-checks
+   the remaining window when the plan is ready.
 2. Rejoin: `joined` workers are survivors of the dynamic candidate (a scale-up plan); reroute is
    then "keep the current layout" (the joined workers stay idle), scored the same way.
 3. A fault during a transition: decide works from `current` (the last published plan), the
@@ -27,14 +30,16 @@ wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
 4. Unrecoverable: some layer has no surviving owner. With a checkpoint that covers every layer
    (`checkpoint_step`, PAPER.md section 9), the Decision selects `restore`: a plan searched over
    the survivors whose workers all load that checkpoint (nobody's memory counts any more, so
-   nothing migrates). Without one, selected=None and `unrecoverable` names the layers and the
-   failed workers that held them. Never an exception.
+   nothing migrates). Its transition is the checkpoint load (the largest slot's state over
+   `costs.checkpoint_read_bytes_per_second`) + the work lost since the checkpoint ((step -
+   checkpoint_step) x the current plan's step, when `step` is given) + the rebuild. Without
+   one, selected=None and `unrecoverable` names the layers and the failed workers that held
+   them. Never an exception.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -250,10 +255,12 @@ def decide(
     cause: str = "",
     holdings: Held | None = None,
     checkpoint_step: int | None = None,
+    step: int | None = None,
 ) -> Decision:
     """Both candidates for the cumulative failed set (and any joined workers), and the choice.
     `holdings`: who holds which layers (core.holdings); by default what `current` gives them.
-    `checkpoint_step`: the newest checkpoint that covers every layer, if the job has one."""
+    `checkpoint_step`: the newest checkpoint that covers every layer, if the job has one;
+    `step`: the job's newest committed step (prices the work a restore loses)."""
     order = _order(spec)
     out, back = set(failed), set(joined)
     unknown = sorted((out | back) - set(order))
@@ -284,13 +291,24 @@ def decide(
         # Every survivor loads its layers from the checkpoint: any of them suits any slot.
         anywhere = {w: [(0, len(spec.layers))] for w in survivors}
         dyn, _, search_seconds, considered = _dynamic_candidate(
-            spec, est, current, survivors, anywhere, generation, mtbf, cause
+            spec, est, current, survivors, anywhere, generation, mtbf, cause, fenced
         )
         if dyn.plan is None:
             why = f"{lost}; no plan to restore step {checkpoint_step} on: {dyn.reason}"
             return Decision(None, None, cands, why, mtbf, search_seconds, considered, generation,
                             cause)  # fmt: skip
-        plan = replace(dyn.plan, policy="restore", restore_step=checkpoint_step)
+        transition = restore_seconds(spec, current, dyn.plan, checkpoint_step, step)
+        estimates = replace(
+            dyn.plan.estimates,
+            transition_seconds=transition,
+            score=selector.score(
+                spec.training.global_batch, dyn.plan.estimates.step_seconds, transition, mtbf,
+                dyn.at_risk, spec.restart_seconds,
+            ),
+        )  # fmt: skip
+        plan = replace(
+            dyn.plan, policy="restore", restore_step=checkpoint_step, estimates=estimates
+        )
         note = f"{lost}: every worker loads the checkpoint of step {checkpoint_step}"
         return Decision("restore", plan, cands, None, mtbf, search_seconds, considered,
                         generation, cause, note=note)  # fmt: skip
@@ -298,7 +316,7 @@ def decide(
     held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
     rr = _reroute_candidate(spec, est, current, fenced, held, generation, mtbf, cause)
     dyn, switch, search_seconds, considered = _dynamic_candidate(
-        spec, est, current, survivors, held, generation, mtbf, cause
+        spec, est, current, survivors, held, generation, mtbf, cause, fenced
     )
 
     selected, note = select(rr, dyn, force)
@@ -313,7 +331,7 @@ def decide(
     follow_up, after = None, None
     if selected == "reroute" and dyn.feasible and switch is not None:
         after = _switch_pays_after(rr.step_seconds, dyn.step_seconds, switch.estimates)
-        prep = search_seconds + (dyn.transition_seconds - search_seconds - spec.rebuild_seconds)
+        prep = search_seconds
         if after is not None and mtbf > prep + after:
             follow_up = replace(switch, generation=generation + 1)
         else:
@@ -397,12 +415,12 @@ def _dynamic_candidate(
     generation: int,
     mtbf: float,
     cause: str,
+    fenced: set[str],
 ) -> tuple[Candidate, Plan | None, float, int]:
     """The dynamic candidate, the same plan as a background switch (search hidden), search time,
     layouts considered."""
-    t0 = time.perf_counter()
     found = search(spec, survivors)
-    search_seconds = time.perf_counter() - t0
+    search_seconds = found.plans_considered * spec.costs.search_seconds_per_plan
     if found.layout is None:
         reason = found.reason or "no layout"
         return _infeasible("dynamic", reason), None, search_seconds, found.plans_considered
@@ -414,16 +432,18 @@ def _dynamic_candidate(
         return _infeasible("dynamic", str(e)), None, search_seconds, found.plans_considered
     order = _order(spec)
     known = {st.worker for pipe in current.pipelines for st in pipe.stages} | set(current.excluded)
-    excluded = sorted(known - set(survivors), key=order.__getitem__)
+    # Failed workers are excluded; survivors a layout leaves idle stay on standby (spares).
+    excluded = sorted((known | fenced) - set(survivors), key=order.__getitem__)
     pipelines = restored.pipelines
     routing = tuple(
         tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
     )
-    # Chosen now: search, migration and rebuild stop training. As a follow-up: only the rebuild.
-    switch_seconds = spec.rebuild_seconds
+    # Chosen now: search, migration and rebuild stop training. As a follow-up the search is
+    # hidden; the migration still stops training (the state it moves changes every step).
+    switch_seconds = restored.migration_seconds + spec.rebuild_seconds
     plan, oom = _plan(
         spec, est, "dynamic", generation, pipelines, routing, excluded, restored.migration,
-        search_seconds + restored.migration_seconds + switch_seconds, mtbf, cause,
+        search_seconds + switch_seconds, mtbf, cause,
     )  # fmt: skip
     switch = replace(
         plan,
@@ -442,6 +462,23 @@ def _dynamic_candidate(
     )
     cand = _candidate("dynamic", plan, oom)
     return cand, (switch if cand.feasible else None), search_seconds, found.plans_considered
+
+
+def restore_seconds(
+    spec: JobSpec, current: Plan, plan: Plan, checkpoint_step: int, step: int | None
+) -> float:
+    """A restore's transition: every worker reads its slot's state from the checkpoint (the
+    largest slot bounds it), the steps since the checkpoint are trained again, and the
+    communicators are rebuilt."""
+    est = Estimator(spec)
+    largest = max(
+        (est.table.state_bytes(st.first_layer, st.end_layer) for p in plan.pipelines
+         for st in p.stages),
+        default=0,
+    )  # fmt: skip
+    load = largest / spec.costs.checkpoint_read_bytes_per_second
+    lost_steps = max(0, step - checkpoint_step) if step is not None else 0
+    return load + lost_steps * current.estimates.step_seconds + spec.rebuild_seconds
 
 
 def _finite(x: float) -> float | None:

@@ -171,10 +171,30 @@ def pipeline_seconds(
     forward[s], backward[s]: seconds of stage s per micro-batch; comm[s]: seconds on the wire
     between stage s and s+1 (activations forward, their gradients backward, same size).
     """
+    return max(stage_finishes(forward, backward, comm, n_micro), default=0.0)
+
+
+def stage_finishes(
+    forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
+) -> list[float]:
+    """When each stage of one pipeline ends its last backward (its gradients are complete)."""
     if n_micro <= 0 or not forward:
-        return 0.0
+        return [0.0] * len(forward)
     b_end = _longest_path(forward, backward, comm, n_micro)[3]
-    return max(b_end[:n_micro])
+    return [max(b_end[s * n_micro : (s + 1) * n_micro]) for s in range(len(forward))]
+
+
+def overlapped_sync_end(
+    ready: Sequence[float], seconds: Sequence[float], rounds: Sequence[int]
+) -> float:
+    """End of the gradient sync when each group starts as soon as its gradients are complete
+    (`ready`: the latest last-backward among its workers) and colouring rounds stay in order:
+    a group starts at max(its ready time, the end of the previous round); a round ends with its
+    last group."""
+    end = 0.0
+    for r in sorted(set(rounds)):
+        end = max(max(end, ready[i]) + seconds[i] for i, c in enumerate(rounds) if c == r)
+    return end
 
 
 class Estimator:
@@ -185,8 +205,9 @@ class Estimator:
         self.table = LayerTable(spec)
         self._host = {w.id: w.host for w in spec.workers}
         self._memory = {w.id: w.memory_bytes for w in spec.workers}
-        self._memo: dict[tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int], float]
-        self._memo = {}
+        self._memo: dict[
+            tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int], list[float]
+        ] = {}
 
     def link(self, a: str, b: str) -> LinkSpec:
         return self.spec.intra_host if self._host[a] == self._host[b] else self.spec.inter_host
@@ -201,15 +222,21 @@ class Estimator:
 
     def makespan(self, pipelines: Sequence[Pipeline], routing: Routing) -> float:
         """The 1F1B longest path of one step over all pipelines (build_schedule's makespan)."""
-        worst = 0.0
+        return max(self.finishes(pipelines, routing).values(), default=0.0)
+
+    def finishes(self, pipelines: Sequence[Pipeline], routing: Routing) -> dict[str, float]:
+        """When each executing worker ends its last op of the step."""
+        out: dict[str, float] = {}
         for group in _coupled(pipelines, routing):
             if len(group) == 1 and _unrouted(pipelines[group[0]], routing[group[0]]):
-                worst = max(worst, self._own_pipeline(pipelines[group[0]]))
+                pipe = pipelines[group[0]]
+                for st, end in zip(pipe.stages, self._own_pipeline(pipe), strict=True):
+                    out[st.worker] = end
             else:
-                worst = max(worst, self._schedule([pipelines[p] for p in group], group, routing))
-        return worst
+                out.update(self._schedule([pipelines[p] for p in group], group, routing))
+        return out
 
-    def _own_pipeline(self, pipe: Pipeline) -> float:
+    def _own_pipeline(self, pipe: Pipeline) -> list[float]:
         t = self.table
         fwd = tuple(t.forward_seconds(s.first_layer, s.end_layer) for s in pipe.stages)
         bwd = tuple(t.backward_seconds(s.first_layer, s.end_layer) for s in pipe.stages)
@@ -219,10 +246,12 @@ class Estimator:
         )
         key = (fwd, bwd, comm, pipe.micro_batches)
         if key not in self._memo:
-            self._memo[key] = pipeline_seconds(fwd, bwd, comm, pipe.micro_batches)
+            self._memo[key] = stage_finishes(fwd, bwd, comm, pipe.micro_batches)
         return self._memo[key]
 
-    def _schedule(self, pipes: Sequence[Pipeline], index: Sequence[int], routing: Routing) -> float:
+    def _schedule(
+        self, pipes: Sequence[Pipeline], index: Sequence[int], routing: Routing
+    ) -> dict[str, float]:
         """build_schedule's makespan for rerouted pipelines, without building its Op lists.
 
         The same two passes: each pipeline's failure-free ("ideal") longest path, then every
@@ -258,7 +287,6 @@ class Estimator:
             )
         keyed.sort()
         free: dict[str, float] = {}
-        makespan = 0.0
         for _, _, k, s, kind, m in keyed:
             nm, fwd, bwd, c_intra, c_inter, rt, f_end, b_end = per[k]
             w = rt[s][m]
@@ -284,8 +312,7 @@ class Estimator:
                     ready = max(ready, b_end[i + nm] + c)
                 end = b_end[i] = ready + bwd[s]
             free[w] = end
-            makespan = max(makespan, end)
-        return makespan
+        return free
 
     def schedule(self, pipelines: Sequence[Pipeline], routing: Routing) -> Schedule:
         """`build_schedule` with this model's op and transfer times: the order the workers run,
@@ -310,15 +337,30 @@ class Estimator:
         """Gradient all-reduce: ring per group; a round lasts its slowest group; rounds add up."""
         by_round: dict[int, float] = {}
         for g in groups:
-            n = len(g.workers)
-            seconds = 0.0
-            if n > 1:
-                hosts = {self._host[w] for w in g.workers}
-                link = self.spec.intra_host if len(hosts) == 1 else self.spec.inter_host
-                nbytes = sum(self.spec.layers[layer].param_bytes for layer in g.layers)
-                seconds = ring_allreduce_seconds(n, nbytes, link)
-            by_round[g.round] = max(by_round.get(g.round, 0.0), seconds)
+            by_round[g.round] = max(by_round.get(g.round, 0.0), self.group_sync_seconds(g))
         return sum(by_round.values())
+
+    def group_sync_seconds(self, g: SyncGroup) -> float:
+        """One group's ring all-reduce of its layers' gradients."""
+        if len(g.workers) <= 1:
+            return 0.0
+        hosts = {self._host[w] for w in g.workers}
+        link = self.spec.intra_host if len(hosts) == 1 else self.spec.inter_host
+        nbytes = sum(self.spec.layers[layer].param_bytes for layer in g.layers)
+        return ring_allreduce_seconds(len(g.workers), nbytes, link)
+
+    def compute_and_sync_seconds(
+        self, pipelines: Sequence[Pipeline], routing: Routing, groups: Sequence[SyncGroup]
+    ) -> float:
+        """Makespan then sync; with `training.overlap_sync`, each group's all-reduce starts when
+        its workers have ended their last op, overlapping upstream stages' backward passes."""
+        if not self.spec.training.overlap_sync:
+            return self.makespan(pipelines, routing) + self.sync_seconds(groups)
+        finish = self.finishes(pipelines, routing)
+        ready = [max((finish.get(w, 0.0) for w in g.workers), default=0.0) for g in groups]
+        seconds = [self.group_sync_seconds(g) for g in groups]
+        end = overlapped_sync_end(ready, seconds, [g.round for g in groups])
+        return max(max(finish.values(), default=0.0), end)
 
     def update_seconds(self, pipelines: Sequence[Pipeline], routing: Routing) -> float:
         """The slowest optimizer update: each owner that executes steps its own layers."""
@@ -411,10 +453,8 @@ class Estimator:
         """The critical path (makespan, gradient sync, update) or, on shared hosts, the step with
         their cores shared, whichever is longer; plus the commit vote, during which nobody
         computes."""
-        critical = (
-            self.makespan(pipelines, routing)
-            + self.sync_seconds(groups)
-            + self.update_seconds(pipelines, routing)
+        critical = self.compute_and_sync_seconds(pipelines, routing, groups) + self.update_seconds(
+            pipelines, routing
         )
         return max(critical, self.shared_seconds(pipelines, routing)) + self.vote_seconds(routing)
 
@@ -525,7 +565,9 @@ __all__ = [
     "Estimator",
     "LayerTable",
     "closed_form_seconds",
+    "overlapped_sync_end",
     "pipeline_seconds",
     "reroute_bound_seconds",
     "ring_allreduce_seconds",
+    "stage_finishes",
 ]

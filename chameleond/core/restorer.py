@@ -123,6 +123,7 @@ def assign(
     held: Held | None = None,
 ) -> Restoration:
     """Put the survivors into the slots of `shape` moving the fewest bytes; plan the migration.
+    With more survivors than slots, the matching also chooses which stay idle (spares).
 
     `held`: what each worker holds (core.holdings); by default what `current` gives it. Raises
     `RestoreError` on inconsistent input and `LostLayers` when some layer has no surviving replica
@@ -136,8 +137,12 @@ def assign(
     if len(set(survivors)) != len(survivors):
         raise RestoreError("survivors: a worker is listed twice")
     slots = [(p, s, a, b) for p, stages in enumerate(shape) for s, (a, b) in enumerate(stages)]
-    if len(survivors) != len(slots):
+    if len(survivors) < len(slots):
         raise RestoreError(f"{len(survivors)} survivors for {len(slots)} slots")
+    n_slots = len(slots)
+    # Survivors beyond the slots stay idle as spares: zero-cost idle slots (no layers) let the
+    # matching choose them, and they remain sources of what they hold.
+    slots += [(-1, -1, 0, 0)] * (len(survivors) - n_slots)
 
     # Rows in the job's worker order, columns in (pipeline, stage) order: the matrix, and so the
     # matching, does not depend on the order the caller listed the survivors in.
@@ -145,7 +150,8 @@ def assign(
     have = _held_by(rows, of_plan(current) if held is None else held)
     layer_bytes = _layer_bytes(spec)
     replicas = _replicas(have, layer_bytes)
-    owner = {j: rows[r] for j, r in enumerate(match_slots(rows, have, slots, layer_bytes))}
+    matched = match_slots(rows, have, slots, layer_bytes)
+    owner = {j: rows[r] for j, r in enumerate(matched[:n_slots])}
 
     pipelines: list[Pipeline] = []
     first_mb, j = 0, 0
@@ -223,7 +229,10 @@ def match_slots(
     for j, (_, _, a, b) in enumerate(slots):
         col_classes.setdefault((a, b), []).append(j)
     if by_class is None:
-        by_class = len(row_classes) * len(col_classes) <= _CLASS_PAIRS_LIMIT
+        # The flow's graph has one edge per class pair; the matrix, n^2 entries. Beyond a few
+        # thousand survivors the matrix (and scipy's O(n^3) worst case) costs far more.
+        limit = max(_CLASS_PAIRS_LIMIT, len(rows) // 2)
+        by_class = len(row_classes) * len(col_classes) <= limit
     if not by_class:
         pairs, _ = min_cost_assignment(_cost_matrix(rows, held, slots, layer_bytes))
         owner = [0] * len(slots)
@@ -406,13 +415,40 @@ def _migration(
 
     keys = sorted(coalesced, key=lambda sd: (order[sd[1]], order[sd[0]]))
     seconds = [links(src, dst).transfer_seconds(coalesced[(src, dst)][1]) for src, dst in keys]
-    colour, migration_seconds = weighted_rounds(keys, seconds)
+    colour, _ = weighted_rounds(keys, seconds)
+    sizes = [coalesced[k][1] for k in keys]
+    migration_seconds = nic_bound_seconds(spec, links.host, keys, sizes, seconds, colour)
     transfers = [
         Transfer(src, dst, tuple(sorted(coalesced[(src, dst)][0])), coalesced[(src, dst)][1], c)
         for (src, dst), c in zip(keys, colour, strict=True)
     ]
     transfers.sort(key=lambda t: (t.round, order[t.dst], order[t.src]))
     return tuple(transfers), migration_seconds
+
+
+def nic_bound_seconds(
+    spec: JobSpec,
+    host: dict[str, str],
+    pairs: Sequence[tuple[str, str]],
+    nbytes: Sequence[int],
+    seconds: Sequence[float],
+    colour: Sequence[int],
+) -> float:
+    """Migration time of transfers run in colouring rounds, each round a barrier: a round lasts
+    as long as its slowest transfer, and never less than the busiest host interface needs for
+    the bytes that round sends out of it or into it across hosts (every device of a host shares
+    its interface: `spec.nic_bytes_per_second()`). Rounds add up."""
+    nic = spec.nic_bytes_per_second()
+    slowest: dict[int, float] = {}
+    through: dict[tuple[int, str, str], int] = {}  # (round, host, "out" | "in") -> bytes
+    for (src, dst), b, t, c in zip(pairs, nbytes, seconds, colour, strict=True):
+        slowest[c] = max(slowest.get(c, 0.0), t)
+        if host[src] != host[dst]:
+            through[(c, host[src], "out")] = through.get((c, host[src], "out"), 0) + b
+            through[(c, host[dst], "in")] = through.get((c, host[dst], "in"), 0) + b
+    for (c, _, _), b in through.items():
+        slowest[c] = max(slowest[c], b / nic)
+    return sum(slowest.values())
 
 
 def sync_groups(pipelines: Sequence[Pipeline], excluded: Collection[str]) -> tuple[SyncGroup, ...]:

@@ -33,12 +33,27 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, product
 
-from chameleond.core.estimator import LayerTable, pipeline_seconds, ring_allreduce_seconds
+from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
 from chameleond.core.plan import Pipeline, Stage
 from chameleond.core.schedule import FORWARD, build_schedule
-from chameleond.core.spec import JobSpec
+from chameleond.core.spec import JobSpec, LinkSpec
 
 Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (first_layer, end_layer)
+
+
+Paths = dict[tuple[tuple[float, ...], tuple[float, ...], int], list[float]]
+
+
+class Shared:
+    """What searches over several survivor counts of one job share: longest paths, chain
+    bounds, memory checks and layer splits depend on the shapes, the link and the device memory,
+    not on the number of survivors."""
+
+    def __init__(self) -> None:
+        self.paths: dict[LinkSpec, Paths] = {}
+        self.chains: dict[tuple[LinkSpec, tuple[int, ...], int], float] = {}
+        self.fits: dict[tuple[int, tuple[int, ...], int], bool] = {}
+        self.splits: dict[int, list[tuple[int, ...]]] = {}
 
 
 @dataclass(frozen=True)
@@ -59,7 +74,9 @@ class SearchResult:
 class ShapeModel:
     """Pipeline times and memory of shapes under the homogeneous-device assumption."""
 
-    def __init__(self, spec: JobSpec, survivors: Sequence[str]) -> None:
+    def __init__(
+        self, spec: JobSpec, survivors: Sequence[str], shared: Shared | None = None
+    ) -> None:
         self.spec = spec
         self.table = LayerTable(spec)
         self.n_layers = len(spec.layers)
@@ -70,7 +87,10 @@ class ShapeModel:
         self.link = spec.inter_host if spans_hosts else spec.intra_host
         self.n_survivors = len(chosen)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
-        self._timed: dict[tuple[tuple[float, ...], tuple[float, ...], int], float] = {}
+        # Longest paths depend on the stage durations, micro-batches and link only: searches over
+        # several survivor counts share them.
+        self.shared = Shared() if shared is None else shared
+        self._timed = self.shared.paths.setdefault(self.link, {})
         self.shapes_timed = 0
 
     def splits(self, n: int) -> list[tuple[int, ...]]:
@@ -79,6 +99,8 @@ class ShapeModel:
         Enumerated with the leftover layers on later stages first, so that ties go there: stage i
         stashes activations for N_pp - i micro-batches, so later stages have room to spare.
         """
+        if n in self.shared.splits:
+            return self.shared.splits[n]
         q, e = divmod(self.n_layers, n)
         out = []
         for extra in combinations(range(n - 1, -1, -1), e):
@@ -86,6 +108,7 @@ class ShapeModel:
             for s in extra:
                 sizes[s] += 1
             out.append(tuple(sizes))
+        self.shared.splits[n] = out
         return out
 
     def bounds(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
@@ -96,11 +119,14 @@ class ShapeModel:
         return out
 
     def fits(self, sizes: Sequence[int], n_micro: int) -> bool:
-        n = len(sizes)
-        return all(
-            self.table.stage_memory(a, b, s, n, n_micro) <= self.memory
-            for s, (a, b) in enumerate(self.bounds(sizes))
-        )
+        key = (self.memory, tuple(sizes), n_micro)
+        if key not in self.shared.fits:
+            n = len(sizes)
+            self.shared.fits[key] = all(
+                self.table.stage_memory(a, b, s, n, n_micro) <= self.memory
+                for s, (a, b) in enumerate(self.bounds(sizes))
+            )
+        return self.shared.fits[key]
 
     def seconds(self, sizes: Sequence[int], n_micro: int) -> float:
         t = self.table
@@ -110,14 +136,27 @@ class ShapeModel:
         key = (fwd, bwd, n_micro)
         if key not in self._timed:
             comm = [self.link.transfer_seconds(t.output_bytes(b)) for _, b in spans[:-1]]
-            self._timed[key] = pipeline_seconds(fwd, bwd, comm, n_micro)
+            self._timed[key] = stage_finishes(fwd, bwd, comm, n_micro)
             self.shapes_timed += 1
-        return self._timed[key] + self.sync_seconds(sizes)
+        return self.with_sync(sizes, self._timed[key])
+
+    def with_sync(self, sizes: Sequence[int], finishes: Sequence[float]) -> float:
+        """The pipeline's time with its share of the gradient all-reduce: each stage's gradients
+        in a ring over N / n_j peers (as many as there would be pipelines of this length), on the
+        search's link; after the whole pipeline, or from each stage's own last backward when the
+        job overlaps sync with backward. Exact for layouts of one length and split (every stage
+        one group, one round)."""
+        if not self.spec.training.overlap_sync:
+            return max(finishes) + self.sync_seconds(sizes)
+        peers = self.n_survivors / len(sizes)
+        tails = [
+            f + ring_allreduce_seconds(peers, self.table.gradient_bytes(a, b), self.link)
+            for f, (a, b) in zip(finishes, self.bounds(sizes), strict=True)
+        ]
+        return max(*finishes, *tails)
 
     def sync_seconds(self, sizes: Sequence[int]) -> float:
-        """The pipeline's share of the gradient all-reduce: its largest stage's gradients in a ring
-        over N / n_j peers (as many as there would be pipelines of this length), on the search's
-        link. Exact for layouts of one length and split (every stage one group, one round)."""
+        """The largest stage's all-reduce: the sync share when it follows the whole pipeline."""
         peers = self.n_survivors / len(sizes)
         grad = max(self.table.gradient_bytes(a, b) for a, b in self.bounds(sizes))
         return ring_allreduce_seconds(peers, grad, self.link)
@@ -126,12 +165,21 @@ class ShapeModel:
         """A chain through the busiest stage k: micro-batch 0 forward to k, all of k's 2 N_m ops,
         the last backward back to stage 0."""
         t = self.table
-        best, before = 0.0, 0.0
-        for s, (a, b) in enumerate(self.bounds(sizes)):
-            work = t.forward_seconds(a, b) + t.backward_seconds(a, b)
-            best = max(best, before + n_micro * work)
-            before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
-            del s
+        key = (self.link, tuple(sizes), n_micro)
+        best = self.shared.chains.get(key, -1.0)
+        if best < 0:
+            best, before = 0.0, 0.0
+            for a, b in self.bounds(sizes):
+                work = t.forward_seconds(a, b) + t.backward_seconds(a, b)
+                best = max(best, before + n_micro * work)
+                before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
+            self.shared.chains[key] = best
+        if self.spec.training.overlap_sync:
+            # Stage 0 ends last (its last backward waits for every other stage's), and its own
+            # all-reduce starts only then.
+            a, b = self.bounds(sizes)[0]
+            peers = self.n_survivors / len(sizes)
+            return best + ring_allreduce_seconds(peers, t.gradient_bytes(a, b), self.link)
         return best + self.sync_seconds(sizes)
 
     def floor(self, n: int, n_micro: int) -> float:
@@ -169,12 +217,56 @@ def micro_batch_floor(total: int, survivors: int, length: int) -> int:
     return max(total * length // survivors, 1)
 
 
+def spare_counts(spec: JobSpec, n_surv: int) -> list[int]:
+    """How many survivors a layout may use: all of them, or fewer, leaving the rest idle as
+    spares, where pipelines of one allowed length use more of them than any layout of all:
+    n x floor(N / n) for each allowed length n, within one pipeline's length of N. Jobs whose
+    workers share CPU hosts (`spec.hosts`) use all of them."""
+    lo = max(spec.search.min_stages, 1)
+    hi = min(spec.search.max_stages, len(spec.layers), n_surv)
+    out = {n_surv}
+    if spec.hosts:
+        # Workers sharing a host's cores: the search's objective (the critical path) is not
+        # their step (docs/planner.md, shared host), so it cannot tell when idling one pays.
+        return [n_surv]
+    for n in range(lo, hi + 1):
+        used = n * (n_surv // n)
+        if used and n_surv - used < hi:
+            out.add(used)
+    return sorted(out, reverse=True)
+
+
 def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
-    """The fastest layout shape over the survivors (workers are assigned later by the restorer)."""
+    """The fastest layout shape over the survivors (workers are assigned later by the restorer).
+
+    A layout may leave a few survivors idle (`spare_counts`): with B fixed, fewer devices in a
+    better-balanced layout can step faster than all of them (31 survivors of an 8 x 4 job: 7 x 4
+    and 3 spares beats any partition of 31). Each count is searched exactly; the fastest wins,
+    all survivors on ties. Which survivors stay idle is the caller's choice (core.decide)."""
+    best: SearchResult | None = None
+    considered = timed = 0
+    shared = Shared()
+    for used in spare_counts(spec, len(survivors)):
+        found = _search_all(spec, survivors[:used], shared)
+        considered += found.plans_considered
+        timed += found.shapes_timed
+        if (
+            found.layout is not None
+            and (best is None or best.layout is None or found.layout.seconds < best.layout.seconds)
+        ) or best is None:
+            best = found
+    assert best is not None
+    return SearchResult(best.layout, considered, timed, best.reason)
+
+
+def _search_all(
+    spec: JobSpec, survivors: Sequence[str], shared: Shared | None = None
+) -> SearchResult:
+    """Algorithm 1 over exactly these survivors, every one of them in the layout."""
     n_surv, total = len(survivors), spec.training.micro_batches
     if n_surv == 0:
         return SearchResult(None, 0, 0, "no surviving workers")
-    model = ShapeModel(spec, survivors)
+    model = ShapeModel(spec, survivors, shared)
     lo = max(spec.search.min_stages, 1)
     hi = min(spec.search.max_stages, model.n_layers, n_surv)
     # When a length's proportional share floors to 0, the repairs can overshoot and other
@@ -393,9 +485,23 @@ class Exhaustive:
 def exhaustive(spec: JobSpec, survivors: Sequence[str], limit: int = 20_000) -> Exhaustive:
     """Algorithm 1's space enumerated literally, without memo or pruning: the search's referee.
 
-    Every partition, every remainder placement, every combination of layer splits over the
-    pipelines; each layout timed by `schedule.build_schedule` over all its pipelines at once.
+    For every survivor count the search may use (`spare_counts`): every partition, every
+    remainder placement, every combination of layer splits over the pipelines; each layout timed
+    by `schedule.build_schedule` over all its pipelines at once.
     """
+    best: Layout | None = None
+    timed = 0
+    for used in spare_counts(spec, len(survivors)):
+        ref = _exhaustive_all(spec, survivors[:used], limit - timed)
+        timed += ref.layouts
+        if not ref.complete:
+            return Exhaustive(None, timed, False)
+        if ref.layout is not None and (best is None or ref.layout.seconds < best.seconds):
+            best = ref.layout
+    return Exhaustive(best, timed, True)
+
+
+def _exhaustive_all(spec: JobSpec, survivors: Sequence[str], limit: int) -> Exhaustive:
     n_surv, total = len(survivors), spec.training.micro_batches
     model = ShapeModel(spec, survivors)
     lo = max(spec.search.min_stages, 1)
@@ -423,7 +529,7 @@ def exhaustive(spec: JobSpec, survivors: Sequence[str], limit: int = 20_000) -> 
 
                 # Pipelines share no worker: each one's longest path, plus its sync share.
                 seconds = max(
-                    _alone(model, pp, rt) + model.sync_seconds(sz)
+                    model.with_sync(sz, _alone(model, pp, rt))
                     for pp, rt, sz in zip(pipes, routing, sizes, strict=True)
                 )
                 if best is None or seconds < best.seconds:
@@ -462,8 +568,9 @@ def _placements(lengths: Sequence[int], n_surv: int, total: int) -> list[tuple[i
     return out
 
 
-def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> float:
-    """schedule.build_schedule's makespan of one pipeline on the search's link."""
+def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> list[float]:
+    """Per stage, the end of its last op in schedule.build_schedule's schedule of one pipeline
+    on the search's link."""
     t = model.table
 
     def op(_p: int, s: int, kind: str, _w: str) -> float:
@@ -476,4 +583,5 @@ def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> float
         end = pipe.stages[s].end_layer
         return 0.0 if a == b else model.link.transfer_seconds(t.output_bytes(end))
 
-    return build_schedule([pipe], [routing], op, comm).makespan
+    ops = build_schedule([pipe], [routing], op, comm).ops
+    return [max(o.end for o in ops[st.worker]) for st in pipe.stages]

@@ -66,6 +66,10 @@ class HostSpec:
 class TrainingSpec:
     global_batch: int  # B samples per step, never changes
     micro_batch: int  # samples per micro-batch
+    # The gradient all-reduce of a stage starts once that stage's last backward is done, while
+    # upstream stages still compute (bucketed all-reduce, as GPU frameworks do). False: the sync
+    # starts after the whole pipeline (the CPU workers of this project).
+    overlap_sync: bool = False
 
     @property
     def micro_batches(self) -> int:
@@ -79,6 +83,20 @@ class SearchLimits:
 
     min_stages: int = 1
     max_stages: int = 64
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """Prices of what a transition does beyond the step model (`[costs]`, docs/spec.md)."""
+
+    # Modelled search time per plan considered; 0 when the search is precomputed (hidden).
+    search_seconds_per_plan: float = 1e-6
+    # Bytes per second one host's network interface carries each way; 0: the inter-host link's
+    # bandwidth (one link's worth per host). Bounds every migration round by what each host
+    # sends and receives across hosts.
+    host_nic_bytes_per_second: float = 0.0
+    # Bytes per second one worker reads a checkpoint from storage (a restore's load).
+    checkpoint_read_bytes_per_second: float = 2.0e9
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,12 @@ class JobSpec:
     # Hosts whose CPU cores the workers share (`[hosts.NAME]`; measured by CPU workers). Where a
     # host is listed, its workers' summed CPU work per step bounds the step from below.
     hosts: Mapping[str, HostSpec] = field(default_factory=dict)
+    costs: CostSpec = field(default_factory=CostSpec)
+
+    def nic_bytes_per_second(self) -> float:
+        """What one host's interface carries each way (`costs.host_nic_bytes_per_second`)."""
+        nic = self.costs.host_nic_bytes_per_second
+        return nic if nic > 0 else self.inter_host.bandwidth_bytes_per_second
 
     def worker(self, worker_id: str) -> WorkerSpec:
         for w in self.workers:
@@ -265,6 +289,29 @@ def _hosts(hosts: Any) -> dict[str, HostSpec]:
     return out
 
 
+def _costs(d: Any) -> CostSpec:
+    d = _table(d, "costs")
+    known = {f for f in CostSpec.__dataclass_fields__}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise SpecError(f"costs: unknown field(s) {', '.join(unknown)}")
+    base = CostSpec()
+    return CostSpec(
+        search_seconds_per_plan=_num(
+            d, "search_seconds_per_plan", "costs", positive=False,
+            default=base.search_seconds_per_plan,
+        ),
+        host_nic_bytes_per_second=_num(
+            d, "host_nic_bytes_per_second", "costs", positive=False,
+            default=base.host_nic_bytes_per_second,
+        ),
+        checkpoint_read_bytes_per_second=_num(
+            d, "checkpoint_read_bytes_per_second", "costs",
+            default=base.checkpoint_read_bytes_per_second,
+        ),
+    )  # fmt: skip
+
+
 def _search(lim: Any) -> SearchLimits:
     lim = _table(lim, "search")
     limits = SearchLimits(
@@ -310,9 +357,13 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
         arch = dict(_table(model.get("arch", {}), "model.arch"))
     with _field("training"):
         tr = _table(_get(d, "training", "spec"), "training")
+        overlap = tr.get("overlap_sync", False)
+        if not isinstance(overlap, bool):
+            raise SpecError(f"training.overlap_sync: expected true or false, got {_kind(overlap)}")
         training = TrainingSpec(
             global_batch=_int(tr, "global_batch", "training"),
             micro_batch=_int(tr, "micro_batch", "training"),
+            overlap_sync=overlap,
         )
     if training.global_batch % training.micro_batch:
         raise SpecError("training: global_batch must be a multiple of micro_batch")
@@ -326,6 +377,8 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
         search = _search(d.get("search", {}))
     with _field("hosts"):
         hosts = _hosts(d.get("hosts", {}))
+    with _field("costs"):
+        costs = _costs(d.get("costs", {}))
     return JobSpec(
         name=name,
         workers=tuple(workers),
@@ -340,6 +393,7 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
         restart_seconds=restart,
         arch=arch,
         hosts=hosts,
+        costs=costs,
     )
 
 

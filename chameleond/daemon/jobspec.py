@@ -43,6 +43,7 @@ def spec_document(spec: JobSpec) -> dict[str, Any]:
         "plan": {"pipelines": pipelines},
         "search": asdict(spec.search),
         "hosts": {h: asdict(v) for h, v in sorted(spec.hosts.items())},
+        "costs": asdict(spec.costs),
     }
 
 

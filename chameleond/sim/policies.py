@@ -1,0 +1,474 @@
+"""The policies: how each fault-tolerance strategy answers a trace event (docs/simulator.md).
+
+Every price comes from the daemon's core: step times from `core.estimator`, layouts from
+`core.search`, migrations from `core.restorer`, and the choice from `core.decide`, which the
+`chameleon`, `reroute` and `dynamic` policies call exactly as the daemon does (the last two with
+`force`). Where a policy cannot continue without a checkpoint (its layout lost the only copy of
+some layer, or its forced candidate is infeasible), it falls back to the newest bubble checkpoint
+(PAPER.md section 9): a restore plan over the live workers, priced as checkpoint load + the work
+since that checkpoint + rebuild (`core.decide.restore_seconds`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass, replace
+
+from chameleond.core import restorer, selector
+from chameleond.core.decide import Decision, decide, initial_plan, restore_seconds
+from chameleond.core.estimator import Estimator, pipeline_seconds
+from chameleond.core.holdings import Held, of_plan
+from chameleond.core.plan import Pipeline, Plan
+from chameleond.core.spec import JobSpec
+from chameleond.sim.timeline import Phase, Timeline
+from chameleond.sim.trace import JobEvent
+
+POLICIES = ("chameleon", "reroute", "dynamic", "redundant", "restart", "drop-replica")
+INF = math.inf
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Parameters of the baselines that the job spec does not carry (docs/simulator.md)."""
+
+    # BAFT: checkpoints taken in pipeline bubbles cost about 1% of training time.
+    bubble_checkpoint_overhead: float = 0.01
+    # Checkpoint-and-restart: relaunching every process and re-initialising communicators
+    # before the checkpoint is loaded (an assumption; docs/simulator.md).
+    relaunch_seconds: float = 120.0
+
+
+@dataclass(frozen=True)
+class JobState:
+    plan: Plan
+    held: Held  # what each worker holds (core.holdings)
+    mode: str = ""  # policy-specific ("fallback" once a policy restored from a checkpoint)
+
+
+@dataclass
+class Record:
+    """One decision the simulator made: what it asked the core, and the answer."""
+
+    seconds: float
+    policy: str
+    selected: str | None
+    transition_seconds: float
+    step_seconds: float
+    note: str = ""
+
+
+class Policy:
+    """Shared machinery: the job, the fault history (for D), checkpoints, the restore fallback."""
+
+    name = ""
+
+    def __init__(self, spec: JobSpec, cfg: SimConfig) -> None:
+        self.spec, self.cfg = spec, cfg
+        self.est = Estimator(spec)
+        self.initial = initial_plan(spec)
+        self.batch = spec.training.global_batch
+        self.fault_times: list[float] = []
+        self.generation = self.initial.generation
+        self.records: list[Record] = []
+        self.ids = [w.id for w in spec.workers]
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def window_seconds(self) -> float:
+        """Training seconds one bubble checkpoint spans: its write (the largest slot over the
+        storage bandwidth) fits in the pipeline bubbles (N_pp - 1)/(N_pp + N_m - 1) of the
+        steps it spans."""
+        write = self.write_seconds(self.initial)
+        pipe = self.initial.pipelines[0]
+        n, m = len(pipe.stages), pipe.micro_batches
+        bubble = (n - 1) / (n + m - 1) if n > 1 else 0.0
+        return write / bubble if bubble > 0 else write * 100.0
+
+    def checkpoint_seconds(self, mtbf: float | None = None) -> float:
+        """Training seconds between bubble checkpoints: Young's interval sqrt(2 c D) for a
+        checkpoint costing c = BAFT's share of its window, never shorter than the window."""
+        window = self.window_seconds()
+        cost = self.cfg.bubble_checkpoint_overhead * window
+        d = self.spec.mtbf_prior_seconds if mtbf is None else mtbf
+        return max(window, math.sqrt(2 * cost * d))
+
+    def kept(self) -> float:
+        """The share of training time bubble checkpoints leave to training."""
+        cost = self.cfg.bubble_checkpoint_overhead * self.window_seconds()
+        return 1 - cost / self.interval
+
+    def write_seconds(self, plan: Plan) -> float:
+        largest = max(
+            self.est.table.state_bytes(st.first_layer, st.end_layer)
+            for p in plan.pipelines
+            for st in p.stages
+        )
+        return largest / self.spec.costs.checkpoint_read_bytes_per_second
+
+    def start(self) -> Timeline:
+        state = JobState(self.initial, of_plan(self.initial))
+        self.interval = self.checkpoint_seconds()
+        tl = Timeline(state, self.interval)
+        tl.follow([Phase("training", INF, self.throughput(self.initial))])
+        return tl
+
+    def throughput(self, plan: Plan) -> float:
+        return self.batch / plan.estimates.step_seconds * self.kept()
+
+    def mtbf(self, now: float) -> float:
+        return selector.estimate_mtbf(self.fault_times, now, 0.0, self.spec.mtbf_prior_seconds)
+
+    def next_generation(self, plan: Plan) -> int:
+        self.generation = max(self.generation, plan.generation) + 1
+        return self.generation
+
+    def note(
+        self, now: float, selected: str | None, plan: Plan | None, tr: float, why: str = ""
+    ) -> None:
+        step = plan.estimates.step_seconds if plan is not None else INF
+        self.records.append(Record(now, self.name, selected, tr, step, why))
+
+    # -- events ------------------------------------------------------------------------------
+
+    def event(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        if ev.failed:
+            self.fault_times.append(ev.seconds)
+        if not isinstance(self, Restart):  # the interval follows D (Young, D estimated online)
+            self.interval = self.checkpoint_seconds(self.mtbf(ev.seconds))
+            tl.checkpoint_seconds = self.interval
+        state: JobState = tl.state
+        held = {w: iv for w, iv in state.held.items() if w not in ev.failed and w not in down}
+        # A worker that comes back is a new process: it holds nothing.
+        for w in ev.joined:
+            held.pop(w, None)
+        tl.state = replace(state, held=held)
+        self.answer(tl, ev, down)
+
+    def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        raise NotImplementedError
+
+    def joined_for(self, plan: Plan, down: Collection[str]) -> list[str]:
+        """Live workers the plan does not run: spares and workers back from a failure."""
+        running = {st.worker for p in plan.pipelines for st in p.stages} - set(plan.excluded)
+        return [w for w in self.ids if w not in down and w not in running]
+
+    def checkpoint(self, tl: Timeline) -> tuple[int, int]:
+        """(the newest bubble checkpoint's step, the job's step)."""
+        step = int(tl.samples // self.batch)
+        return step - int(tl.lost_samples() // self.batch), step
+
+    def decide(
+        self, tl: Timeline, now: float, down: Collection[str], *, force: str | None = None,
+        current: Plan | None = None, holdings: Held | None = None,
+    ) -> Decision:  # fmt: skip
+        state: JobState = tl.state
+        plan = current or state.plan
+        ckpt, step = self.checkpoint(tl)
+        d = decide(
+            self.spec, plan, sorted(down), mtbf_seconds=self.mtbf(now),
+            generation=self.next_generation(plan), joined=self.joined_for(plan, down),
+            force=force, holdings=state.held if holdings is None else holdings,
+            checkpoint_step=ckpt, step=step,
+        )  # fmt: skip
+        if d.follow_up is not None:
+            self.generation = d.follow_up.generation
+        return d
+
+    def restore(self, tl: Timeline, now: float, down: Collection[str], extra: float = 0.0) -> None:
+        """Back to the newest checkpoint on a layout searched over the live workers."""
+        d = self.decide(tl, now, down, holdings={})
+        if d.plan is None:
+            self.note(now, None, None, INF, d.unrecoverable or "")
+            tl.follow([Phase("down", INF, 0.0)])
+            return
+        self.apply_restore(tl, now, d.plan, extra, "fallback")
+
+    def apply_restore(self, tl: Timeline, now: float, plan: Plan, extra: float, mode: str) -> None:
+        state: JobState = tl.state
+        ckpt, step = self.checkpoint(tl)
+        lost = (step - ckpt) * state.plan.estimates.step_seconds
+        total = restore_seconds(self.spec, state.plan, plan, ckpt, step) + extra
+        self.note(now, "restore", plan, total)
+        tl.roll_back()
+        tl.follow([
+            Phase("restart", total - lost, 0.0),
+            Phase("lost", lost, 0.0),
+            Phase("training", INF, self.throughput(plan), JobState(plan, of_plan(plan), mode)),
+        ])  # fmt: skip
+
+    def switch(
+        self, tl: Timeline, now: float, plan: Plan, transition: float, mode: str = ""
+    ) -> None:
+        """Stop for `transition`, then train on `plan`."""
+        state: JobState = tl.state
+        tl.follow([
+            Phase("transition", transition, 0.0, JobState(plan, state.held, mode)),
+            Phase("training", INF, self.throughput(plan), JobState(plan, of_plan(plan), mode)),
+        ])  # fmt: skip
+
+
+class Choose(Policy):
+    """`chameleon` (the selector decides), `reroute` and `dynamic` (forced): core.decide."""
+
+    def __init__(self, spec: JobSpec, cfg: SimConfig, name: str, force: str | None) -> None:
+        super().__init__(spec, cfg)
+        self.name, self.force = name, force
+
+    def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        now = ev.seconds
+        state: JobState = tl.state
+        current = state.plan
+        if self.force == "reroute" and not ev.failed:
+            # ReCycle keeps its layout: a worker back from a failure takes its own slot again,
+            # receiving its layers from a peer (the reroute candidate's repairs).
+            back = set(ev.joined) & set(current.excluded)
+            if not back:
+                return
+            current = replace(current, excluded=tuple(w for w in current.excluded if w not in back))
+        d = self.decide(tl, now, down, force=self.force, current=current)
+        if d.selected is None or d.plan is None:
+            self.note(now, None, None, INF, d.unrecoverable or "")
+            tl.follow([Phase("down", INF, 0.0)])
+            return
+        if d.selected == "restore":
+            self.apply_restore(tl, now, d.plan, 0.0, "fallback")
+            return
+        if self.force is not None and d.selected != self.force:
+            # The forced policy cannot continue (d.note says why): restart from the checkpoint.
+            self.restore(tl, now, down)
+            return
+        plan, tr = d.plan, d.plan.estimates.transition_seconds
+        if (
+            not ev.failed
+            and plan.estimates.step_seconds >= current.estimates.step_seconds
+            and (d.selected == "reroute")
+        ):
+            return  # a join the planner does not take: keep the current plan (as the daemon)
+        self.note(now, d.selected, plan, tr, d.note)
+        phases = [
+            Phase("transition", tr, 0.0, JobState(plan, state.held)),
+            Phase("training", INF, self.throughput(plan), JobState(plan, of_plan(plan))),
+        ]
+        if d.follow_up is not None and self.force is None:
+            f = d.follow_up
+            phases[-1] = replace(phases[-1], seconds=d.search_seconds)
+            phases += [
+                Phase(
+                    "transition", f.estimates.transition_seconds, 0.0, JobState(f, of_plan(plan))
+                ),
+                Phase("training", INF, self.throughput(f), JobState(f, of_plan(f))),
+            ]
+        tl.follow(phases)
+
+
+class Restart(Policy):
+    """Checkpoint-and-restart of the whole job: synchronous checkpoints every Young interval
+    sqrt(2 C D) (C: one checkpoint's write, D: the spec's prior); on a fault, relaunch, load the
+    newest checkpoint on a layout searched over the live workers, train the lost steps again."""
+
+    name = "restart"
+
+    def __init__(self, spec: JobSpec, cfg: SimConfig) -> None:
+        super().__init__(spec, cfg)
+        self.write = self.write_seconds(self.initial)
+        self.interval = math.sqrt(2 * self.write * spec.mtbf_prior_seconds)
+
+    def checkpoint_seconds(self, mtbf: float | None = None) -> float:
+        return math.sqrt(2 * self.write * (self.spec.mtbf_prior_seconds if mtbf is None else mtbf))
+
+    def throughput(self, plan: Plan) -> float:
+        return (
+            self.batch / plan.estimates.step_seconds * self.interval / (self.interval + self.write)
+        )
+
+    def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        now = ev.seconds
+        state: JobState = tl.state
+        if ev.failed & {st.worker for p in state.plan.pipelines for st in p.stages}:
+            self.restore(tl, now, down, self.cfg.relaunch_seconds)
+            # The interval follows the faults seen so far (Young, with D estimated online).
+            self.interval = math.sqrt(2 * self.write * self.mtbf(now))
+            tl.checkpoint_seconds = self.interval
+            return
+        if not ev.joined:
+            return
+        # Scale up only when the larger layout pays for a planned restart within D.
+        d = self.decide(tl, now, down, holdings={})
+        if d.plan is None:
+            return
+        gain = self.throughput(d.plan) - self.throughput(state.plan)
+        cost = self.write + self.cfg.relaunch_seconds + d.plan.estimates.transition_seconds
+        if gain > 0 and gain * self.mtbf(now) > cost * self.throughput(state.plan):
+            tl.roll_back()  # a planned restart saves first: nothing is lost
+            self.note(now, "restore", d.plan, cost, "scale up")
+            tl.follow([
+                Phase("restart", cost, 0.0),
+                Phase("training", INF, self.throughput(d.plan), JobState(d.plan, of_plan(d.plan))),
+            ])  # fmt: skip
+
+
+class DropReplica(Policy):
+    """TorchFT-style: a data-parallel replica (pipeline) with a failed worker drops out and the
+    others go on with fewer samples per step; it rejoins, after a live transfer of its state
+    from a healthy replica, once all its workers are back."""
+
+    name = "drop-replica"
+
+    def live_plan(self, plan: Plan, down: Collection[str]) -> tuple[tuple[Pipeline, ...], float]:
+        """The pipelines that can train, and their samples per second."""
+        live = tuple(p for p in plan.pipelines if not any(st.worker in down for st in p.stages))
+        if not live:
+            return live, 0.0
+        routing = tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in live)
+        groups = restorer.sync_groups(live, ())
+        step = self.est.step_seconds(live, routing, groups)
+        samples = sum(p.micro_batches for p in live) * self.spec.training.micro_batch
+        return live, samples / step * self.kept()
+
+    def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        now = ev.seconds
+        state: JobState = tl.state
+        # Who was down before this event: its failures were not, its rejoins were.
+        before, thr_before = self.live_plan(state.plan, (down - ev.failed) | ev.joined)
+        live, thr = self.live_plan(state.plan, down)
+        if not live:
+            self.restore(tl, now, down)
+            return
+        if ev.failed:
+            self.note(now, "drop", state.plan, self.spec.rebuild_seconds)
+            tl.follow([Phase("transition", self.spec.rebuild_seconds, 0.0),
+                       Phase("training", INF, thr)])  # fmt: skip
+            return
+        back = [p for p in live if p not in before]
+        if not back:
+            return
+        # Each returning worker fetches its slot's state from a live replica; its host's
+        # interface carries all of it.
+        per_host: dict[str, int] = {}
+        host = {w.id: w.host for w in self.spec.workers}
+        for p in back:
+            for st in p.stages:
+                b = self.est.table.state_bytes(st.first_layer, st.end_layer)
+                per_host[host[st.worker]] = per_host.get(host[st.worker], 0) + b
+        fetch = max(per_host.values()) / self.spec.nic_bytes_per_second()
+        self.note(now, "rejoin", state.plan, fetch + self.spec.rebuild_seconds)
+        tl.follow([
+            Phase("training", fetch, thr_before),
+            Phase("transition", self.spec.rebuild_seconds, 0.0),
+            Phase("training", INF, thr),
+        ])  # fmt: skip
+
+
+class Redundant(Policy):
+    """Bamboo-style redundant computation: each stage also holds its successor's layers (the last
+    stage holds the first's) and runs their forward pass every step (eager forward redundant
+    computation), so a failed stage is taken over at once by its predecessor, which then runs
+    both. Two failed neighbours lose a stage: the bubble-checkpoint fallback."""
+
+    name = "redundant"
+
+    def pipeline_time(self, pipe: Pipeline, down: Collection[str]) -> float:
+        t = self.est.table
+        n = len(pipe.stages)
+        f = [t.forward_seconds(s.first_layer, s.end_layer) for s in pipe.stages]
+        b = [t.backward_seconds(s.first_layer, s.end_layer) for s in pipe.stages]
+        fwd = [f[s] + (f[(s + 1) % n] if n > 1 else 0.0) for s in range(n)]  # eager FRC
+        bwd = list(b)
+        keep = [True] * n
+        for s, st in enumerate(pipe.stages):
+            if st.worker in down:
+                pred = (s - 1) % n
+                fwd[pred] += f[s]  # runs the failed stage for real
+                bwd[pred] += b[s]
+                keep[s] = False
+        fwd = [x for x, k in zip(fwd, keep, strict=True) if k]
+        bwd = [x for x, k in zip(bwd, keep, strict=True) if k]
+        comm = [
+            self.spec.intra_host.transfer_seconds(t.output_bytes(st.end_layer))
+            for st in pipe.stages[:-1]
+        ]
+        return pipeline_seconds(fwd, bwd, comm[: len(fwd) - 1], pipe.micro_batches)
+
+    def step_seconds(self, plan: Plan, down: Collection[str]) -> float:
+        routing = plan.routing
+        base = self.est.makespan(plan.pipelines, routing)
+        worst = max(self.pipeline_time(p, down) for p in plan.pipelines)
+        return plan.estimates.step_seconds - base + worst
+
+    def broken(self, plan: Plan, down: Collection[str]) -> bool:
+        for p in plan.pipelines:
+            n = len(p.stages)
+            gone = [st.worker in down for st in p.stages]
+            if n == 1 and gone[0]:
+                return True
+            if n > 1 and any(gone[s] and gone[(s - 1) % n] for s in range(n)):
+                return True
+        return False
+
+    def memory_ok(self, plan: Plan) -> bool:
+        t = self.est.table
+        for p in plan.pipelines:
+            n = len(p.stages)
+            for s, st in enumerate(p.stages):
+                nxt = p.stages[(s + 1) % n]
+                need = (plan.estimates.peak_memory_bytes.get(st.worker, 0)
+                        + t.state_bytes(nxt.first_layer, nxt.end_layer))  # fmt: skip
+                if need > self.spec.worker(st.worker).memory_bytes:
+                    return False
+        return True
+
+    def start(self) -> Timeline:
+        tl = super().start()
+        if not self.memory_ok(self.initial):
+            tl.follow([Phase("down", INF, 0.0)])
+        return tl
+
+    def throughput(self, plan: Plan) -> float:
+        return self.rc_throughput(plan, ())
+
+    def rc_throughput(self, plan: Plan, down: Collection[str]) -> float:
+        return self.batch / self.step_seconds(plan, down) * self.kept()
+
+    def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        now = ev.seconds
+        state: JobState = tl.state
+        plan = state.plan
+        if not self.memory_ok(self.initial):
+            return
+        in_plan = {st.worker for p in plan.pipelines for st in p.stages}
+        if self.broken(plan, down & in_plan):
+            d = self.decide(tl, now, down, holdings={})
+            if d.plan is None:
+                self.note(now, None, None, INF, d.unrecoverable or "")
+                tl.follow([Phase("down", INF, 0.0)])
+                return
+            self.apply_restore(tl, now, d.plan, 0.0, "fallback")
+            return
+        thr = self.rc_throughput(plan, down & in_plan)
+        extra = 0.0
+        back = ev.joined & in_plan
+        if back:  # a returning worker receives its slot's and its successor's state
+            t = self.est.table
+            extra = max(
+                2 * t.state_bytes(st.first_layer, st.end_layer)
+                for p in plan.pipelines for st in p.stages if st.worker in back
+            ) / self.spec.nic_bytes_per_second()  # fmt: skip
+        self.note(now, "redundant", plan, self.spec.rebuild_seconds + extra)
+        tl.follow([Phase("transition", self.spec.rebuild_seconds + extra, 0.0),
+                   Phase("training", INF, thr)])  # fmt: skip
+
+
+def make_policy(name: str, spec: JobSpec, cfg: SimConfig | None = None) -> Policy:
+    cfg = cfg or SimConfig()
+    if name == "chameleon":
+        return Choose(spec, cfg, "chameleon", None)
+    if name in ("reroute", "dynamic"):
+        return Choose(spec, cfg, name, name)
+    if name == "restart":
+        return Restart(spec, cfg)
+    if name == "drop-replica":
+        return DropReplica(spec, cfg)
+    if name == "redundant":
+        return Redundant(spec, cfg)
+    raise ValueError(f"unknown policy {name!r}: one of {', '.join(POLICIES)}")
