@@ -10,6 +10,7 @@ BENCHES = {
     "ingest": "chameleond.cli.bench_ingest",
     "recovery": "chameleond.cli.bench_recovery",
     "checkpoint": "chameleond.cli.bench_checkpoint",
+    "worker": "chameleond.cli.bench_worker",
 }
 
 
