@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from worker_harness import builtin_model
 
 from chameleond.cli.up import build_spec_document
 from chameleond.core.decide import initial_plan
@@ -23,7 +24,6 @@ from workers.backend import new_group, parse_device
 from workers.events import PeerWatch
 from workers.generation import Generation
 from workers.migrate import reconcile
-from workers.model import Arch
 from workers.state import WorkerState
 
 
@@ -93,7 +93,8 @@ def test_reconcile_refuses_the_rows_of_an_aborted_generation() -> None:
     ))  # fmt: skip
     plan = initial_plan(spec)
     cpu = parse_device("cpu")
-    state = WorkerState(Arch.from_mapping(spec.arch), cpu.torch_device)
+    model = builtin_model(spec.arch, spec.training.global_batch, spec.training.micro_batch)
+    state = WorkerState(model, cpu.torch_device)
     gen = Generation.for_plan(plan, "w0", cpu, "i")
     gen.world_group = new_group(dist.HashStore(), 0, 1, cpu, bind_address="127.0.0.1",
                                 timeout=timedelta(seconds=5))  # fmt: skip

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 import redis
-from worker_harness import TINY_ARCH, EventReader, Record, Workers, tiny_spec, wait_until
+from worker_harness import (
+    TINY_ARCH,
+    EventReader,
+    Record,
+    Workers,
+    builtin_model,
+    tiny_spec,
+    wait_until,
+)
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import Plan, plan_to_dict
@@ -72,9 +80,7 @@ def test_restart_from_checkpoint_resumes_after_the_checkpointed_step(
     resumed = min(int(e["step"]) for e in after)
     # The checkpoint after step 7 (every 4th) or later: the job resumes right after it.
     assert resumed % 4 == 0 and 8 <= resumed <= first_run_steps
-    ref = reference_losses(
-        Arch.from_mapping(TINY_ARCH), 8, 2, max(int(e["step"]) for e in after) + 1
-    )
+    ref = reference_losses(builtin_model(TINY_ARCH, 8, 2), max(int(e["step"]) for e in after) + 1)
     for e in after:
         s = int(e["step"])
         assert abs(float(e["loss"]) - ref[s]) <= 1e-4 * ref[s], (s, e["loss"], ref[s])
@@ -95,23 +101,23 @@ def test_a_restore_reads_each_layer_from_whichever_file_of_the_step_has_it(tmp_p
     cpu = torch.device("cpu")
     n = arch.n_layers
     for worker, owned in (("w0", range(n // 2)), ("w1", range(n // 2, n))):
-        state = WorkerState(arch, cpu)
+        state = WorkerState(builtin_model(arch), cpu)
         for i in owned:
             state.build_from_seed(i)
         state.committed_step = 7
         checkpoint.save(tmp_path, worker, state, tuple(owned))
-    later = WorkerState(arch, cpu)
+    later = WorkerState(builtin_model(arch), cpu)
     later.build_from_seed(0)
     later.committed_step = 12
     checkpoint.save(tmp_path, "w1", later, (0,))  # a step the restore makes a discarded past
     # w2 held something else at a later step: a restore replaces all of it.
-    restored = WorkerState(arch, cpu)
+    restored = WorkerState(builtin_model(arch), cpu)
     restored.build_from_seed(0)
     restored.committed_step = 12
     checkpoint.restore(tmp_path, restored, 7, tuple(range(n)))
     assert restored.committed_step == 7 and sorted(restored.layers) == list(range(n))
     assert all(layer.version == 7 for layer in restored.layers.values())
-    seed = WorkerState(arch, cpu).build_from_seed(n - 1).state_buffer()
+    seed = WorkerState(builtin_model(arch), cpu).build_from_seed(n - 1).state_buffer()
     assert torch.equal(restored.layer(n - 1).state_buffer(), seed)  # w1's file had it
     assert checkpoint.written(tmp_path) == {"w0": {7}, "w1": {7}}  # step 12 is gone
     # Some layers in no file of the step: nothing changes, and the error names the step and them.
@@ -135,7 +141,7 @@ def test_a_restart_loads_the_newest_step_whose_files_cover_every_layer(tmp_path:
     first, second = tuple(range(n // 2)), tuple(range(n // 2, n))
 
     def save(worker: str, step: int, layers: tuple[int, ...]) -> Path:
-        state = WorkerState(arch, cpu)
+        state = WorkerState(builtin_model(arch), cpu)
         for i in layers:
             state.build_from_seed(i)
         state.committed_step = step
@@ -150,7 +156,7 @@ def test_a_restart_loads_the_newest_step_whose_files_cover_every_layer(tmp_path:
     assert checkpoint.written(tmp_path) == {"w0": {11, 15}, "w1": {11, 15}, "w2": {3, 7}}
 
     def load(worker: str) -> tuple[int | None, WorkerState]:
-        state = WorkerState(arch, cpu)
+        state = WorkerState(builtin_model(arch), cpu)
         return checkpoint.load(tmp_path, worker, state), state
 
     step, state = load("w0")

@@ -140,7 +140,6 @@ def test_a_late_commit_divides_by_the_batch_its_step_was_summed_over() -> None:
     from workers.backend import new_group, parse_device
     from workers.generation import Generation
     from workers.migrate import reconcile
-    from workers.model import Arch
     from workers.state import WorkerState
 
     def spec(batch: int) -> dict[str, object]:
@@ -149,7 +148,9 @@ def test_a_late_commit_divides_by_the_batch_its_step_was_summed_over() -> None:
     old = initial_plan(parse_spec(spec(12)), generation=1, mtbf_seconds=3600.0)
     new = initial_plan(parse_spec(spec(8)), generation=2, mtbf_seconds=3600.0)
     assert all(old.owned_layers(w) == new.owned_layers(w) for w in old.workers)
-    arch = Arch.from_mapping(parse_spec(spec(12)).arch)
+    from worker_harness import builtin_model
+
+    arch = builtin_model(parse_spec(spec(12)).arch, 12, 2)
     cpu = parse_device("cpu")
 
     def at_step_4_with_step_5_summed(worker: str) -> WorkerState:

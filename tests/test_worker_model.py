@@ -8,9 +8,12 @@ import pytest
 import torch
 
 from chameleond.core.schedule import BACKWARD, FORWARD
+from workers import builtin
 from workers.data import Corpus
-from workers.model import Arch, ArchError, LayerState, build_module, run_layers, sample_loss_sum
+from workers.layer import LayerState, run_layers
+from workers.model import Arch, ArchError, build_module
 from workers.p2p import MIGRATION_TAG_BASE, p2p_tag
+from workers.trainable import Trainable
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 
@@ -18,6 +21,11 @@ ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2
 @pytest.fixture(scope="module")
 def corpus() -> Corpus:
     return Corpus(max_bytes=256 * 1024)
+
+
+@pytest.fixture(scope="module")
+def model(corpus: Corpus) -> Trainable:
+    return Trainable(builtin.training(ARCH, 4, 4, corpus))
 
 
 def test_layers_are_a_function_of_seed_and_index() -> None:
@@ -40,38 +48,36 @@ def test_arch_validation_names_the_field() -> None:
     assert Arch.from_mapping({"d_model": 64, "heads": 4, "lr": 3}).lr == 3.0
 
 
-def _train_step(layers: list[LayerState], corpus: Corpus, step: int) -> float:
-    x, y = corpus.micro_batch(step, 0, 4, 4, ARCH.seq_len)
-    loss = sample_loss_sum(run_layers(layers, x), y)
+def _train_step(layers: list[LayerState], model: Trainable, step: int) -> float:
+    batch = model.batch(step, 0, 4, 4, torch.device("cpu"))
+    loss = model.loss_sum(run_layers(layers, model.inputs(batch)), batch, 4)
     loss.backward()
     for layer in layers:
         layer.apply_update(4, step)
     return float(loss.item())
 
 
-def test_migrated_state_trains_exactly_like_the_original(corpus: Corpus) -> None:
-    """Parameters + AdamW state through the flat buffer: the next steps are bit-identical."""
+def test_migrated_state_trains_exactly_like_the_original(model: Trainable) -> None:
+    """Parameters + AdamW state through the byte buffer: the next steps are bit-identical."""
     cpu = torch.device("cpu")
-    original = [LayerState(ARCH, i, cpu) for i in range(ARCH.n_layers)]
+    original = [LayerState(model, i, cpu) for i in range(ARCH.n_layers)]
     for step in range(2):
-        _train_step(original, corpus, step)
+        _train_step(original, model, step)
     moved = []
     for layer in original:
-        copy = LayerState(ARCH, layer.index, cpu)
-        buf = layer.state_buffer()
-        assert buf.numel() == copy.state_numel()
-        copy.load_buffer(buf.clone(), layer.version)
+        copy = LayerState(model, layer.index, cpu)
+        copy.load_buffer(layer.state_buffer().clone(), layer.version)
         moved.append(copy)
     for step in range(2, 4):
-        assert _train_step(original, corpus, step) == _train_step(moved, corpus, step)
+        assert _train_step(original, model, step) == _train_step(moved, model, step)
     for a, b in zip(original, moved, strict=True):
         for pa, pb in zip(a.params(), b.params(), strict=True):
             assert torch.equal(pa, pb)
 
 
-def test_fresh_state_round_trips_as_fresh() -> None:
-    layer = LayerState(ARCH, 1, torch.device("cpu"))
-    copy = LayerState(ARCH, 1, torch.device("cpu"))
+def test_fresh_state_round_trips_as_fresh(model: Trainable) -> None:
+    layer = LayerState(model, 1, torch.device("cpu"))
+    copy = LayerState(model, 1, torch.device("cpu"))
     copy.load_buffer(layer.state_buffer(), -1)
     assert not copy.optimizer.state and copy.version == -1
 

@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from worker_harness import builtin_model
 
 from chameleond.daemon.jobspec import parse_host_report, parse_profile
 from workers import profile
@@ -13,11 +14,12 @@ from workers.model import Arch
 from workers.profile import TrainingMeter, profile_model
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
+MODEL = builtin_model(ARCH)
 CPU = torch.device("cpu")
 
 
 def test_startup_profile_measures_every_layer_and_the_host() -> None:
-    data = profile_model(ARCH, 2, CPU, host="h0", workers_on_host=64)
+    data = profile_model(MODEL, 2, CPU, host="h0", workers_on_host=64)
     layers = parse_profile(data, ARCH.n_layers)
     assert len(layers) == ARCH.n_layers
     assert all(p.forward_seconds > 0 and p.backward_seconds > 0 for p in layers.values())
@@ -66,7 +68,7 @@ def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
 def test_meter_waits_for_enough_steps_and_time(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(profile, "REPORT_STEPS", 3)
     monkeypatch.setattr(profile, "REPORT_SECONDS", 0.05)
-    startup = profile_model(ARCH, 2, CPU)["layers"]
+    startup = profile_model(MODEL, 2, CPU)["layers"]
     meter = TrainingMeter(startup, CPU, micro_batch=2, host="", workers_on_host=1)
     meter.begin()
     sum(range(100_000))  # some CPU time for the op
@@ -83,12 +85,12 @@ def test_startup_profile_warms_up_then_times_after_start(monkeypatch: pytest.Mon
     calls: list[object] = []
     real = profile.profile_layer
 
-    def spy(arch: Arch, index: int, micro_batch: int, device: torch.device, repeats: int = 3):
+    def spy(model, index, x, batch, device, repeats=3):  # type: ignore[no-untyped-def]
         calls.append(("layer", index, repeats))
-        return real(arch, index, micro_batch, device, repeats)
+        return real(model, index, x, batch, device, repeats)
 
     monkeypatch.setattr(profile, "profile_layer", spy)
-    data = profile_model(ARCH, 2, CPU, start=lambda: calls.append("start"))
+    data = profile_model(MODEL, 2, CPU, start=lambda: calls.append("start"))
     n = ARCH.n_layers
     warm = [("layer", i, 0) for i in range(n)]
     timed = [("layer", i, profile.REPEATS) for i in range(n)]

@@ -8,19 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from worker_harness import tiny_spec
+from worker_harness import builtin_model, tiny_spec
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.schedule import idle_before
 from chameleond.core.spec import parse_spec
 from workers import checkpoint
 from workers.generation import op_order
-from workers.model import Arch, run_layers
+from workers.layer import run_layers
+from workers.model import Arch
 from workers.saver import BUBBLE, MODES, SYNC, Saver, Snapshot, Written, place
 from workers.state import WorkerState
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 CPU = torch.device("cpu")
+MODEL = builtin_model(ARCH)
 
 
 def test_pieces_fill_the_slots_in_proportion_to_their_idle_time() -> None:
@@ -34,7 +36,7 @@ def test_pieces_fill_the_slots_in_proportion_to_their_idle_time() -> None:
 
 def trained_state(owned: range, steps: int = 2) -> WorkerState:
     """Layers with AdamW state after `steps` committed updates on random gradients."""
-    state = WorkerState(ARCH, CPU)
+    state = WorkerState(MODEL, CPU)
     for i in owned:
         state.build_from_seed(i)
     gen = torch.Generator().manual_seed(7)
@@ -69,8 +71,8 @@ def test_a_checkpoint_written_across_a_step_is_the_committed_state(tmp_path: Pat
     assert snap.complete and snap.stall_seconds == 0.0 and snap.bubble_seconds > 0
     state.mark_pending(2, tuple(state.layers))
     state.apply_pending(12)  # the next update
-    step, arch, layers = checkpoint.read(checkpoint.checkpoint_path(tmp_path, "w1", 1))
-    assert (step, arch["d_model"], layers.keys()) == (1, ARCH.d_model, committed.keys())
+    step, model, layers = checkpoint.read(checkpoint.checkpoint_path(tmp_path, "w1", 1))
+    assert (step, model, layers.keys()) == (1, MODEL.fingerprint, committed.keys())
     for i, buf in committed.items():
         assert torch.equal(layers[i], buf)
         assert not torch.equal(state.layer(i).state_buffer(), buf)
@@ -90,11 +92,11 @@ def test_the_file_is_safetensors(tmp_path: Path) -> None:
     ends = [0]
     for i in (0, 1):
         t = header[f"layer.{i}"]
-        assert t["dtype"] == "F32" and t["data_offsets"][0] == ends[-1]  # contiguous, in order
-        assert t["data_offsets"][1] - t["data_offsets"][0] == 4 * t["shape"][0]
+        assert t["dtype"] == "U8" and t["data_offsets"][0] == ends[-1]  # contiguous, in order
+        assert t["data_offsets"][1] - t["data_offsets"][0] == t["shape"][0]
         ends.append(t["data_offsets"][1])
     assert len(raw) == 8 + n + ends[-1]
-    got = torch.frombuffer(bytearray(raw[8 + n :][: ends[1]]), dtype=torch.float32)
+    got = torch.frombuffer(bytearray(raw[8 + n :][: ends[1]]), dtype=torch.uint8)
     assert torch.equal(got, state.layer(0).state_buffer())
 
 
@@ -103,7 +105,7 @@ def test_bubble_and_sync_checkpoints_write_the_same_file(tmp_path: Path) -> None
     reports: list[Written] = []
     for mode in (BUBBLE, SYNC):
         state = trained_state(range(3))
-        saver = Saver(tmp_path / mode, "w0", ARCH, 2, reports.append, mode)
+        saver = Saver(tmp_path / mode, "w0", 2, reports.append, mode)
         saver.committed(state, 5, owned, [0.0, 1.0, 2.0])
         for slot in range(3):
             saver.bubble(slot)
@@ -121,7 +123,7 @@ def test_a_step_ended_early_writes_the_rest_before_anything_changes(tmp_path: Pa
     reports: list[Written] = []
     state = trained_state(range(2))
     (tmp_path / "w1-000000000.tmp").write_bytes(b"partial")  # a kill mid-write, earlier
-    saver = Saver(tmp_path, "w1", ARCH, 1, reports.append)
+    saver = Saver(tmp_path, "w1", 1, reports.append)
     assert not list(tmp_path.glob("*.tmp"))
     saver.committed(state, 3, (0, 1), [1.0, 1.0, 1.0])
     saver.bubble(0)  # a fault ends the step here
@@ -137,7 +139,7 @@ def test_measured_bubbles_place_the_next_checkpoint(tmp_path: Path) -> None:
     """After a measured step, the pieces follow where the worker really waited (plus what it
     wrote there), not the op order's timeline; a new generation starts from the timeline again."""
     state = trained_state(range(3))
-    saver = Saver(tmp_path, "w0", ARCH, 1, lambda w: None)
+    saver = Saver(tmp_path, "w0", 1, lambda w: None)
     timeline = [1.0, 0.0, 0.0, 1.0]
     saver.observe(7, [0.0, 0.0, 0.004, 0.0], vote_seconds=0.0)  # the wait is before op 2
     saver.committed(state, 7, (0, 1, 2), timeline)
@@ -165,7 +167,7 @@ def test_a_step_failed_after_bubble_writes_leaves_no_slot_behind(tmp_path: Path)
     its own waits alone."""
     reports: list[Written] = []
     state = trained_state(range(3))
-    saver = Saver(tmp_path, "w0", ARCH, 1, reports.append)
+    saver = Saver(tmp_path, "w0", 1, reports.append)
     saver.committed(state, 4, (0, 1, 2), [1.0] * 6)
     for slot in range(5):
         saver.bubble(slot)
@@ -187,7 +189,7 @@ def test_a_step_failed_after_bubble_writes_leaves_no_slot_behind(tmp_path: Path)
 
 def test_a_rebuilt_generation_does_not_count_the_failed_steps_writes(tmp_path: Path) -> None:
     state = trained_state(range(3))
-    saver = Saver(tmp_path, "w0", ARCH, 1, lambda w: None)
+    saver = Saver(tmp_path, "w0", 1, lambda w: None)
     saver.committed(state, 4, (0, 1, 2), [1.0, 1.0, 1.0])
     saver.bubble(0)
     saver.bubble(1)
@@ -221,7 +223,7 @@ def test_a_piece_written_again_at_its_offset_changes_nothing(tmp_path: Path) -> 
     out, pieces = checkpoint.open_layers(tmp_path, "w0", state, (0, 1))
     offsets = [0]
     for piece in pieces:
-        offsets.append(offsets[-1] + 4 * piece.numel())
+        offsets.append(offsets[-1] + piece.numel())  # uint8: a byte per element
     out.write(pieces[0], at=offsets[0])
     out.write(pieces[1], at=offsets[1])
     out.write(pieces[1], at=offsets[1])  # interrupted after the write, before it was marked
@@ -232,8 +234,8 @@ def test_a_piece_written_again_at_its_offset_changes_nothing(tmp_path: Path) -> 
 
 def test_a_short_file_never_gets_its_final_name(tmp_path: Path) -> None:
     """The size checked is the whole file's (length and header included), not the tensors'."""
-    out = checkpoint.FileWriter(tmp_path, "w0", 3, ARCH, {0: 10})
-    out.write(torch.zeros(9))
+    out = checkpoint.FileWriter(tmp_path, "w0", 3, MODEL.fingerprint, {0: 10})
+    out.write(torch.zeros(9, dtype=torch.uint8))
     with pytest.raises(OSError, match="header says"):
         out.commit()
     assert checkpoint.written(tmp_path) == {}

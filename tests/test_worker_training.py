@@ -25,6 +25,7 @@ from worker_harness import (
     EventReader,
     Record,
     Workers,
+    builtin_model,
     tiny_spec,
     wait_until,
 )
@@ -32,7 +33,6 @@ from worker_harness import (
 from chameleond.core.plan import plan_from_dict
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from workers.model import Arch
 from workers.reference import reference_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -94,8 +94,8 @@ _reference_cache: dict[int, list[float]] = {}
 
 def reference(steps: int) -> list[float]:
     if steps not in _reference_cache:
-        arch = Arch.from_mapping(TINY_ARCH)
-        _reference_cache[steps] = reference_losses(arch, GLOBAL_BATCH, MICRO_BATCH, steps)
+        model = builtin_model(TINY_ARCH, GLOBAL_BATCH, MICRO_BATCH)
+        _reference_cache[steps] = reference_losses(model, steps)
     return _reference_cache[steps]
 
 

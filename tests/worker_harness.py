@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -26,6 +26,20 @@ import redis
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.core.spec import JobSpec, LayerProfile, parse_spec
 from chameleond.protocol import Keys
+
+
+def builtin_model(
+    arch: Mapping[str, Any] | Any, global_batch: int = 8, micro_batch: int = 2
+) -> Any:
+    """The built-in training (workers.builtin) of `arch` (an Arch or a [model.arch] mapping), as
+    the runtime holds it (a workers.trainable.Trainable)."""
+    from workers import builtin
+    from workers.model import Arch
+    from workers.trainable import Trainable
+
+    arch = arch if isinstance(arch, Arch) else Arch.from_mapping(arch)
+    return Trainable(builtin.training(arch, global_batch, micro_batch))
+
 
 TINY_ARCH = {
     "d_model": 32,

@@ -1,18 +1,19 @@
 """Per-worker checkpoint files: the fallback when backup-free recovery is impossible, and the
 baseline it is measured against.
 
-With `--checkpoint-dir DIR --checkpoint-every N`, a worker writes the layers it owns (parameters
-and AdamW state, the flat buffers a migration sends: LayerState.state_buffer) after every N-th
-committed step to `DIR/{worker}-{step}.safetensors`, keeping its two newest. How the write is
-scheduled (in pipeline bubbles, or stopping training) is workers.saver's business; this module is
-the files.
+With `--checkpoint-dir DIR --checkpoint-every N`, a worker writes the layers it owns (module,
+optimizer and scheduler state, the byte buffers a migration sends: LayerState.state_buffer) after
+every N-th committed step to `DIR/{worker}-{step}.safetensors`, keeping its two newest. How the
+write is scheduled (in pipeline bubbles, or stopping training) is workers.saver's business; this
+module is the files.
 
-The format is safetensors (an 8-byte little-endian header length, a JSON header, the raw bytes):
-one float32 tensor `layer.{i}` per layer, and the step, the worker and the model's architecture
-in the header's `__metadata__`. It can be written a piece at a time, straight from the live
-tensors (`FileWriter`), and any safetensors reader opens it. A file gets its final name only once
-complete (written to `.tmp`, synced to disk, then renamed, and the rename synced), so neither a
-killed process nor a crashed host leaves a partial checkpoint under a final name.
+The format is safetensors (an 8-byte little-endian header length, a JSON header, the raw bytes): one
+uint8 tensor `layer.{i}` per layer, and the step, the worker and the model's fingerprint
+(Trainable.fingerprint: its layers' parameter names and shapes) in the header's `__metadata__`. It
+can be written a piece at a time (`FileWriter`), and any safetensors reader opens it. A file gets
+its final name only once complete (written to `.tmp`, synced to disk, then renamed, and the rename
+synced), so neither a killed process nor a crashed host leaves a partial checkpoint under a final
+name.
 
 A kill can interrupt one round of checkpoints, leaving workers at different steps, and a worker
 that died long ago left only files of old steps; so a worker started with the same directory loads
@@ -40,21 +41,20 @@ import logging
 import os
 import struct
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from workers.layer import LayerState
 from workers.migrate import StateLost
-from workers.model import Arch, LayerState
 from workers.state import WorkerState
+from workers.trainable import Trainable
 
 log = logging.getLogger("chameleon.worker")
 
 KEEP = 2
 SUFFIX = ".safetensors"
-F32_BYTES = 4  # bytes per element in the file
 
 
 def checkpoint_path(directory: Path, worker: str, step: int) -> Path:
@@ -75,23 +75,23 @@ class FileWriter:
     """One checkpoint file, written piece by piece in the layers' order, then `commit`ted."""
 
     def __init__(
-        self, directory: Path, worker: str, step: int, arch: Arch, numel: Mapping[int, int]
+        self, directory: Path, worker: str, step: int, model: str, numel: Mapping[int, int]
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory, self.worker, self.step = directory, worker, step
         self.path = checkpoint_path(directory, worker, step)
         self._tmp = self.path.with_suffix(".tmp")
         header: dict[str, Any] = {
-            "__metadata__": {"step": str(step), "worker": worker, "arch": json.dumps(asdict(arch))}
+            "__metadata__": {"step": str(step), "worker": worker, "model": model}
         }
         offset = 0
         for i, n in numel.items():
             header[f"layer.{i}"] = {
-                "dtype": "F32",
+                "dtype": "U8",
                 "shape": [n],
-                "data_offsets": [offset, offset + n * F32_BYTES],
+                "data_offsets": [offset, offset + n],
             }
-            offset += n * F32_BYTES
+            offset += n
         self.nbytes = offset  # the tensors' bytes (what a `checkpoint` event reports)
         text = json.dumps(header).encode()
         text += b" " * (-len(text) % 8)
@@ -102,10 +102,10 @@ class FileWriter:
         self._file.write(struct.pack("<Q", len(text)) + text)
 
     def write(self, piece: torch.Tensor, at: int | None = None) -> None:
-        """A piece of the data, a flat float32 tensor (copied to the host if elsewhere), at byte
+        """A piece of the data, a flat uint8 tensor (copied to the host if elsewhere), at byte
         `at` of the data (default: after the previous piece). Writing a piece at its own offset
         again is harmless: one interrupted part way (a stop signal) is simply written again."""
-        data = piece.detach().to("cpu", torch.float32).contiguous()
+        data = piece.detach().to("cpu", torch.uint8).contiguous()
         raw = data.numpy().data.cast("B")
         start = self._end if at is None else at
         if self._file.tell() != self._data_start + start:
@@ -152,7 +152,7 @@ def open_layers(
     """The file of `layers` at the committed step, and the pieces to write to it, in order."""
     parts = {i: state.layer(i).state_parts() for i in layers}
     numel = {i: sum(p.numel() for p in ps) for i, ps in parts.items()}
-    out = FileWriter(directory, worker, state.committed_step, state.arch, numel)
+    out = FileWriter(directory, worker, state.committed_step, state.model.fingerprint, numel)
     return out, [p for ps in parts.values() for p in ps]
 
 
@@ -164,8 +164,8 @@ def save(directory: Path, worker: str, state: WorkerState, owned: tuple[int, ...
     return out.commit()
 
 
-def read(path: Path) -> tuple[int, dict[str, Any], dict[int, torch.Tensor]]:
-    """(step, arch as a mapping, layer -> state buffer) of one file. Raises OSError or
+def read(path: Path) -> tuple[int, str, dict[int, torch.Tensor]]:
+    """(step, model fingerprint, layer -> state buffer) of one file. Raises OSError or
     ValueError for a file that is not a complete checkpoint."""
     data = path.read_bytes()
     if len(data) < 8:
@@ -174,45 +174,46 @@ def read(path: Path) -> tuple[int, dict[str, Any], dict[int, torch.Tensor]]:
     try:
         header = json.loads(data[8 : 8 + n])
         meta = header.pop("__metadata__")
-        step, arch = int(meta["step"]), json.loads(meta["arch"])
+        step, model = int(meta["step"]), str(meta["model"])
         layers = {}
         for name, t in header.items():
             begin, end = (8 + n + o for o in t["data_offsets"])
-            if t["dtype"] != "F32" or end > len(data) or name[:6] != "layer.":
-                raise ValueError(f"tensor {name} is not a float32 layer inside the file")
-            layers[int(name[6:])] = torch.frombuffer(
-                bytearray(data[begin:end]), dtype=torch.float32
-            )
+            if t["dtype"] != "U8" or end > len(data) or name[:6] != "layer.":
+                raise ValueError(f"tensor {name} is not a byte layer inside the file")
+            layers[int(name[6:])] = torch.frombuffer(bytearray(data[begin:end]), dtype=torch.uint8)
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: malformed checkpoint header ({e!r})") from None
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    return step, arch, layers
+    return step, model, layers
 
 
-def _readable(path: Path, arch: Arch) -> dict[int, torch.Tensor] | None:
+def _readable(path: Path, model: Trainable) -> dict[int, torch.Tensor] | None:
     """The layers of `path`, or None (logged) when it cannot be read or is of another model."""
     try:
         _, written_for, layers = read(path)
     except (OSError, ValueError) as e:
         log.warning("ignoring unreadable checkpoint %s: %s", path, e)
         return None
-    if written_for != asdict(arch):
+    if written_for != model.fingerprint:
         log.warning("ignoring checkpoint %s: written for another model %s", path, written_for)
         return None
     return layers
 
 
-def _install(state: WorkerState, layers: Mapping[int, torch.Tensor], step: int) -> None:
+def _decode(
+    model: Trainable, device: torch.device, layers: Mapping[int, torch.Tensor], step: int
+) -> dict[int, LayerState]:
+    """The layers of `layers`' buffers at `step`; ValueError for a buffer that does not load."""
+    out = {}
     for i, buf in layers.items():
-        layer = LayerState(state.arch, i, state.device)
-        layer.load_buffer(buf.to(state.device), step)
-        state.layers[i] = layer
-    state.committed_step = step
+        out[i] = LayerState(model, i, device)
+        out[i].load_buffer(buf, step)
+    return out
 
 
 def _gather(
-    directory: Path, arch: Arch, step: int, layers: Collection[int]
+    directory: Path, model: Trainable, step: int, layers: Collection[int]
 ) -> dict[int, torch.Tensor]:
     """Those of `layers` that some readable file of `step` holds, each from the first such file
     (by name)."""
@@ -221,18 +222,18 @@ def _gather(
     for path in sorted(directory.glob(f"*-{step:09d}{SUFFIX}")):
         if wanted <= found.keys():
             break
-        for i, buf in (_readable(path, arch) or {}).items():
+        for i, buf in (_readable(path, model) or {}).items():
             if i in wanted:
                 found.setdefault(i, buf)
     return found
 
 
-def covering_step(directory: Path, arch: Arch) -> int | None:
+def covering_step(directory: Path, model: Trainable) -> int | None:
     """The newest step whose readable files together hold every layer of the model, or None."""
-    every = range(arch.n_layers)
+    every = range(model.n_layers)
     steps = {s for per_worker in written(directory).values() for s in per_worker}
     for step in sorted(steps, reverse=True):
-        if len(_gather(directory, arch, step, every)) == arch.n_layers:
+        if len(_gather(directory, model, step, every)) == model.n_layers:
             return step
     return None
 
@@ -249,14 +250,18 @@ def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, .
     """Replace everything `state` holds by `layers` at `step`, from any worker's file of that step,
     and delete the files of later steps. Raises Unrestorable, with nothing changed, when some
     layer is in no readable file of the step."""
-    found = _gather(directory, state.arch, step, layers)
+    found = _gather(directory, state.model, step, layers)
     missing = sorted(set(layers) - found.keys())
     if missing:
         why = f"no readable file of step {step} in {directory} has layers {_ranges(missing)}"
         raise Unrestorable(step, why)
+    try:
+        loaded = _decode(state.model, state.device, found, step)
+    except ValueError as e:
+        raise Unrestorable(step, f"a file of step {step} in {directory}: {e}") from e
     state.discard_step()
-    state.layers = {}
-    _install(state, found, step)
+    state.layers = loaded
+    state.committed_step = step
     log.info("restored layers %s from the checkpoint of step %d", sorted(found), step)
     # Later files describe a past the job now trains again: a later restore or restart must not
     # read them (every worker of the plan deletes them; the others are gone).
@@ -284,7 +289,7 @@ def load(directory: Path, worker: str, state: WorkerState) -> int | None:
         return None
     # Not the newest step every worker wrote: a worker that died long ago kept only its oldest
     # files, and the survivors' later ones hold its layers too.
-    step = covering_step(directory, state.arch)
+    step = covering_step(directory, state.model)
     if step is None:
         log.warning("no step's checkpoints in %s hold every layer: starting without one", directory)
         return None
@@ -292,9 +297,14 @@ def load(directory: Path, worker: str, state: WorkerState) -> int | None:
     if not path.exists():
         log.info("no checkpoint of this worker at step %d: its layers come by migration", step)
         return None
-    layers = _readable(path, state.arch)
+    layers = _readable(path, state.model)
     if layers is None:
         return None
-    _install(state, layers, step)
+    try:
+        state.layers.update(_decode(state.model, state.device, layers, step))
+    except ValueError as e:
+        log.warning("ignoring checkpoint %s: %s", path, e)
+        return None
+    state.committed_step = step
     log.info("loaded checkpoint %s: step %d, layers %s", path, step, sorted(layers))
     return step

@@ -20,13 +20,15 @@ from pathlib import Path
 
 import torch
 
+from workers.api import DataError
+
 DEFAULT_MAX_BYTES = 2 * 1024 * 1024
 # Odd multiplier: consecutive sample ids land far apart in the corpus.
 _STRIDE = 2_654_435_761
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-class CorpusError(RuntimeError):
+class CorpusError(DataError):
     """The standard library sources are missing or too small to train on."""
 
 

@@ -1,4 +1,6 @@
-"""`chameleon-worker`: one training process on one device, following the job's plans.
+"""`chameleon-worker`: one training process on one device, following the job's plans. `launch` is
+the worker library's entry point (workers.api.run): the same flags for any user's training; `main`
+launches the built-in one (workers.builtin).
 
 Exit codes (docs/worker.md):
   0  fenced by a plan or finished --max-steps (acked `stopped`), or stopped by SIGTERM/SIGINT
@@ -7,7 +9,10 @@ Exit codes (docs/worker.md):
   3  Redis unreachable, or lost for good
   4  the job spec is missing, malformed, or its [model.arch] is unusable
   5  the device's collective backend is unavailable (e.g. nccl without CUDA, npu without torch_npu)
-  6  the training corpus (the standard library's sources) is unavailable
+  6  the training data is unavailable, or differs from the other workers' (the built-in corpus:
+     the standard library's sources)
+  7  this worker's own computation failed
+  8  the model is malformed (the message names the layer; docs/worker-api.md)
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import os
 import signal
 import sys
 import tempfile
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
@@ -29,6 +35,8 @@ import torch.distributed as dist
 
 from chameleond.core.spec import SpecError
 from chameleond.protocol import MAX_ID_LEN, REDIS_URL_ENV, redact_url
+from workers import builtin
+from workers.api import DataError, ModelError, Training, TrainingOf
 from workers.backend import (
     BackendUnavailable,
     DeviceChoice,
@@ -36,9 +44,9 @@ from workers.backend import (
     check_device,
     parse_device,
 )
-from workers.data import CorpusError
 from workers.events import connection_name, new_incarnation
 from workers.hooks import fault_hook_error
+from workers.identity import from_env
 from workers.model import ArchError
 from workers.runtime import WorkerConfig, WorkerRuntime
 from workers.saver import BUBBLE, MODES
@@ -50,6 +58,7 @@ EXIT_SPEC = 4
 EXIT_BACKEND = 5
 EXIT_CORPUS = 6
 EXIT_DEVICE = 7
+EXIT_MODEL = 8
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -58,25 +67,39 @@ class _Stop(BaseException):
     """Raised in the main thread by SIGTERM/SIGINT."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "chameleon-worker") -> argparse.ArgumentParser:
+    ident = from_env(os.environ, torch.cuda.is_available())
     p = argparse.ArgumentParser(
-        prog="chameleon-worker",
+        prog=prog,
         description="Train one slot of a chameleond job: profile, register, follow the plans.",
         epilog="exit codes: 0 fenced, finished or stopped by a signal; 2 bad command line; "
         "3 Redis unreachable at start, a write refused, or away too long to keep the events; "
         "4 bad or missing job spec; 5 the device's backend is unavailable; 6 no training "
-        "corpus; 7 this worker's own computation failed (it reported itself first). "
+        "data, or other data than the job's; 7 this worker's own computation failed (it "
+        "reported itself first); 8 a malformed model. "
         "Redis restarts do not stop training (docs/worker.md).",
     )
     p.add_argument(
         "--redis-url",
-        default=os.environ.get(REDIS_URL_ENV),
+        default=ident.redis_url,
         help=f"Redis holding the job (redis:// or rediss://); default ${REDIS_URL_ENV}, which "
         "keeps a password out of the process list",
     )
-    p.add_argument("--job", default="default", help="job name (keys chameleon:{job}:*)")
-    p.add_argument("--worker-id", required=True, help="this worker's id, as in the job spec")
-    p.add_argument("--device", default="cpu", help="cpu | cuda:N | npu:N (default cpu)")
+    p.add_argument(
+        "--job", default=ident.job, help="job name (keys chameleon:{job}:*); default $CHAMELEON_JOB"
+    )
+    p.add_argument(
+        "--worker-id",
+        default=ident.worker_id,
+        help="this worker's id, as in the job spec; default $CHAMELEON_WORKER_ID, else w{RANK} "
+        "(torchrun) or w{SLURM_PROCID}",
+    )
+    p.add_argument(
+        "--device",
+        default=ident.device,
+        help="cpu | cuda:N | npu:N; default $CHAMELEON_DEVICE, else cuda:{LOCAL_RANK} under a "
+        "launcher when CUDA is present, else cpu",
+    )
     p.add_argument(
         "--bind-address",
         default="127.0.0.1",
@@ -167,7 +190,22 @@ def _bind_error(address: str, device: DeviceChoice) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """`chameleon-worker`: the built-in training (workers.builtin)."""
+    return launch(builtin.training_of, argv)
+
+
+def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -> int:
+    """Run `training` as the worker the command line (default sys.argv) and the environment
+    name (workers.identity); the exit code."""
+    prog = "chameleon-worker" if training is builtin.training_of else Path(sys.argv[0]).name
+    args = build_parser(prog).parse_args(None if argv is None else list(argv))
+    if args.worker_id is None:
+        print(
+            f"{prog}: no worker id: pass --worker-id, set CHAMELEON_WORKER_ID, or start under "
+            "torchrun or SLURM (RANK, SLURM_PROCID)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format=f"%(asctime)s %(levelname)s job={args.job} worker={args.worker_id} %(message)s",
@@ -235,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpoint_every=args.checkpoint_every,
         checkpoint_mode=args.checkpoint_mode,
     )
-    runtime = WorkerRuntime(cfg, client)
+    runtime = WorkerRuntime(cfg, client, training)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         runtime.stopping = True
@@ -258,9 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, ArchError, TimeoutError) as e:
         log.error("job spec: %s", e)
         return EXIT_SPEC
-    except CorpusError as e:
-        log.error("corpus: %s", e)
+    except DataError as e:
+        log.error("data: %s", e)
         return EXIT_CORPUS
+    except ModelError as e:
+        log.error("model: %s", e)
+        return EXIT_MODEL
     finally:
         client.close()
 

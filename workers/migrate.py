@@ -12,9 +12,11 @@
    Each missing layer comes from the plan's Transfer when its source really holds a current copy,
    and otherwise from the lowest-ranked worker that does (a fault in the middle of an earlier
    migration leaves the plan's idea of who holds what behind the truth). Transfers run in the plan's
-   rounds, repairs in one extra round. Before any step has committed, missing layers are built from
-   the seed instead. Sources keep their layers; the runtime drops unowned layers after the
-   generation's first commit.
+   rounds, repairs in one extra round. A layer's state is a byte buffer whose length only its
+   sender knows (the user's optimizer decides what it holds), so each round first exchanges the
+   lengths, then the buffers. Before any step has committed, missing layers are built from
+   their initial weights instead. Sources keep their layers; the runtime drops unowned layers
+   after the generation's first commit.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from chameleond.core.plan import Plan
 from workers.backend import P2POp, allreduce_sum, exchange
 from workers.generation import Generation
-from workers.model import LayerState
+from workers.layer import LayerState
 from workers.p2p import MIGRATION_TAG_BASE
 from workers.state import WorkerState
 
@@ -57,7 +59,7 @@ class Reconciled:
 
 
 def _rows(gen: Generation, state: WorkerState) -> torch.Tensor:
-    n = state.arch.n_layers
+    n = state.model.n_layers
     rows = torch.zeros((len(gen.world), 2, n + 2), dtype=torch.float64)
     mine = rows[gen.rank]
     mine[0, 0] = state.committed_step
@@ -159,30 +161,42 @@ def _execute(
 ) -> None:
     me = gen.me
     for rnd in sorted({m.round for m in moves}):
-        transfers: list[P2POp] = []
-        received: list[tuple[LayerState, torch.Tensor]] = []
+        sends: list[tuple[int, int, torch.Tensor]] = []  # (peer rank, tag, state buffer)
+        receives: list[tuple[int, int, LayerState]] = []  # (peer rank, tag, skeleton)
         for m in (m for m in moves if m.round == rnd):
             tag = MIGRATION_TAG_BASE + m.layer
             if m.dst == me and m.src is None:
                 state.build_from_seed(m.layer)
             elif m.src == me:
-                buf = state.layer(m.layer).state_buffer()
-                transfers.append((True, buf, gen.rank_of(m.dst), tag))
+                buf = state.layer(m.layer).state_buffer().to(state.device)
+                sends.append((gen.rank_of(m.dst), tag, buf))
             elif m.dst == me:
                 assert m.src is not None
-                skeleton = LayerState(state.arch, m.layer, state.device)
-                buf = torch.empty(skeleton.state_numel(), device=state.device)
-                transfers.append((False, buf, gen.rank_of(m.src), tag))
-                received.append((skeleton, buf))
-        # One batch per round. The plan's rounds give a worker one transfer each, but the repair
-        # round may give it several, both ways; every worker lists a round's moves in one order.
-        works = exchange(gen.world_group, transfers)
+                skeleton = LayerState(state.model, m.layer, state.device)
+                receives.append((gen.rank_of(m.src), tag, skeleton))
+        # One batch per round, twice: the lengths, then the buffers. The plan's rounds give a
+        # worker one transfer each, but the repair round may give it several, both ways; every
+        # worker lists a round's moves in one order.
+        lengths = [torch.empty(1, dtype=torch.int64, device=state.device) for _ in receives]
+        ops: list[P2POp] = [
+            (True, torch.tensor([b.numel()], dtype=torch.int64, device=state.device), r, t)
+            for r, t, b in sends
+        ] + [(False, n, r, t) for (r, t, _), n in zip(receives, lengths, strict=True)]
+        for work in exchange(gen.world_group, ops):
+            work.wait()
+        if receives:
+            gen.check()
+        bufs = [torch.empty(int(n.item()), dtype=torch.uint8, device=state.device) for n in lengths]
+        ops = [(True, b, r, t) for r, t, b in sends] + [
+            (False, b, r, t) for (r, t, _), b in zip(receives, bufs, strict=True)
+        ]
+        works = exchange(gen.world_group, ops)
         if on_round is not None:
             on_round(rnd)
         for work in works:
             work.wait()
-        if received:
+        if receives:
             gen.check()  # an aborted round may leave its buffers unfinished
-        for layer, buf in received:
+        for (_, _, layer), buf in zip(receives, bufs, strict=True):
             layer.load_buffer(buf, committed)
             state.layers[layer.index] = layer

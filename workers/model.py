@@ -1,10 +1,9 @@
-"""The model the workers train: a small decoder-only transformer, one module per layer.
+"""The built-in model (`chameleon-worker`'s default job): a small decoder-only transformer, one
+module per layer, trained through the worker library like any user's model (workers.builtin).
 
 Layer 0 is the token + position embedding, layers 1..blocks are transformer blocks, the last layer
 is the final norm + LM head. Every layer is built from (seed, layer index) alone, so any worker can
-build an identical copy of any layer without talking to anyone. Each layer carries its own AdamW:
-moving a layer is moving its parameters and its optimizer state, and per-layer AdamW is exactly
-AdamW over all parameters because there is no global gradient clipping.
+build an identical copy of any layer without talking to anyone.
 """
 
 from __future__ import annotations
@@ -125,89 +124,14 @@ def build_module(arch: Arch, index: int) -> nn.Module:
         return Block(arch)
 
 
-def sample_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-sample mean over tokens, summed over samples (PAPER.md section 8)."""
+def sample_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean over tokens: one loss per sample (PAPER.md section 8)."""
     per_token = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
     )
-    return per_token.view(targets.shape).mean(dim=1).sum()
+    return per_token.view(targets.shape).mean(dim=1)
 
 
-class LayerState:
-    """One layer's parameters and AdamW state, and the last committed step they reflect."""
-
-    def __init__(self, arch: Arch, index: int, device: torch.device, version: int = -1) -> None:
-        self.index = index
-        self.module = build_module(arch, index).to(device)
-        self.optimizer = torch.optim.AdamW(self.module.parameters(), lr=arch.lr)
-        self.version = version  # -1: initial weights, no step applied yet
-
-    def params(self) -> list[torch.nn.Parameter]:
-        return list(self.module.parameters())
-
-    def apply_update(self, global_batch: int, step: int) -> None:
-        """Gradients hold the SUM over the global batch: divide once by B, then AdamW."""
-        for p in self.params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.div_(global_batch)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version = step
-
-    def discard_gradients(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    # Migration: the whole state as one flat float32 buffer --------------------------------------
-
-    def state_numel(self) -> int:
-        """Parameters, then per parameter: AdamW step, exp_avg, exp_avg_sq."""
-        return sum(1 + 3 * p.numel() for p in self.params())
-
-    def state_parts(self) -> list[torch.Tensor]:
-        """The pieces of `state_buffer`, in order, as flat views of the live state where they can
-        be (a checkpoint copies them one by one, in pipeline bubbles: workers.saver)."""
-        parts: list[torch.Tensor] = []
-        for p in self.params():
-            parts.append(p.detach().reshape(-1).float())
-        for p in self.params():
-            st = self.optimizer.state.get(p)
-            if st:
-                step = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1).to(p.device)
-                parts += [step, st["exp_avg"].reshape(-1), st["exp_avg_sq"].reshape(-1)]
-            else:  # no step applied yet: zeros say "fresh"
-                parts.append(torch.zeros(1 + 2 * p.numel(), device=p.device))
-        return parts
-
-    def state_buffer(self) -> torch.Tensor:
-        return torch.cat(self.state_parts())
-
-    def load_buffer(self, buf: torch.Tensor, version: int) -> None:
-        params = self.params()
-        off = 0
-        with torch.no_grad():
-            for p in params:
-                n = p.numel()
-                p.copy_(buf[off : off + n].view_as(p))
-                off += n
-        for p in params:
-            n = p.numel()
-            step = float(buf[off].item())
-            avg = buf[off + 1 : off + 1 + n].view_as(p).clone()
-            sq = buf[off + 1 + n : off + 1 + 2 * n].view_as(p).clone()
-            off += 1 + 2 * n
-            if step > 0:
-                self.optimizer.state[p] = {
-                    "step": torch.tensor(step, dtype=torch.float32),
-                    "exp_avg": avg,
-                    "exp_avg_sq": sq,
-                }
-            else:
-                self.optimizer.state.pop(p, None)
-        self.version = version
-
-
-def run_layers(layers: list[LayerState], x: torch.Tensor) -> torch.Tensor:
-    for layer in layers:
-        x = layer.module(x)
-    return x
+def sample_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sample mean over tokens, summed over samples."""
+    return sample_losses(logits, targets).sum()

@@ -3,10 +3,11 @@
 Two measurements, both sent as `profile` events:
 
 * At start-up (`profile_model`), each layer alone, for one micro-batch: forward, backward and
-  optimizer-update seconds (median of a few timed repetitions after a warm-up), parameter bytes,
-  AdamW state bytes, activation bytes (the tensors autograd saves for backward, parameters
-  excluded) and output bytes (what the layer sends to the next stage; zero for the head). Layers
-  are built one at a time, so profiling needs the memory of one layer, not of the model.
+  optimizer-update seconds (median of a few timed repetitions after a warm-up), parameter bytes, the
+  bytes of the user's optimizer state, activation bytes (the tensors autograd saves for backward,
+  parameters excluded) and output bytes (what the layer sends to the next stage; zero for the head).
+  Layers are built one at a time, so profiling needs the memory of one layer, not of the model.
+
 * In training (`TrainingMeter`), the same seconds measured on the real steps of the running plan,
   reported every few steps, so the planner's later decisions use what a step really costs here.
 
@@ -32,7 +33,9 @@ from typing import Any
 
 import torch
 
-from workers.model import Arch, LayerState, sample_loss_sum
+from workers.api import Batch
+from workers.layer import LayerState
+from workers.trainable import Trainable
 
 REPEATS = 3
 # In training: a profile every REPORT_STEPS steps, and not more often than REPORT_SECONDS.
@@ -85,16 +88,20 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 
 
 def profile_layer(
-    arch: Arch, index: int, micro_batch: int, device: torch.device, repeats: int = REPEATS
-) -> dict[str, Any]:
-    """One layer's costs: the median of `repeats` timed repetitions after an untimed one."""
-    layer = LayerState(arch, index, device)
+    model: Trainable,
+    index: int,
+    x: torch.Tensor,
+    batch: Batch,
+    device: torch.device,
+    repeats: int = REPEATS,
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """One layer's costs on input `x` (the real micro-batch's activation at this layer): the median
+    of `repeats` timed repetitions after an untimed one; and its output, the next layer's input."""
+    layer = LayerState(model, index, device)
     params = layer.params()
     param_ptrs = {p.data_ptr() for p in params}
-    last = index == arch.n_layers - 1
-    gen = torch.Generator().manual_seed(index)
-    tokens = torch.randint(0, arch.vocab, (micro_batch, arch.seq_len), generator=gen).to(device)
-    hidden = torch.randn((micro_batch, arch.seq_len, arch.d_model), generator=gen).to(device)
+    last = index == model.n_layers - 1
+    micro_batch = x.shape[0]
     clock = op_clock(device)
 
     saved: list[int] = []
@@ -108,23 +115,24 @@ def profile_layer(
     bwd: list[float] = []
     upd: list[float] = []
     out_bytes = 0
+    out = x
     for rep in range(repeats + 1):
-        x = tokens if index == 0 else hidden.clone().requires_grad_()
+        inp = x.detach().clone().requires_grad_() if x.is_floating_point() else x
         saved.clear()
         _sync(device)
         t0 = clock()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = layer.module(x)
-            loss = sample_loss_sum(out, tokens) if last else None
+            out = layer.module(inp)
+            loss = model.loss_sum(out, batch, micro_batch) if last else None
         _sync(device)
         t1 = clock()
         if loss is not None:
             loss.backward()
-        else:
+        elif out.requires_grad:
             out.backward(torch.ones_like(out))
         _sync(device)
         t2 = clock()
-        layer.apply_update(micro_batch, rep)  # a real AdamW step (the first creates its state)
+        layer.apply_update(micro_batch, rep)  # a real step of the user's optimizer
         _sync(device)
         t3 = clock()
         if rep:  # the first repetition warms up allocator, kernels and the optimizer state
@@ -133,15 +141,15 @@ def profile_layer(
             upd.append(t3 - t2)
         out_bytes = 0 if last else _tensor_bytes(out)
     activation_bytes = sum(saved)
+    # What the user's optimizer holds: SGD with momentum 1x the parameters, AdamW 2x (+ its steps).
     optimizer_bytes = sum(
         _tensor_bytes(v)
         for st in layer.optimizer.state.values()
         for v in st.values()
         if isinstance(v, torch.Tensor)
     )
-    name = "embedding" if index == 0 else "head" if last else f"block{index - 1}"
-    return {
-        "name": name,
+    data = {
+        "name": model.layer_name(index, layer.module),
         "forward_seconds": statistics.median(fwd or [0.0]),
         "backward_seconds": statistics.median(bwd or [0.0]),
         "update_seconds": statistics.median(upd or [0.0]),
@@ -150,10 +158,11 @@ def profile_layer(
         "activation_bytes": activation_bytes,
         "output_bytes": out_bytes,
     }
+    return data, out.detach()
 
 
 def profile_model(
-    arch: Arch,
+    model: Trainable,
     micro_batch: int,
     device: torch.device,
     host: str = "",
@@ -162,18 +171,27 @@ def profile_model(
 ) -> dict[str, Any]:
     """The `profile` event's JSON data: {"layers": [...]} in layer order (+ "host" on the CPU).
 
-    A first pass over the layers, not timed, pays the process's one-time costs (torch's lazy
-    initialisation: over a second of CPU on the development machine, against tens of
-    milliseconds for the timed pass). Then `start()` returns when the timed pass may begin: on a
-    shared CPU host, once the job's other workers there are ready too (startup.py), so each op is
-    measured while they compete for the cores, as in training, and the CPU share measured here is
-    the one they get then.
+    Each layer runs on the real first micro-batch of the job, its input being the previous layer's
+    output, so shapes, activations and the loss are the model's own. A first pass over the layers,
+    not timed, pays the process's one-time costs (torch's lazy initialisation: over a second of
+    CPU on the development machine, against tens of milliseconds for the timed pass). Then
+    `start()` returns when the timed pass may begin: on a shared CPU host, once the job's other
+    workers there are ready too (startup.py), so each op is measured while they compete for the
+    cores, as in training, and the CPU share measured here is the one they get then.
     """
-    for i in range(arch.n_layers):
-        profile_layer(arch, i, micro_batch, device, repeats=0)
+    batch = model.batch(0, 0, model.training.global_batch, micro_batch, device)
+
+    def measure(repeats: int) -> list[dict[str, Any]]:
+        x, layers = model.inputs(batch), []
+        for i in range(model.n_layers):
+            data, x = profile_layer(model, i, x, batch, device, repeats)
+            layers.append(data)
+        return layers
+
+    measure(0)
     start()
     wall0, cpu0 = time.perf_counter(), time.process_time()
-    layers = [profile_layer(arch, i, micro_batch, device) for i in range(arch.n_layers)]
+    layers = measure(REPEATS)
     data: dict[str, Any] = {"layers": layers, "micro_batch": micro_batch, "device": str(device)}
     if device.type == "cpu" and host:
         share = (time.process_time() - cpu0) / max(time.perf_counter() - wall0, 1e-9)

@@ -1,42 +1,54 @@
 """Failure-free training in one process: the oracle the distributed runs are compared against.
 
-Same layers (from the seed), same data (sample ids [s*B, (s+1)*B)), same math (per-sample mean loss,
-summed over the batch, divided once by B, per-layer AdamW). The distributed runs differ from this
-only in the order in which gradient sums are added up.
+Same layers (their initial weights), same data (sample ids [s*B, (s+1)*B)), same math (per-sample
+losses summed over the batch, tied gradients added, divided once by B, per-layer optimizers and
+schedulers). The distributed runs differ from this only in the order in which gradient sums are
+added up.
 """
 
 from __future__ import annotations
 
 import torch
 
-from workers.data import Corpus
-from workers.model import Arch, LayerState, run_layers, sample_loss_sum
+from workers.api import Training
+from workers.layer import LayerState, run_layers
+from workers.trainable import Trainable
 
 
 def reference_losses(
-    arch: Arch,
-    global_batch: int,
-    micro_batch: int,
-    steps: int,
-    corpus: Corpus | None = None,
-    first_step: int = 0,
+    training: Training | Trainable, steps: int, first_step: int = 0
 ) -> list[float]:
     """The global mean loss of steps first_step .. first_step + steps - 1 (starting from the
-    seed)."""
-    corpus = corpus or Corpus()
+    initial weights)."""
+    model = training if isinstance(training, Trainable) else Trainable(training)
+    global_batch, micro_batch = model.training.global_batch, model.training.micro_batch
     torch.set_num_threads(1)
     device = torch.device("cpu")
-    layers = [LayerState(arch, i, device) for i in range(arch.n_layers)]
+    layers = [LayerState(model, i, device) for i in range(model.n_layers)]
     losses: list[float] = []
     for step in range(first_step + steps):
         total = 0.0
         for g in range(global_batch // micro_batch):
-            inputs, targets = corpus.micro_batch(step, g, global_batch, micro_batch, arch.seq_len)
-            loss = sample_loss_sum(run_layers(layers, inputs), targets)
+            batch = model.batch(step, g, global_batch, micro_batch, device)
+            out = run_layers(layers, model.inputs(batch))
+            loss = model.loss_sum(out, batch, micro_batch)
             loss.backward()
             total += float(loss.item())
+        for tie in model.ties:
+            (i, a), (j, b) = tie.first, tie.second
+            pa = dict(layers[i].module.named_parameters(remove_duplicate=False))[a]
+            pb = dict(layers[j].module.named_parameters(remove_duplicate=False))[b]
+            summed = _grad(pa) + _grad(pb)
+            _grad(pa).copy_(summed)
+            _grad(pb).copy_(summed)
         for layer in layers:
             layer.apply_update(global_batch, step)
         if step >= first_step:
             losses.append(total / global_batch)
     return losses
+
+
+def _grad(p: torch.nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad

@@ -32,6 +32,7 @@ from chameleond.core.plan import Plan
 from chameleond.protocol import Keys
 from workers import checkpoint
 from workers.absence import ABSENT_ATTEMPTS, Absences
+from workers.api import Training, TrainingOf
 from workers.backend import (
     DeviceChoice,
     DeviceFailed,
@@ -101,8 +102,11 @@ class Finished(Exception):
 
 
 class WorkerRuntime:
-    def __init__(self, cfg: WorkerConfig, client: redis.Redis) -> None:
+    def __init__(
+        self, cfg: WorkerConfig, client: redis.Redis, training: Training | TrainingOf
+    ) -> None:
         self.cfg = cfg
+        self.training = training
         self.redis = client
         self.keys = Keys(cfg.job)
         self.reporter = Reporter(client, cfg.job, cfg.worker_id)
@@ -124,16 +128,16 @@ class WorkerRuntime:
         cfg = self.cfg
         joined = join(
             self.redis, self.keys, self.reporter, cfg.device, cfg.bind_address,
-            cfg.spec_timeout_seconds,
+            cfg.spec_timeout_seconds, self.training,
         )  # fmt: skip
         self.heartbeat.start()
         self.watcher.start()
-        state = WorkerState(joined.arch, cfg.device.torch_device)
+        state = WorkerState(joined.model, cfg.device.torch_device)
         if cfg.checkpoint_dir is not None:
             checkpoint.load(cfg.checkpoint_dir, cfg.worker_id, state)
             if cfg.checkpoint_every:
                 self.saver = Saver(
-                    cfg.checkpoint_dir, cfg.worker_id, joined.arch, cfg.checkpoint_every,
+                    cfg.checkpoint_dir, cfg.worker_id, cfg.checkpoint_every,
                     self._checkpoint_written, cfg.checkpoint_mode,
                 )  # fmt: skip
         try:
@@ -408,7 +412,7 @@ class WorkerRuntime:
             joined.on_host(plan.workers),
             plan.generation,
         )
-        runner = StepRunner(gen, state, joined.corpus, meter)
+        runner = StepRunner(gen, state, joined.outputs, meter)
         owned = plan.owned_layers(gen.me)
         after_vote = vote_hook(self.cfg.kill_at)
         on_op = step_hook(self.cfg.kill_at)

@@ -1,11 +1,12 @@
 """Checkpoints recorded in pipeline bubbles (BAFT, PAPER.md section 9).
 
 The checkpoint of committed step s is what a worker holds from the commit of s to the update of
-s + 1: parameters and AdamW state do not change while step s + 1 runs its forwards and backwards.
+s + 1: parameters and optimizer state do not change while step s + 1 runs its forwards and
+backwards.
 So rather than stop training to write it (`--checkpoint-mode sync`), a worker writes it during
 step s + 1, in the idle slots its 1F1B schedule leaves. The file (workers.checkpoint.FileWriter)
-is written a piece at a time, straight from the live tensors (`LayerState.state_parts`: each
-parameter, AdamW step and moments, in the file's order), at the points where the worker waits for
+is written a piece at a time (`LayerState.state_parts`: the layer's serialized state, serialized
+when the checkpoint begins, in pieces of a MiB), at the points where the worker waits for
 a message in the op order's timeline (`Generation.idle`: the warm-up bubble of later stages, the
 gaps of the steady phase, the cool-down of earlier stages). `place` spreads the pieces over those
 slots in proportion to their idle time; a plan without bubbles (one stage per pipeline) writes
@@ -35,8 +36,7 @@ from pathlib import Path
 
 import torch
 
-from workers.checkpoint import F32_BYTES, open_layers
-from workers.model import Arch
+from workers.checkpoint import open_layers
 from workers.state import WorkerState
 
 log = logging.getLogger("chameleon.worker")
@@ -105,7 +105,7 @@ class Snapshot:
         # slot -> (offset in the file's data, piece), in order
         self._due: dict[int, deque[tuple[int, torch.Tensor]]] = {}
         sizes = [p.numel() for p in pieces]
-        offsets = [0, *itertools.accumulate(n * F32_BYTES for n in sizes)][:-1]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]  # bytes: the pieces are uint8
         for piece, offset, slot in zip(pieces, offsets, place(sizes, idle), strict=True):
             self._due.setdefault(slot, deque()).append((offset, piece))
         self.bubble_seconds = 0.0
@@ -163,14 +163,13 @@ class Saver:
         self,
         directory: Path,
         worker: str,
-        arch: Arch,
         every: int,
         report: Callable[[Written], None],
         mode: str = BUBBLE,
     ) -> None:
         if every < 1 or mode not in MODES:
             raise ValueError(f"checkpoints need every >= 1 and a mode of {MODES}")
-        self.directory, self.worker, self.arch = directory, worker, arch
+        self.directory, self.worker = directory, worker
         self.every, self.mode = every, mode
         self._report = report
         self._snapshot: Snapshot | None = None

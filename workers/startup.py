@@ -1,6 +1,8 @@
-"""A worker's start in a job: wait for the spec, profile the layers, report the profile, register.
+"""A worker's start in a job: wait for the spec, check and profile the user's model, report the
+profile, register.
 
-    spec -> untimed pass over the layers -> (a new job's shared CPU host: wait for its others)
+    spec -> the user's Training (checked: workers.trainable, workers.validate)
+      -> untimed pass over the layers -> (a new job's shared CPU host: wait for its others)
       -> timed pass -> profile + register (a worker of the spec: in that order)
 
 Profile first, then register: a registered worker is ready to train, so the daemon's initial plan
@@ -26,12 +28,13 @@ import torch
 
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.protocol import Keys
+from workers.api import DataError, Job, Training, TrainingOf
 from workers.backend import DeviceChoice, device_memory_bytes
-from workers.data import Corpus, CorpusError
 from workers.events import Reporter
-from workers.model import Arch
 from workers.profile import profile_model
 from workers.rendezvous import start_together
+from workers.trainable import Trainable
+from workers.validate import Output, check_model
 
 log = logging.getLogger("chameleon.worker")
 PROFILE_TOGETHER_SECONDS = 10.0  # how long a new job's worker waits for its host's others
@@ -42,8 +45,8 @@ class Joined:
     """What a worker knows once it has joined its job."""
 
     spec: JobSpec
-    arch: Arch
-    corpus: Corpus
+    model: Trainable
+    outputs: list[Output]  # each layer's output for one micro-batch: the messages' shapes
     hosts: Mapping[str, str]  # worker -> host, from the spec
     host: str  # this worker's
     layers: list[dict[str, Any]]  # the start-up profile, per layer (TrainingMeter splits by it)
@@ -100,26 +103,33 @@ def join(
     device: DeviceChoice,
     bind_address: str,
     spec_timeout_seconds: float,
+    training: Training | TrainingOf,
 ) -> Joined:
-    """Wait for the job's spec, profile, then send `profile` and `register` (the reporter is
-    started here)."""
+    """Wait for the job's spec, check and profile the model, then send `profile` and `register`
+    (the reporter is started here). Raises SpecError when the training and the spec disagree,
+    ModelError for a model the runtime cannot train, DataError for data the others do not read."""
     me = reporter.worker
     spec = wait_for_spec(client, keys, spec_timeout_seconds)
     hosts = {w.id: w.host for w in spec.workers}
-    arch, corpus = Arch.from_mapping(spec.arch), Corpus()
-    agree_on_corpus(client, keys, corpus.digest)
+    model = Trainable(training_for(spec, training))
+    check_layer_count(spec, model)
+    outputs = check_model(model, spec.training.micro_batch, device.torch_device)
+    digest = model.data_digest()
+    agree_on_corpus(client, keys, digest)
     host = hosts.get(me) or socket.gethostname()
     on_host = _sharing(hosts, host, hosts)  # the spec's workers on this host
     t0 = time.perf_counter()
     data = profile_model(
-        arch,
+        model,
         spec.training.micro_batch,
         device.torch_device,
         host,
         on_host,
         start=lambda: profile_together(client, keys, host, me, device.torch_device, on_host),
     )
-    log.info("profiled %d layers in %.2fs", arch.n_layers, time.perf_counter() - t0)
+    log.info(
+        "profiled %d layers of %s in %.2fs", model.n_layers, model.name, time.perf_counter() - t0
+    )
     reporter.start()
     profile = ("profile", {"data": json.dumps(data)})
     registration = (
@@ -130,24 +140,47 @@ def join(
             "memory_bytes": device_memory_bytes(device),
             "pid": os.getpid(),
             "address": bind_address,
-            "corpus": corpus.digest,
+            "corpus": digest,
         },
     )
     for kind, fields in (profile, registration) if me in hosts else (registration, profile):
         reporter.send(kind, fields)
-    return Joined(spec, arch, corpus, hosts, host, data["layers"])
+    return Joined(spec, model, outputs, hosts, host, data["layers"])
+
+
+def training_for(spec: JobSpec, training: Training | TrainingOf) -> Training:
+    """The training of this job: the script's, or built from the spec; it must agree with the
+    spec's [training] batch sizes and its number of layers (the planner plans with those)."""
+    if not isinstance(training, Training):
+        job = Job(spec.name, spec.arch, spec.training.global_batch, spec.training.micro_batch)
+        training = training(job)
+    for name in ("global_batch", "micro_batch"):
+        ours, theirs = getattr(training, name), getattr(spec.training, name)
+        if ours != theirs:
+            raise SpecError(f"the job spec's training.{name} is {theirs}, the script's {ours}")
+    return training
+
+
+def check_layer_count(spec: JobSpec, model: Trainable) -> None:
+    if len(spec.layers) != model.n_layers:
+        raise SpecError(
+            f"the job spec's [model] has {len(spec.layers)} layers, the script's model "
+            f"{model.n_layers}: plans would give workers layers that do not exist"
+        )
 
 
 def agree_on_corpus(client: redis.Redis, keys: Keys, digest: str) -> None:
-    """Every worker of a job must read the same corpus: stage 0 reads a sample's inputs on one
-    host and the last stage its targets on another, so two corpora (a different Python patch
-    version: the corpus is its standard library's sources) would silently pair the inputs of one
-    text with the targets of another. The first worker records its digest; any other stops."""
+    """Every worker of a job must read the same data: stage 0 reads a sample's inputs on one
+    host and the last stage its targets on another, so two datasets (for the built-in corpus, a
+    different Python patch version: it is its standard library's sources) would silently pair
+    the inputs of one text with the targets of another. The first worker records the digest of
+    its first micro-batch (Trainable.data_digest); any other stops."""
     client.set(keys.corpus, digest, nx=True)
     raw = client.get(keys.corpus)
     agreed = raw.decode() if isinstance(raw, bytes) else str(raw)
     if agreed != digest:
-        raise CorpusError(
-            f"this host's corpus has digest {digest} but the job's workers read {agreed}: "
-            f"run every worker on the same Python version (this one: {sys.version.split()[0]})"
+        raise DataError(
+            f"this worker's data has digest {digest} but the job's workers read {agreed}: "
+            "every worker must read the same dataset (for the built-in corpus: the same Python "
+            f"version; this one is {sys.version.split()[0]})"
         )

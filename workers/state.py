@@ -9,12 +9,13 @@ from collections.abc import Iterable
 
 import torch
 
-from workers.model import Arch, LayerState
+from workers.layer import LayerState
+from workers.trainable import Trainable
 
 
 class WorkerState:
-    def __init__(self, arch: Arch, device: torch.device) -> None:
-        self.arch = arch
+    def __init__(self, model: Trainable, device: torch.device) -> None:
+        self.model = model
         self.device = device
         self.layers: dict[int, LayerState] = {}
         self.committed_step = -1  # the last step this worker applied; -1: none yet
@@ -33,7 +34,7 @@ class WorkerState:
 
     def build_from_seed(self, index: int) -> LayerState:
         """Only valid before any step committed: the initial weights are a function of the seed."""
-        st = LayerState(self.arch, index, self.device, version=-1)
+        st = LayerState(self.model, index, self.device, version=-1)
         self.layers[index] = st
         return st
 

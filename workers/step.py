@@ -5,17 +5,21 @@ Ops run in the generation's order, a linear extension of the step's dependency g
 output waits in an outbox until its batch is issued, a receive is posted with its batch and waited
 for just before the op that uses it. Under rerouting a worker's op list holds ops of several
 pipelines (the failed slot's micro-batches), so activations and gradients cross pipelines;
-everything is keyed by (pipeline, stage, micro-batch). Each message has a fixed shape
-(micro_batch, seq_len, d_model) and a tag naming (kind, pipeline, stage boundary, micro-batch).
+everything is keyed by (pipeline, stage, micro-batch). Each message has the fixed shape and dtype
+of the output of its boundary's layer (workers.validate) and a tag naming (kind, pipeline, stage
+boundary, micro-batch). Stage 0 reads its micro-batch's inputs, the last stage the same batch for
+the user's loss (workers.trainable: sample ids, collate, per-sample losses).
 
 Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
-all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds. The
-division by B happens once, at commit (LayerState.apply_update).
+all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds; then tied
+parameters add their two layers' sums (workers.ties). The division by B happens once, at commit
+(LayerState.apply_update).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +27,8 @@ import torch
 
 from chameleond.core.schedule import FORWARD, Op
 from workers.backend import P2POp, computing, exchange
-from workers.data import Corpus
 from workers.generation import Generation, sync_order
-from workers.model import run_layers, sample_loss_sum
+from workers.layer import run_layers
 from workers.p2p import (
     Batch,
     Message,
@@ -36,6 +39,8 @@ from workers.p2p import (
 )
 from workers.profile import TrainingMeter
 from workers.state import WorkerState
+from workers.ties import sync_ties
+from workers.validate import Output
 
 
 @dataclass
@@ -49,16 +54,14 @@ class StepRunner:
         self,
         gen: Generation,
         state: WorkerState,
-        corpus: Corpus,
+        outputs: Sequence[Output],
         meter: TrainingMeter | None = None,
     ) -> None:
         self.gen = gen
         self.state = state
-        self.corpus = corpus
+        self.model = state.model
         self.meter = meter  # measures each op for the in-training profile
-        plan = gen.plan
-        arch = state.arch
-        self.shape = (plan.micro_batch, arch.seq_len, arch.d_model)
+        self._shapes = _message_shapes(gen, outputs)
         self._outbox: dict[int, torch.Tensor] = {}  # computed, waiting for their batch
         self._inbox: dict[int, tuple[Any, torch.Tensor]] = {}  # posted receives
         self._sent: list[tuple[Any, torch.Tensor]] = []
@@ -93,7 +96,8 @@ class StepRunner:
             if end.send:
                 tensor = self._outbox.pop(end.tag)
             else:
-                tensor = torch.empty(self.shape, device=self.state.device)
+                shape, dtype = self._shapes[end.tag]
+                tensor = torch.empty(shape, dtype=dtype, device=self.state.device)
             ops.append((end.send, tensor, self.gen.rank_of(end.peer), end.tag))
         works = exchange(self.gen.world_group, ops)
         for (send, tensor, _, tag), work in zip(ops, works, strict=True):
@@ -144,11 +148,10 @@ class StepRunner:
                 with computing():
                     out = run_layers(layers, x)
                     if last:
-                        _, targets = self.corpus.micro_batch(
-                            step, op.micro_batch, plan.global_batch, plan.micro_batch,
-                            st.arch.seq_len,
-                        )  # fmt: skip
-                        out = sample_loss_sum(out, targets.to(dev))
+                        data = self.model.batch(
+                            step, op.micro_batch, plan.global_batch, plan.micro_batch, dev
+                        )
+                        out = self.model.loss_sum(out, data, plan.micro_batch)
                         loss_sum += float(out.item())
                 if not last:
                     self._send(out, *_present(forward_output(op, len(stages))))
@@ -195,10 +198,10 @@ class StepRunner:
     def _forward_input(self, op: Op, step: int) -> torch.Tensor:
         plan = self.gen.plan
         if op.stage == 0:
-            inputs, _ = self.corpus.micro_batch(
-                step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.arch.seq_len
+            batch = self.model.batch(
+                step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.device
             )
-            return inputs.to(self.state.device)
+            return self.model.inputs(batch)
         return self._recv(*_present(forward_input(op))).requires_grad_()
 
     def _sync_gradients(self) -> None:
@@ -219,6 +222,25 @@ class StepRunner:
                 n = p.numel()
                 p.grad.copy_(flat[off : off + n].view_as(p.grad))
                 off += n
+        sync_ties(self.gen, self.state)
+
+
+def _message_shapes(
+    gen: Generation, outputs: Sequence[Output]
+) -> dict[int, tuple[tuple[int, ...], torch.dtype]]:
+    """tag -> (shape, dtype) of every message this worker receives in a step: an activation, or
+    its gradient, at the boundary after stage s is the output of stage s's last layer."""
+    shapes = {}
+    for op in gen.ops:
+        stages = gen.plan.pipelines[op.pipeline].stages
+        if op.kind == FORWARD:
+            got, boundary = forward_input(op), op.stage - 1
+        else:
+            got, boundary = backward_input(op, len(stages)), op.stage
+        if got is not None:
+            out = outputs[stages[boundary].layers[-1]]
+            shapes[got[1]] = (out.shape, out.dtype)
+    return shapes
 
 
 def _present(message: Message | None) -> Message:
