@@ -304,12 +304,20 @@ class Controller:
 
 
 class Workers:
-    """chameleon-worker subprocesses; logs under `log_dir`."""
+    """chameleon-worker subprocesses (or `command`: a training script with its flags); logs under
+    `log_dir`."""
 
     def __init__(
-        self, url: str, job: str, log_dir: Path, *, extra_args: list[str] | None = None
+        self,
+        url: str,
+        job: str,
+        log_dir: Path,
+        *,
+        extra_args: list[str] | None = None,
+        command: list[str] | None = None,
     ) -> None:
         self.extra_args = list(extra_args or [])
+        self.command = command or [sys.executable, "-m", "workers.main"]
         self.url = url
         self.job = job
         self.log_dir = log_dir
@@ -330,9 +338,7 @@ class Workers:
             log = open(self.log_dir / f"{w}.log", "ab")  # noqa: SIM115 - closed with the process
             self.procs[w] = subprocess.Popen(
                 [
-                    sys.executable,
-                    "-m",
-                    "workers.main",
+                    *self.command,
                     "--redis-url",
                     self.url,
                     "--job",
