@@ -31,8 +31,8 @@ import torch.distributed as dist
 from hf_text import TokenBlocks, collate, default_cache_dir, stdlib_blocks
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from chameleond.hf import causal_lm_loss, split_causal_lm
 from chameleond.worker import Job, Training, run
-from workers.hf import causal_lm_loss, split_causal_lm
 
 # [model.arch] keys and their defaults: a GPT-2 that trains on a laptop CPU.
 ARCH: dict[str, Any] = {
@@ -42,7 +42,7 @@ ARCH: dict[str, Any] = {
     "seq_len": 64,
     "vocab": 1024,
     "seed": 0,
-    "lr": 3e-3,
+    "lr": 1e-3,
 }
 
 
@@ -96,7 +96,8 @@ def training(job: Job, cache_dir: Path) -> Training:
 
 def plain(spec_path: Path, steps: int, cache_dir: Path, timings: Path | None) -> int:
     """Train `steps` steps in one torch.distributed process group (torchrun's environment, or a
-    world of one); rank 0 prints each step's loss and writes the step times to `timings`."""
+    world of one); rank 0 prints each step's loss and writes the step times (wall and this
+    process's CPU) and losses to `timings`."""
     from chameleond.core.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -116,9 +117,10 @@ def plain(spec_path: Path, steps: int, cache_dir: Path, timings: Path | None) ->
     opt = torch.optim.AdamW(model.parameters(), lr=float(arch["lr"]))
     params = list(model.parameters())
     seconds: list[float] = []
+    cpu_seconds: list[float] = []
     losses: list[float] = []
     for step in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         loss_sum = torch.zeros(1)
         first = step * B + rank * per_rank
         for m in range(first, first + per_rank, b):
@@ -137,11 +139,13 @@ def plain(spec_path: Path, steps: int, cache_dir: Path, timings: Path | None) ->
         opt.step()
         opt.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
         losses.append(float(flat[-1]) / B)
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f} {seconds[-1]:.3f} s", flush=True)
     if rank == 0 and timings is not None:
-        timings.write_text(json.dumps({"step_seconds": seconds, "losses": losses, "world": world}))
+        out = {"step_seconds": seconds, "cpu_seconds": cpu_seconds, "losses": losses}
+        timings.write_text(json.dumps({**out, "world": world}))
     dist.destroy_process_group()
     return 0
 

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs as the library's `Layers` (docs/worker-api.md, "Hugging Face models").
+"""Hugging Face causal LMs as the library's `Layers` (docs/hf.md; public as `chameleond.hf`).
 
 `split_causal_lm(model)` cuts a `transformers` causal LM into the layers a pipeline stage holds:
 
