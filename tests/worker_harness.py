@@ -304,8 +304,8 @@ class Controller:
 
 
 class Workers:
-    """chameleon-worker subprocesses (or `command`: a training script with its flags); logs under
-    `log_dir`."""
+    """chameleon-worker subprocesses (or a user's script on the worker library: `command`); logs
+    under `log_dir`."""
 
     def __init__(
         self,
@@ -316,8 +316,8 @@ class Workers:
         extra_args: list[str] | None = None,
         command: list[str] | None = None,
     ) -> None:
-        self.extra_args = list(extra_args or [])
         self.command = command or [sys.executable, "-m", "workers.main"]
+        self.extra_args = list(extra_args or [])
         self.url = url
         self.job = job
         self.log_dir = log_dir

@@ -12,9 +12,10 @@ import functools
 
 import torch
 
+from chameleond.core.spec import SpecError
 from workers.api import Factory, Job, Training
 from workers.data import Corpus
-from workers.model import Arch, build_module, sample_losses
+from workers.model import Arch, ArchError, build_module, sample_losses
 
 SAMPLES = 1 << 62  # sample ids are offsets into the corpus: as many as a step counter reaches
 
@@ -66,6 +67,10 @@ def training(
 
 
 def training_of(job: Job) -> Training:
-    """The built-in training for the spec's [model.arch] (ArchError if unusable) and [training]
-    sizes."""
-    return training(Arch.from_mapping(job.arch), job.global_batch, job.micro_batch)
+    """The built-in training for the spec's [model.arch] and [training] sizes; SpecError when
+    [model.arch] is unusable."""
+    try:
+        arch = Arch.from_mapping(job.arch)
+    except ArchError as e:
+        raise SpecError(str(e)) from e
+    return training(arch, job.global_batch, job.micro_batch)

@@ -21,6 +21,7 @@ import argparse
 import logging
 import math
 import os
+import runpy
 import signal
 import sys
 import tempfile
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
+from typing import cast
 
 import redis
 import torch
@@ -47,7 +49,6 @@ from workers.backend import (
 from workers.events import connection_name, new_incarnation
 from workers.hooks import fault_hook_error
 from workers.identity import from_env
-from workers.model import ArchError
 from workers.runtime import WorkerConfig, WorkerRuntime
 from workers.saver import BUBBLE, MODES
 
@@ -144,7 +145,31 @@ def build_parser(prog: str = "chameleon-worker") -> argparse.ArgumentParser:
         default="INFO",
         help="DEBUG | INFO | WARNING | ERROR (default INFO)",
     )
+    p.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        help="a training script to train instead of the built-in model: its module-level "
+        "`training`, a Training or a function of the Job returning one (docs/worker-api.md)",
+    )
     return p
+
+
+def load_script(path: Path) -> Training | TrainingOf:
+    """The `training` a script defines (run as a module, not as __main__); ValueError saying
+    why there is none."""
+    try:
+        names = runpy.run_path(str(path), run_name="chameleon_script")
+    except OSError as e:
+        raise ValueError(f"--script {path}: {e.strerror or e}") from e
+    except SyntaxError as e:
+        raise ValueError(f"--script {path}: {e}") from e
+    training = names.get("training")
+    if not isinstance(training, Training) and not callable(training):
+        raise ValueError(
+            f"--script {path}: defines no `training` (a Training, or a function of the Job)"
+        )
+    return cast(Training | TrainingOf, training)
 
 
 def _valid_id(text: str) -> bool:
@@ -199,6 +224,12 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
     name (workers.identity); the exit code."""
     prog = "chameleon-worker" if training is builtin.training_of else Path(sys.argv[0]).name
     args = build_parser(prog).parse_args(None if argv is None else list(argv))
+    if args.script is not None:
+        try:
+            training = load_script(args.script)
+        except ValueError as e:
+            print(f"{prog}: {e}", file=sys.stderr)
+            return EXIT_USAGE
     if args.worker_id is None:
         print(
             f"{prog}: no worker id: pass --worker-id, set CHAMELEON_WORKER_ID, or start under "
@@ -293,7 +324,7 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
     except DeviceFailed as e:
         log.error("leaving: this worker's device failed (%s); it reported itself", e)
         return EXIT_DEVICE
-    except (SpecError, ArchError, TimeoutError) as e:
+    except (SpecError, TimeoutError) as e:
         log.error("job spec: %s", e)
         return EXIT_SPEC
     except DataError as e:

@@ -211,6 +211,8 @@ class StepRunner:
             if pg is None:
                 continue
             params = [p for j in group.layers for p in self.state.layer(j).params()]
+            if not params:  # layers without parameters (every member holds the same ones)
+                continue
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

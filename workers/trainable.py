@@ -65,9 +65,9 @@ class Trainable:
             )
         if len(training.dataset) < 1:
             raise ModelError("the dataset is empty")
+        self._check_ties()
         if self._modules is not None:
             _check_shared(self._modules, self.ties)
-        self._check_ties()
         self.name = training.name or type(self.build(0)).__name__
         self.fingerprint = self._fingerprint()
 
@@ -86,8 +86,13 @@ class Trainable:
         return module
 
     def optimize(self, module: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-        """Layer `module`'s own optimizer and scheduler (None without one)."""
+        """Layer `module`'s own optimizer and scheduler (None without one). A layer without
+        parameters (an activation, a reshape) gets a plain SGD over one empty placeholder: torch's
+        optimizers refuse an empty parameter list, and the runtime treats every layer alike."""
         params = list(module.parameters())
+        if not params:
+            opt: torch.optim.Optimizer = torch.optim.SGD([nn.Parameter(torch.empty(0))], lr=0.0)
+            return opt, None
         opt = self.training.optimizer(params)
         sched = None if self.training.scheduler is None else self.training.scheduler(opt)
         return opt, sched
