@@ -278,6 +278,29 @@ def test_a_malformed_model_is_refused_at_start(
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_documented_script_trains(redis_server: RedisServer, tmp_path: Path) -> None:
+    """The complete script of docs/worker-api.md, as written there, trains as two workers."""
+    doc = (ROOT / "docs" / "worker-api.md").read_text()
+    script = tmp_path / "train.py"
+    script.write_text(doc.split("```python\n", 1)[1].split("```", 1)[0])
+    steps = 4
+    spec = tiny_spec("d", workers=2, stages=2, arch={**TINY_ARCH, "blocks": 1})  # 3 layers
+    spec["training"] = {"global_batch": 12, "micro_batch": 2}
+    controller = Controller(redis_server.url, spec, policy="reroute").start()
+    workers = Workers(redis_server.url, "d", tmp_path, command=[sys.executable, str(script)])
+    try:
+        workers.start(["w0", "w1"], max_steps=steps)
+        controller.wait_steps(steps, timeout=150)
+        for w in ("w0", "w1"):
+            assert workers.procs[w].wait(timeout=200) == 0, workers.log(w)[-3000:]
+    finally:
+        workers.stop()
+        controller.stop()
+    assert sorted(controller.record.committed()) == list(range(steps))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("script", "spec_kw", "message"),

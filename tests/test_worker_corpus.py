@@ -1,6 +1,6 @@
-"""Every worker of a job reads the same corpus: the first records its digest, a worker on a
-different one (another Python patch version) stops before it trains a sample whose bytes differ
-from its peers'."""
+"""Every worker of a job reads the same data: the first records its digest, a worker on different
+data (for the built-in corpus, another Python patch version) stops before it trains a sample whose
+bytes differ from its peers'."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import redis
 
 from chameleond.protocol import Keys
-from workers.data import Corpus, CorpusError
+from workers.api import DataError
+from workers.data import Corpus
 from workers.startup import agree_on_corpus
 
 
@@ -18,6 +19,6 @@ def test_a_worker_on_another_corpus_stops(redis_client: redis.Redis) -> None:
     agree_on_corpus(redis_client, keys, digest)  # the first worker records its corpus
     agree_on_corpus(redis_client, keys, digest)  # the same corpus on another host: fine
     assert redis_client.get(keys.corpus) == digest
-    with pytest.raises(CorpusError, match=f"read {digest}: run every worker on the same Python"):
+    with pytest.raises(DataError, match=f"read {digest}: every worker must read the same dataset"):
         agree_on_corpus(redis_client, keys, "0123456789abcdef")
     assert redis_client.get(keys.corpus) == digest  # the job's record stays
