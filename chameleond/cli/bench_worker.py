@@ -60,7 +60,7 @@ WARMUP_STEPS = 2  # steps left out of a step-time median (the first pays for war
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="overhead: data-parallel workers")
     parser.add_argument(
-        "--overhead-steps", type=int, default=30, help="overhead: steps per run (default 30)"
+        "--overhead-steps", type=int, default=40, help="overhead: steps per run (default 40)"
     )
     parser.add_argument(
         "--global-batch",
@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="overhead: samples per step (default 24: a worker's compute dominates its step)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=2, help="overhead: library runs, each between plain runs"
+        "--rounds", type=int, default=3, help="overhead: library runs, each between plain runs"
     )
     parser.add_argument("--steps", type=int, default=30, help="loss_match: steps per run")
     parser.add_argument("--reroute-victim", default="w0", help="killed at --reroute-step")
@@ -168,6 +168,34 @@ def step_losses(mon: StreamMonitor) -> dict[int, dict[int, float]]:
         if f.get("type") == "step":
             out.setdefault(int(f["step"]), {}).setdefault(int(f["generation"]), float(f["loss"]))
     return out
+
+
+def compare_runs(
+    clean: dict[int, dict[int, float]],
+    faulted: dict[int, dict[int, float]],
+    steps: int,
+    global_batch: int,
+) -> dict[str, Any]:
+    """Steps 0..steps-1 of a faulted run against the failure-free run (`step_losses` of each):
+    the largest |loss difference| over every loss any generation reported for a step; the samples
+    of the steps the faulted run never reported (skipped) and of each extra generation that
+    reported one again (repeated); the steps the failure-free run itself is missing."""
+    wanted = range(steps)
+    diffs = [
+        abs(loss - clean[s][min(clean[s])])
+        for s in wanted
+        if s in clean and s in faulted
+        for loss in faulted[s].values()
+    ]
+    return {
+        "loss_match": max(diffs) if diffs else None,
+        "samples_skipped": sum(global_batch for s in wanted if s not in faulted),
+        "samples_repeated": sum(
+            global_batch * (len(faulted[s]) - 1) for s in wanted if s in faulted
+        ),
+        "steps_compared": sum(1 for s in wanted if s in clean and s in faulted),
+        "failure_free_missing": [s for s in wanted if s not in clean],
+    }
 
 
 def _commit_seconds(mon: StreamMonitor) -> list[float]:
@@ -275,29 +303,18 @@ def loss_match(args: argparse.Namespace, example: FoundExample, tmp: Path) -> di
     )
     clean = step_losses(_library(example, doc, tmp / "failure-free", args.steps, (), args.timeout))
     mon = _library(example, doc, tmp / "faults", args.steps, faults, args.timeout)
-    faulted = step_losses(mon)
-    steps = range(args.steps)
-    B = parse_spec(doc).training.global_batch
-    skipped = sum(B for s in steps if s not in faulted)
-    repeated = sum(B * (len(faulted[s]) - 1) for s in steps if s in faulted)
-    diffs = [
-        abs(loss - clean[s][min(clean[s])])
-        for s in steps
-        if s in clean and s in faulted
-        for loss in faulted[s].values()
-    ]
+    compared = compare_runs(
+        clean, step_losses(mon), args.steps, parse_spec(doc).training.global_batch
+    )
     policies = [p["policy"] for g, p in sorted(mon.plans.items()) if g > 1]
     rows = plan_rows(mon, "faults", base)
     repartitioned = [r for r in rows if r["policy"] == "dynamic"]
     return {
-        "loss_match": max(diffs) if diffs else None,
-        "samples_skipped": skipped,
-        "samples_repeated": repeated,
+        **compared,
         "estimate_error": repartitioned[-1]["relative_error"] if repartitioned else None,
         "policies": policies,
         "plans": rows,
         "steps": args.steps,
-        "steps_compared": len({s for s in steps if s in clean and s in faulted}),
         "faults": [f"kill:{f.worker}@{f.when}" for f in faults],
     }
 
