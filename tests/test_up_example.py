@@ -62,7 +62,8 @@ def test_up_example_hf_reroutes_then_repartitions(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fault: kill -9 w0" in proc.stdout and "fault: kill -9 w5" in proc.stdout
     report = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert report["example"] == "hf" and report["completed"] is True
+    assert report["example"] == "hf" and report["model"] == "GPT2LMHeadModel"
+    assert report["completed"] is True
     policies = [row["policy"] for row in report["faults"]]
     assert policies == ["reroute", "dynamic"], report["faults"]
     logs = tmp_path / "report" / "run" / "logs"

@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"chameleonctl bench worker: {e}", file=sys.stderr)
         return 1
     out = {
-        "model": "GPT2LMHeadModel",
+        "model": example.example.model,
         "overhead": over["overhead"],
         "overhead_cpu": over["overhead_cpu"],
         "loss_match": match["loss_match"],

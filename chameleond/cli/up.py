@@ -143,6 +143,7 @@ def build_spec_document(
 def run(args: argparse.Namespace) -> int:
     err = sys.stderr
     worker_command: list[str] = []
+    model = None
     try:
         if args.example:
             if args.spec:
@@ -150,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             example = find_example(args.example)
             base = load_spec(example.spec)
             worker_command = example.worker_command()
+            model = example.example.model
         else:
             base = load_spec(args.spec) if args.spec else _default_spec()
         prior = args.mtbf_prior
@@ -245,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
             "layout": [list(p) for p in spec.layout],
             "mtbf_prior_seconds": spec.mtbf_prior_seconds,
             "skipped": result.skipped,
-            "example": args.example,
+            # A user's script (--example) says what it trained; absent for the built-in model.
+            **({"example": args.example, "model": model} if args.example else {}),
         },
     )
     json_path, png_path = write_report(report, report_dir)

@@ -22,6 +22,7 @@ class Example:
     script: str  # file name under the examples directory
     spec: str  # its job spec, under the same directory
     about: str
+    model: str  # the model class it trains, as reports name it
     needs: tuple[str, ...] = ()  # modules it imports beyond the worker library (an extra)
 
 
@@ -31,6 +32,7 @@ EXAMPLES = {
         "hf_gpt2.py",
         "hf-gpt2.toml",
         "a Hugging Face GPT2LMHeadModel on a BPE of the standard library's sources",
+        "GPT2LMHeadModel",
         ("transformers", "tokenizers"),
     ),
 }
