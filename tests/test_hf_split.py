@@ -158,3 +158,18 @@ def test_unknown_family_is_refused_naming_the_class() -> None:
     model = transformers.BertLMHeadModel(cfg)
     with pytest.raises(ModelError, match="BertLMHeadModel: model_type 'bert'"):
         split_causal_lm(model)
+
+
+def test_a_parameter_used_twice_by_a_later_layer_gets_one_copy_and_one_tie() -> None:
+    from workers.hf import untie
+
+    first = torch.nn.Embedding(5, 3)
+    later = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 5, bias=False)})
+    later["b"] = torch.nn.Linear(3, 5, bias=False)
+    later["a"].weight = first.weight
+    later["b"].weight = first.weight
+    ties = untie([first, later])
+    assert len(ties) == 1 and ties[0].first == (0, "weight")
+    assert later["a"].weight is later["b"].weight
+    assert later["a"].weight is not first.weight
+    torch.testing.assert_close(later["a"].weight, first.weight, atol=0, rtol=0)

@@ -162,14 +162,18 @@ def untie(modules: list[nn.Module]) -> list[Tie]:
     first_use: dict[int, tuple[int, str]] = {}
     ties: list[Tie] = []
     for index, module in enumerate(modules):
+        copies: dict[int, nn.Parameter] = {}  # this layer's copy of each earlier layer's parameter
         for pname, param in list(module.named_parameters(remove_duplicate=False)):
             owner = first_use.setdefault(id(param), (index, pname))
             if owner[0] == index:
                 continue
-            copy_ = nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad)
+            if id(param) not in copies:
+                copies[id(param)] = nn.Parameter(
+                    param.detach().clone(), requires_grad=param.requires_grad
+                )
+                ties.append(Tie(first=owner, second=(index, pname)))
             parent, _, leaf = pname.rpartition(".")
-            setattr(module.get_submodule(parent), leaf, copy_)
-            ties.append(Tie(first=owner, second=(index, pname)))
+            setattr(module.get_submodule(parent), leaf, copies[id(param)])
     return ties
 
 

@@ -60,13 +60,14 @@ WARMUP_STEPS = 2  # steps left out of a step-time median (the first pays for war
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2, help="overhead: data-parallel workers")
     parser.add_argument(
-        "--overhead-steps", type=int, default=40, help="overhead: steps per run (default 40)"
+        "--overhead-steps", type=int, default=30, help="overhead: steps per run (default 30)"
     )
     parser.add_argument(
         "--global-batch",
         type=int,
-        default=24,
-        help="overhead: samples per step (default 24: a worker's compute dominates its step)",
+        default=96,
+        help="overhead: samples per step (default 96: 24 micro-batches per worker, so a step "
+        "lasts as long as the library's fixed cost per step is small against it)",
     )
     parser.add_argument(
         "--rounds", type=int, default=3, help="overhead: library runs, each between plain runs"
