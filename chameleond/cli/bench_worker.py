@@ -6,13 +6,14 @@ transformers GPT2LMHeadModel, random weights, on a BPE of the standard library's
 * overhead: the model trained data-parallel on --workers workers (one stage each, no faults)
   through the library, against the same training in a plain torch loop (the script's --plain: one
   gloo process group of as many ranks, the same micro-batches, an all-reduce of the gradients, one
-  AdamW). Plain and library runs alternate (plain, library, plain, ... for --rounds library runs):
-  each library run is compared with the mean of the plain runs on either side of it (the load of
-  a shared machine drifts), and the figure is the median over the rounds. Step time: the median
-  time between consecutive commits (library) or of rank 0's loop (plain), the first two steps
-  left out. overhead = library / plain - 1 (target <= 0.03). overhead_cpu compares CPU seconds
-  per step of one worker (/proc) with those of a plain rank (its process time), which other load
-  on the machine barely moves; chameleond's and Redis's CPU per step is given beside it.
+  AdamW; each rank in a session of its own, as each worker is). Plain and library runs alternate
+  (plain, library, plain, ... for --rounds library runs): each library run is compared with the
+  mean of the plain runs on either side of it (the load of a shared machine drifts), and the
+  figure is the median over the rounds. Step time: the median time between consecutive commits
+  (library) or of rank 0's loop (plain), the first two steps left out. overhead = library / plain
+  - 1 (target <= 0.03). overhead_cpu compares CPU seconds per step of one worker (/proc) with
+  those of a plain rank (its process time), which other load on the machine barely moves;
+  chameleond's and Redis's CPU per step is given beside it.
 * loss_match: the example's job (7 workers: pipelines of 2, 2 and 3 stages) trained --steps steps
   failure-free, then again with two kill -9: --reroute-victim (a replica of its stage survives: the
   job reroutes) and --dynamic-victim (no replica: the job re-partitions). loss_match is the largest
