@@ -12,6 +12,7 @@ BENCHES = {
     "checkpoint": "chameleond.cli.bench_checkpoint",
     "chaos": "chameleond.cli.bench_chaos",
     "policies": "chameleond.cli.bench_policies",
+    "worker": "chameleond.cli.bench_worker",
 }
 
 

@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from chameleond.core.spec import JobSpec, SpecError, load_spec, parse_spec
 from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted
+from chameleond.local.examples import EXAMPLES, ExampleError, find_example
 from chameleond.local.faults import FaultSpecError, check_workers, parse_faults
 from chameleond.local.progress import ProgressView
 from chameleond.local.report import build_report, print_table, write_report
@@ -75,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="adaptive (the selector decides) or force one policy (default: %(default)s)",
     )
     parser.add_argument("--spec", type=Path, help="job description (default: the packaged job)")
+    parser.add_argument(
+        "--example",
+        choices=sorted(EXAMPLES),
+        help="train a user script of examples/ with its own job spec instead of the built-in "
+        "model: hf = " + EXAMPLES["hf"].about + " (docs/local.md)",
+    )
     parser.add_argument(
         "--job",
         help="job name (default: 'local' on the embedded Redis, a new 'local-RUN_ID' on "
@@ -176,8 +183,18 @@ def run(args: argparse.Namespace) -> int:
     run_id = new_run_id()
     if args.job is None:
         args.job = f"local-{run_id}" if args.redis_url else "local"
+    worker_command: list[str] = []
+    model = None
     try:
-        base = load_spec(args.spec) if args.spec else _default_spec()
+        if args.example:
+            if args.spec:
+                raise SpecError("--example brings its own job spec: drop --spec")
+            example = find_example(args.example)
+            base = load_spec(example.spec)
+            worker_command = example.worker_command()
+            model = example.example.model
+        else:
+            base = load_spec(args.spec) if args.spec else _default_spec()
         prior = args.mtbf_prior
         addresses = [a.strip() for a in args.bind_addresses.split(",") if a.strip()]
         doc = build_spec_document(
@@ -221,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                 f"trace {args.trace}: {len(r.steps)} actions on {len(r.mapping)} mapped nodes, "
                 f"{r.skipped} events skipped (nodes beyond the local cluster, or no change)"
             )
-    except (SpecError, FaultSpecError, TraceError) as e:
+    except (SpecError, FaultSpecError, TraceError, ExampleError) as e:
         print(f"chameleonctl up: {e}", file=err)
         return 2
     if args.redis_url:
@@ -257,6 +274,7 @@ def run(args: argparse.Namespace) -> int:
         bind_addresses=bind,
         timeout_seconds=args.timeout,
         checkpoint_every=args.checkpoint_every,
+        worker_command=worker_command,
     )
     progress = ProgressView(sys.stdout)
     try:
@@ -287,6 +305,8 @@ def run(args: argparse.Namespace) -> int:
             "layout": [list(p) for p in spec.layout],
             "mtbf_prior_seconds": spec.mtbf_prior_seconds,
             "skipped": result.skipped,
+            # A user's script (--example) says what it trained; absent for the built-in model.
+            **({"example": args.example, "model": model} if args.example else {}),
         },
     )
     json_path, png_path = write_report(report, report_dir)

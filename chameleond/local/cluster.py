@@ -100,6 +100,7 @@ class LocalCluster:
         daemon_args: Sequence[str] = (),
         env: dict[str, str] | None = None,
         worker_args: Sequence[str] = (),
+        worker_command: Sequence[str] = (),
     ) -> None:
         self.run_dir = Path(run_dir)
         self.job = job
@@ -109,6 +110,8 @@ class LocalCluster:
         self.bind_addresses = bind_addresses or {}
         self.daemon_args = list(daemon_args)
         self.worker_args = list(worker_args)  # appended to every chameleon-worker command line
+        # A user's training script instead of chameleon-worker (same flags): [python, script.py]
+        self.worker_command = list(worker_command) or console_script("chameleon-worker")
         self.env = {**os.environ, **(env or {})}
         # Keep each process to one thread: six workers on a 2-core machine must not oversubscribe.
         self.env.setdefault("OMP_NUM_THREADS", "1")
@@ -211,7 +214,7 @@ class LocalCluster:
         if old is not None:
             self._close(old)
         argv = [
-            *console_script("chameleon-worker"),
+            *self.worker_command,
             "--job",
             self.job,
             "--worker-id",

@@ -42,6 +42,7 @@ class RunOptions:
     timeout_seconds: float = 600.0
     daemon_args: Sequence[str] = ()
     checkpoint_every: int = 0  # workers checkpoint into run_dir/checkpoints every N steps
+    worker_command: Sequence[str] = ()  # a training script's argv instead of chameleon-worker
 
 
 @dataclass
@@ -72,6 +73,7 @@ class LocalRun:
             bind_addresses=o.bind_addresses,
             daemon_args=o.daemon_args,
             worker_args=_checkpoints(o),
+            worker_command=o.worker_command,
         )
         with cluster:
             client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)

@@ -1,0 +1,175 @@
+"""workers.hf: a Hugging Face causal LM cut into layers computes what the model computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from chameleond.worker import ModelError  # noqa: E402
+from workers.hf import causal_lm_loss, split_causal_lm  # noqa: E402
+
+VOCAB = 97
+SEQ = 16
+
+
+def gpt2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=3, n_head=4,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def rotary(config_class: str):
+    """A Llama-shaped model of another family (Mistral, Qwen2)."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config_class)(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+    build.__name__ = config_class
+    return build
+
+
+def ids(batch: int = 3) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def run(layers: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for m in layers:
+        x = m(x)
+    return x
+
+
+@pytest.mark.parametrize("build", [gpt2, llama, rotary("MistralConfig"), rotary("Qwen2Config")])
+def test_layers_compute_the_models_logits(build) -> None:
+    model = build()
+    x = ids()
+    with torch.no_grad():
+        expected = model(x).logits
+        layers = split_causal_lm(model)
+        got = run(list(layers.modules), x)
+    assert len(layers.modules) == model.config.num_hidden_layers + 2
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("build", [gpt2, llama])
+def test_every_parameter_is_in_one_layer_or_a_declared_tie(build) -> None:
+    model = build()
+    before = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    distinct_before = len(list(model.parameters()))
+    layers = split_causal_lm(model)
+    owners: dict[int, int] = {}
+    for i, m in enumerate(layers.modules):
+        for p in m.parameters():
+            assert owners.setdefault(id(p), i) == i, "a parameter object is in two layers"
+    # The layers hold the model's parameters and nothing else; each tie added one copy.
+    assert set(owners) == {id(p) for p in model.parameters()}
+    assert len(owners) == distinct_before + len(layers.ties)
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(p.detach(), before[pname], atol=0, rtol=0)
+
+
+def test_gpt2_tied_embedding_becomes_two_equal_copies_declared_as_a_tie() -> None:
+    model = gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    layers = split_causal_lm(model)
+    last = len(layers.modules) - 1
+    [tie] = layers.ties
+    assert tie.first == (0, "wte.weight")
+    assert tie.second == (last, "lm_head.weight")
+    a = layers.modules[0].get_parameter("wte.weight")
+    b = layers.modules[last].get_parameter("lm_head.weight")
+    assert a is not b
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_untied_llama_has_no_tie() -> None:
+    assert not split_causal_lm(llama()).ties
+
+
+@pytest.mark.parametrize("build", [gpt2, llama])
+def test_layer_gradients_are_the_models_with_tie_copies_summed(build) -> None:
+    x = ids()
+    reference = build()
+    reference(x, labels=x).loss.backward()
+    expected = {n: p.grad for n, p in reference.named_parameters()}
+    model = build()
+    layers = split_causal_lm(model)
+    causal_lm_loss(run(list(layers.modules), x), {"labels": x}).mean().backward()
+    for t in layers.ties:
+        g = layers.modules[t.second[0]].get_parameter(t.second[1]).grad
+        layers.modules[t.first[0]].get_parameter(t.first[1]).grad += g
+    for n, g in expected.items():  # a tie's copy is not among the reference's parameters
+        torch.testing.assert_close(model.get_parameter(n).grad, g, atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_per_sample_loss_averages_to_the_models_loss() -> None:
+    model = gpt2()
+    x = ids(4)
+    with torch.no_grad():
+        out = model(x, labels=x)
+        per_sample = causal_lm_loss(out.logits, {"input_ids": x, "labels": x})
+    assert per_sample.shape == (4,)
+    torch.testing.assert_close(per_sample.mean(), out.loss, atol=1e-6, rtol=0)
+    # Each sample's loss is its own: changing sample 3 leaves samples 0-2 alone.
+    y = x.clone()
+    y[3] = (y[3] + 1) % VOCAB
+    with torch.no_grad():
+        other = causal_lm_loss(model(y).logits, {"labels": y})
+    torch.testing.assert_close(other[:3], per_sample[:3], atol=1e-6, rtol=0)
+
+
+def test_ignored_labels_do_not_count() -> None:
+    logits = torch.randn(2, 5, 7)
+    labels = torch.randint(0, 7, (2, 5))
+    masked = labels.clone()
+    masked[1, 3:] = -100
+    full = causal_lm_loss(logits, {"labels": labels})
+    part = causal_lm_loss(logits, {"labels": masked})
+    assert part[0] == full[0]
+    expected = torch.nn.functional.cross_entropy(logits[1, :2], labels[1, 1:3])
+    torch.testing.assert_close(part[1], expected)
+
+
+def test_unknown_family_is_refused_naming_the_class() -> None:
+    cfg = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, is_decoder=True,
+    )  # fmt: skip
+    model = transformers.BertLMHeadModel(cfg)
+    with pytest.raises(ModelError, match="BertLMHeadModel: model_type 'bert'"):
+        split_causal_lm(model)
+
+
+def test_a_parameter_used_twice_by_a_later_layer_gets_one_copy_and_one_tie() -> None:
+    from workers.hf import untie
+
+    first = torch.nn.Embedding(5, 3)
+    later = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 5, bias=False)})
+    later["b"] = torch.nn.Linear(3, 5, bias=False)
+    later["a"].weight = first.weight
+    later["b"].weight = first.weight
+    ties = untie([first, later])
+    assert len(ties) == 1 and ties[0].first == (0, "weight")
+    assert later["a"].weight is later["b"].weight
+    assert later["a"].weight is not first.weight
+    torch.testing.assert_close(later["a"].weight, first.weight, atol=0, rtol=0)
