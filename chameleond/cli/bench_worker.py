@@ -110,7 +110,7 @@ def _plain(
             # Each rank in its own session, as LocalCluster starts workers: with the kernel's
             # autogroup scheduling a session is what shares the CPU with other sessions.
             procs.append(
-                subprocess.Popen(
+                subprocess.Popen(  # noqa: S603 - argv of this interpreter and the example script, no shell
                     argv + extra, env=env, stdout=log, stderr=log, start_new_session=True
                 )
             )

@@ -106,7 +106,7 @@ def synthetic_trace(
 ) -> tuple[TraceEvent, ...]:
     """Interruptions at Llama 3's per-device rate over `hours`, each taking down one node (drawn
     uniformly among the nodes up) until it is repaired `repair_seconds` later."""
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # noqa: S311 - a seeded synthetic trace, not a secret
     nodes = [f"node{k + 1}" for k in range(math.ceil(devices / devices_per_node))]
     events = [TraceEvent(0, "add", n) for n in nodes]
     rate = devices / gpu_seconds_per_interruption
