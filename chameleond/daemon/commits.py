@@ -11,7 +11,6 @@ generation until the plan is committed, so no snapshot ever gets ahead of the pu
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -112,7 +111,7 @@ class Committer:
             expected_generation=job.plan.generation if job.plan is not None else 0,
             generation=published.generation,
             plan_json=self._signed("plan", plan_to_dict(published)),
-            snapshot=job.snapshot(plan=published),
+            snapshot=self._snapshot(plan=published),
             records=[*_drain(job.records), record],
             acks=acks,
         )
@@ -132,7 +131,7 @@ class Committer:
         c = Commit(
             expected_generation=job.machine.generation,
             generation=job.machine.generation,
-            snapshot=job.snapshot() if job.dirty else None,
+            snapshot=self._snapshot() if job.dirty else None,
             progress=progress,
             records=[*_drain(job.records), *records],
             dead_letters=dead or [],
@@ -200,7 +199,7 @@ class Committer:
             "writing it again from memory", stored, c.expected_generation,
         )  # fmt: skip
         await self.client.hsetnx(
-            self.keys.state, "base_spec", json.dumps(spec_document(job.base_spec))
+            self.keys.state, "base_spec", self._signed("base_spec", spec_document(job.base_spec))
         )
         plan = job.plan
         if plan is None or plan.generation != c.expected_generation:  # cannot be: 0 < expected
@@ -209,10 +208,16 @@ class Committer:
             expected_generation=stored,
             generation=plan.generation,
             plan_json=self._signed("plan", plan_to_dict(plan)),
-            snapshot=job.snapshot() if job.machine.generation == plan.generation else None,
+            snapshot=self._snapshot() if job.machine.generation == plan.generation else None,
         )
         await self.broadcaster.commit(seed)
         self.spec_written = -1  # write the workers' spec again
+
+    def _snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
+        """The job's snapshot as persisted (with `plan`, the one about to be published): signed,
+        so a restarted daemon trusts only its own."""
+        snap = self.job.snapshot(plan=plan)
+        return self.keyring.sign_doc("state", self.job.name, snap) if self.keyring else snap
 
     def _signed(self, kind: str, doc: dict[str, Any]) -> str:
         return signed_json(self.keyring, kind, self.job.name, doc)

@@ -228,21 +228,28 @@ class Service:
         self.notifier.ready(f"job {self.cfg.job}: standing by, led by {holder}")
 
     async def _restore(self, client: aioredis.Redis) -> None:
-        """Resume from the persisted state, or start the job fresh from the configured spec."""
+        """Resume from the persisted state, or start the job fresh from the configured spec. With
+        a keyring the base spec, the snapshot and the plan must carry this job's signature: the
+        next decisions start from them, so nobody without the secret may write them
+        (docs/security.md)."""
         k, job = self.keys, self.job
         state = await client.hgetall(k.state)
         base = state.get(b"base_spec")
         if base is not None:
+            doc = self._trusted(base, "base_spec", f"{k.state} base_spec")
             try:
-                job.reset_spec(replace(parse_spec(json.loads(base)), name=self.cfg.job))
-            except (SpecError, ValueError) as e:
+                job.reset_spec(replace(parse_spec(doc), name=self.cfg.job))
+            except SpecError as e:
                 raise RuntimeError(f"{k.state} base_spec does not decode: {e}") from e
         else:
-            doc = json.dumps(spec_document(job.base_spec))
-            await client.hsetnx(k.state, "base_spec", doc)
+            await client.hsetnx(
+                k.state,
+                "base_spec",
+                signed_json(self.keyring, "base_spec", self.cfg.job, spec_document(job.base_spec)),
+            )
         snap = state.get(b"snapshot")
         if snap is not None:
-            snapshot = json.loads(snap)
+            snapshot = self._trusted(snap, "state", f"{k.state} snapshot")
             plan = await self._restore_plan(client, snapshot.get("plan"))
             job.restore(snapshot, plan, ready_timeout=self.cfg.ready_timeout_seconds)
             stored = int(state.get(b"generation", b"0"))
@@ -306,19 +313,24 @@ class Service:
     def _plan_from_key(self, raw: bytes | str) -> Plan:
         k = self.keys
         try:
+            return plan_from_dict(self._trusted(raw, "plan", k.plan))
+        except PlanError as e:
+            raise RuntimeError(f"{k.plan} does not decode: {e}") from e
+
+    def _trusted(self, raw: bytes | str, kind: str, where: str) -> dict[str, Any]:
+        """A persisted JSON object, checked against this job's signature when there is a keyring.
+        Raises RuntimeError naming `where`: the daemon does not resume from it."""
+        try:
             doc = json.loads(raw)
+            if not isinstance(doc, dict):
+                raise ValueError("not a JSON object")
             if self.keyring is not None:
-                # The next decision starts from this plan: one written by anybody but this
-                # job's daemons must not steer it.
-                self.keyring.verify_doc("plan", self.cfg.job, doc)
-            return plan_from_dict(doc)
-        except (PlanError, ValueError) as e:  # AuthError is a ValueError
-            kind = (
-                "is not signed by this job's secret"
-                if isinstance(e, AuthError)
-                else ("does not decode")
-            )
-            raise RuntimeError(f"{k.plan} {kind}: {e}") from e
+                self.keyring.verify_doc(kind, self.cfg.job, doc)
+        except AuthError as e:
+            raise RuntimeError(f"{where} is not signed by this job's secret: {e}") from e
+        except ValueError as e:
+            raise RuntimeError(f"{where} does not decode: {e}") from e
+        return doc
 
     # ---- periodic ------------------------------------------------------------------------------
 
