@@ -86,11 +86,11 @@ def test_rotation_accepts_the_previous_key_and_signs_with_the_new_one(
         client.close()
 
 
-def test_a_plan_key_nobody_signed_is_written_again(
+def test_a_plan_key_nobody_signed_is_replaced_by_the_committed_plan(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    """The daemon resumes from the plan its last commit put in the snapshot, and writes it,
-    signed, over the one somebody else wrote: a client cannot steer it, nor keep it from
+    """The daemon resumes from the plan its last commit put in the (signed) snapshot, and writes
+    it, signed, over the one somebody else wrote: a client can neither steer it nor keep it from
     starting."""
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     daemon = Daemon(redis_server.url, tmp_path).start()
@@ -122,9 +122,9 @@ def test_a_plan_key_nobody_signed_is_written_again(
 def test_persisted_state_nobody_signed_is_not_resumed_from(
     field: str, where: str, redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    """The next decisions start from the snapshot and the base spec: one written by somebody
-    without the secret (a snapshot with every worker failed, a restore of an old checkpoint)
-    would have the daemon sign a plan it chose."""
+    """The next decisions start from the snapshot and the base spec: one written by
+    somebody without the secret (a snapshot with every worker failed, a restore of an old
+    checkpoint) would have the daemon sign a plan it chose."""
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
     daemon = Daemon(redis_server.url, tmp_path).start()
     try:
@@ -132,10 +132,14 @@ def test_persisted_state_nobody_signed_is_not_resumed_from(
         Workers(client).run_first_plan()
         daemon.kill()
         state = "chameleon:default:state"
-        doc = json.loads(client.hget(state, field) or "{}")
-        keyring().verify_doc({"snapshot": "state"}.get(field, field), "default", doc)
+        raw = client.hget(state, field) if field else client.get(PLAN)
+        doc = json.loads(raw or "{}")
+        keyring().verify_doc({"": "plan", "snapshot": "state"}.get(field, field), "default", doc)
         doc.pop("sig")  # written by somebody without the secret
-        client.hset(state, field, json.dumps(doc))
+        if field:
+            client.hset(state, field, json.dumps(doc))
+        else:
+            client.set(PLAN, json.dumps(doc))
         daemon = Daemon(redis_server.url, tmp_path).start()
         assert daemon.proc is not None and daemon.proc.wait(timeout=40) == 1
         assert f"{where} is not signed by this job's secret: unsigned" in daemon.output()

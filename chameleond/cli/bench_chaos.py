@@ -212,17 +212,22 @@ class Bench:
                                                                     followers)  # fmt: skip
             self._check(t, keys, victims, first_fault, since, daemons)
         finally:
-            followers.stop()
-            # The standby first: stopping the leader first would hand it the job.
-            for d in sorted(daemons, key=lambda d: d.ready()):
-                if d.crashed():
-                    t.crashes += 1
-                    t.notes.append(f"{d.consumer} exited {d.proc.returncode if d.proc else '?'}")
-                rc = d.stop()
-                if d.alive is False and rc not in (0, None) and not d.killed:
-                    t.crashes += 1
-                    t.notes.append(f"{d.consumer} stopped with exit {rc}")
+            try:
+                followers.stop()
+            finally:
+                self._stop_daemons(t, daemons)
         return t
+
+    def _stop_daemons(self, t: Trial, daemons: tuple[Daemon, ...]) -> None:
+        # The standby first: stopping the leader first would hand it the job.
+        for d in sorted(daemons, key=lambda d: d.ready()):
+            if d.crashed():
+                t.crashes += 1
+                t.notes.append(f"{d.consumer} exited {d.proc.returncode if d.proc else '?'}")
+            rc = d.stop()
+            if d.alive is False and rc not in (0, None) and not d.killed:
+                t.crashes += 1
+                t.notes.append(f"{d.consumer} stopped with exit {rc}")
 
     def _members(self, keys: Keys) -> list[list[str]]:
         plan = self.plan(keys) or {}

@@ -90,7 +90,7 @@ class Committer:
             else:
                 self.spec_written = version
         for r in _drain(job.recoveries):
-            self.metrics.recovered(r.policy, r.seconds)
+            self.metrics.recovery_seconds.labels(r.policy).observe(r.seconds)
             decisions_log.info("recovered generation=%d policy=%s seconds=%.3f",
                                r.generation, r.policy, r.seconds)  # fmt: skip
 
@@ -214,8 +214,8 @@ class Committer:
         self.spec_written = -1  # write the workers' spec again
 
     def _snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
-        """The job's snapshot as persisted (holding `plan`, the one a commit is about to publish):
-        signed, so a restarted daemon trusts only its own."""
+        """The job's snapshot as persisted (with `plan`, the one about to be published): signed,
+        so a restarted daemon trusts only its own."""
         snap = self.job.snapshot(plan=plan)
         return self.keyring.sign_doc("state", self.job.name, snap) if self.keyring else snap
 

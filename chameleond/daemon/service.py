@@ -40,8 +40,8 @@ from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
+from chameleond.daemon.systemd import Notifier
 from chameleond.protocol import Keys, redact_url
-from chameleond.sdnotify import Notifier
 
 log = logging.getLogger("chameleond")
 
@@ -313,19 +313,9 @@ class Service:
     def _plan_from_key(self, raw: bytes | str) -> Plan:
         k = self.keys
         try:
-            doc = json.loads(raw)
-            if self.keyring is not None:
-                # The next decision starts from this plan: one written by anybody but this
-                # job's daemons must not steer it.
-                self.keyring.verify_doc("plan", self.cfg.job, doc)
-            return plan_from_dict(doc)
-        except (PlanError, ValueError) as e:  # AuthError is a ValueError
-            kind = (
-                "is not signed by this job's secret"
-                if isinstance(e, AuthError)
-                else ("does not decode")
-            )
-            raise RuntimeError(f"{k.plan} {kind}: {e}") from e
+            return plan_from_dict(self._trusted(raw, "plan", k.plan))
+        except PlanError as e:
+            raise RuntimeError(f"{k.plan} does not decode: {e}") from e
 
     def _trusted(self, raw: bytes | str, kind: str, where: str) -> dict[str, Any]:
         """A persisted JSON object, checked against this job's signature when there is a keyring.
