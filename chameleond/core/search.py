@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, product
 
+from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
 from chameleond.core.plan import Pipeline, Stage
 from chameleond.core.schedule import FORWARD, build_schedule
@@ -54,6 +55,8 @@ class Shared:
         self.chains: dict[tuple[LinkSpec, tuple[int, ...], int], float] = {}
         self.fits: dict[tuple[int, tuple[int, ...], int], bool] = {}
         self.splits: dict[int, list[tuple[int, ...]]] = {}
+        self.candidates: dict[tuple[int, int, int], list[tuple[int, ...]]] = {}
+        self.balancer: Balancer | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,21 @@ class ShapeModel:
         self.shared = Shared() if shared is None else shared
         self._timed = self.shared.paths.setdefault(self.link, {})
         self.shapes_timed = 0
+        if self.shared.balancer is None:
+            self.shared.balancer = Balancer(self.table)
+        self.balancer = self.shared.balancer
+
+    def candidates(self, n: int, n_micro: int) -> list[tuple[int, ...]]:
+        """The layer splits searched for a pipeline of n stages with n_micro micro-batches: the
+        split balanced by time and memory (`core.balance`) first, then every even split."""
+        key = (self.memory, n, n_micro)
+        if key not in self.shared.candidates:
+            out = list(self.splits(n))
+            balanced = self.balancer.split(n, n_micro, self.memory)
+            if balanced is not None and balanced not in out:
+                out.insert(0, balanced)
+            self.shared.candidates[key] = out
+        return self.shared.candidates[key]
 
     def splits(self, n: int) -> list[tuple[int, ...]]:
         """Stage sizes of every even split of the layers over n stages.
@@ -188,7 +206,11 @@ class ShapeModel:
         lengths that cannot win are never timed."""
         if (n, n_micro) in self._best:
             return self._best[(n, n_micro)][0]
-        bounds = [self.lower_bound(sz, n_micro) for sz in self.splits(n) if self.fits(sz, n_micro)]
+        bounds = [
+            self.lower_bound(sz, n_micro)
+            for sz in self.candidates(n, n_micro)
+            if self.fits(sz, n_micro)
+        ]
         return min(bounds, default=math.inf)
 
     def best(self, n: int, n_micro: int) -> tuple[float, tuple[int, ...] | None]:
@@ -198,7 +220,10 @@ class ShapeModel:
             return self._best[key]
         best: tuple[float, tuple[int, ...] | None] = (math.inf, None)
         if n_micro >= 1:
-            cands = [(self.lower_bound(sz, n_micro), i, sz) for i, sz in enumerate(self.splits(n))]
+            cands = [
+                (self.lower_bound(sz, n_micro), i, sz)
+                for i, sz in enumerate(self.candidates(n, n_micro))
+            ]
             cands.sort()
             for lb, _, sizes in cands:
                 if lb >= best[0]:
@@ -512,7 +537,8 @@ def _exhaustive_all(spec: JobSpec, survivors: Sequence[str], limit: int) -> Exha
         if len(lengths) > total:
             continue
         for micro in _placements(lengths, n_surv, total):
-            for sizes in product(*[model.splits(n) for n in lengths]):
+            splits = [model.candidates(n, m) for n, m in zip(lengths, micro, strict=True)]
+            for sizes in product(*splits):
                 timed += 1
                 if timed > limit:
                     return Exhaustive(None, timed - 1, False)
