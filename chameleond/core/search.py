@@ -6,7 +6,9 @@ at most one stage per layer); micro-batches split proportionally to length, m_j 
 a pipeline left with 0 repaired to 1; the remainder r = M - sum m_j goes +1 to r pipelines (every
 placement enumerated), or, when the repairs overshot (r < 0), one micro-batch is taken from the
 pipeline with the most (longest on ties) until the sum is M; each pipeline's layers split evenly,
-enumerating which stages take the leftover layers. Layouts with a slot over memory are dropped; the
+enumerating which stages take the leftover layers, or split balanced by time and memory (the
+least bottleneck stage work that fits, `core.balance`: uneven layers get uneven stages; beyond the
+paper's step 3). Layouts with a slot over memory are dropped; the
 objective is the step time: the slowest pipeline's 1F1B longest path plus its gradient sync (a ring
 over N / n_j peers for its largest stage; `ShapeModel.sync_seconds`).
 
