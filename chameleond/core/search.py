@@ -59,6 +59,7 @@ class Shared:
         self.splits: dict[int, list[tuple[int, ...]]] = {}
         self.candidates: dict[tuple[int, int, int], list[tuple[int, ...]]] = {}
         self.balancer: Balancer | None = None
+        self.bounds: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class ShapeModel:
         self.link = spec.inter_host if spans_hosts else spec.intra_host
         self.n_survivors = len(chosen)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
+        self._lower: dict[tuple[tuple[int, ...], int], float] = {}
         # Longest paths depend on the stage durations, micro-batches and link only: searches over
         # several survivor counts share them.
         self.shared = Shared() if shared is None else shared
@@ -132,10 +134,15 @@ class ShapeModel:
         return out
 
     def bounds(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
-        out, a = [], 0
-        for k in sizes:
-            out.append((a, a + k))
-            a += k
+        """(first_layer, end_layer) per stage; memoised, so callers must not change it."""
+        key = tuple(sizes)
+        out = self.shared.bounds.get(key)
+        if out is None:
+            out, a = [], 0
+            for k in sizes:
+                out.append((a, a + k))
+                a += k
+            self.shared.bounds[key] = out
         return out
 
     def fits(self, sizes: Sequence[int], n_micro: int) -> bool:
@@ -184,6 +191,13 @@ class ShapeModel:
     def lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
         """A chain through the busiest stage k: micro-batch 0 forward to k, all of k's 2 N_m ops,
         the last backward back to stage 0."""
+        mine = (tuple(sizes), n_micro)
+        found = self._lower.get(mine)
+        if found is None:
+            found = self._lower[mine] = self._lower_bound(sizes, n_micro)
+        return found
+
+    def _lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
         t = self.table
         key = (self.link, tuple(sizes), n_micro)
         best = self.shared.chains.get(key, -1.0)
