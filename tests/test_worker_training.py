@@ -66,6 +66,7 @@ def start_job(redis_server: RedisServer, tmp_path: Path) -> Iterator[object]:
         measured: bool = True,
         group_timeout: float = 10.0,
         heartbeat_lapse: float = 3.0,
+        layers: list[dict[str, float | int]] | None = None,
     ) -> Job:
         spec = tiny_spec(
             f"t{len(jobs)}",
@@ -73,6 +74,8 @@ def start_job(redis_server: RedisServer, tmp_path: Path) -> Iterator[object]:
             micro_batch=MICRO_BATCH,
             memory_bytes=memory_bytes,
         )
+        if layers is not None:  # a per-layer profile of the spec's own (measured=False keeps it)
+            spec["model"]["layers"] = layers
         controller = Controller(
             redis_server.url, spec, policy=policy, measured=measured,
             heartbeat_lapse=heartbeat_lapse,
@@ -179,6 +182,29 @@ def test_failure_free_training_loss_falls(start_job) -> None:
     for e in job.record.of("step"):  # the vote is part of the worker's step
         assert 0 < float(e["vote_seconds"]) < float(e["seconds"]), e
     print(f"\nfailure-free: max rel loss error {worst:.2e}; step seconds {sorted(seconds)}")
+
+
+def test_uneven_layers_train_on_an_uneven_balanced_split(start_job) -> None:
+    """A head 4x a block's time: the 2-stage pipelines split 4 + 2 or 5 + 1 layers (a bottleneck
+    of 5 block times either way), not 3 + 3 (6), and the workers train that split to the
+    oracle's losses."""
+    steps = 8
+    block = {
+        "forward_seconds": 0.001,
+        "backward_seconds": 0.002,
+        "param_bytes": 50_000,
+        "optimizer_bytes": 100_000,
+        "activation_bytes": 20_000,
+        "output_bytes": 8192,
+    }
+    head = {**block, "forward_seconds": 0.004, "backward_seconds": 0.008}
+    job = start_job("reroute", max_steps=steps, measured=False, layers=[*[block] * 5, head])
+    finish(job, steps)
+    (initial,) = job.record.plans
+    for pipe in initial.pipelines:
+        assert [st.end_layer - st.first_layer for st in pipe.stages] in ([4, 2], [5, 1])
+    worst = assert_matches_reference(job, steps)
+    print(f"uneven split: max rel loss error {worst:.2e}")
 
 
 def test_reroute_two_successive_failures(start_job) -> None:

@@ -195,9 +195,10 @@ def at_risk(
 
 
 def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None = None) -> Plan:
-    """The plan of `spec.layout`: each pipeline's layers split evenly (the leftover layers on the
-    stages where the model says the pipeline is fastest, later stages on ties), micro-batches split
-    proportionally to pipeline length as Algorithm 1 step 2 does."""
+    """The plan of `spec.layout`: each pipeline's layers split as the search splits them (the
+    fastest of the split balanced by time and memory and the even splits, later stages taking the
+    leftover layers on ties), micro-batches split proportionally to pipeline length as Algorithm 1
+    step 2 does."""
     mtbf = spec.mtbf_prior_seconds if mtbf_seconds is None else mtbf_seconds
     workers = [w for pipe in spec.layout for w in pipe]
     model = ShapeModel(spec, workers)

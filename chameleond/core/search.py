@@ -6,7 +6,9 @@ at most one stage per layer); micro-batches split proportionally to length, m_j 
 a pipeline left with 0 repaired to 1; the remainder r = M - sum m_j goes +1 to r pipelines (every
 placement enumerated), or, when the repairs overshot (r < 0), one micro-batch is taken from the
 pipeline with the most (longest on ties) until the sum is M; each pipeline's layers split evenly,
-enumerating which stages take the leftover layers. Layouts with a slot over memory are dropped; the
+enumerating which stages take the leftover layers, or split balanced by time and memory (the
+least bottleneck stage work that fits, `core.balance`: uneven layers get uneven stages; beyond the
+paper's step 3). Layouts with a slot over memory are dropped; the
 objective is the step time: the slowest pipeline's 1F1B longest path plus its gradient sync (a ring
 over N / n_j peers for its largest stage; `ShapeModel.sync_seconds`).
 
@@ -33,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, product
 
+from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
 from chameleond.core.plan import Pipeline, Stage
 from chameleond.core.schedule import FORWARD, build_schedule
@@ -54,6 +57,9 @@ class Shared:
         self.chains: dict[tuple[LinkSpec, tuple[int, ...], int], float] = {}
         self.fits: dict[tuple[int, tuple[int, ...], int], bool] = {}
         self.splits: dict[int, list[tuple[int, ...]]] = {}
+        self.candidates: dict[tuple[int, int, int], list[tuple[int, ...]]] = {}
+        self.balancer: Balancer | None = None
+        self.bounds: dict[tuple[int, ...], list[tuple[int, int]]] = {}
 
 
 @dataclass(frozen=True)
@@ -87,11 +93,27 @@ class ShapeModel:
         self.link = spec.inter_host if spans_hosts else spec.intra_host
         self.n_survivors = len(chosen)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
+        self._lower: dict[tuple[tuple[int, ...], int], float] = {}
         # Longest paths depend on the stage durations, micro-batches and link only: searches over
         # several survivor counts share them.
         self.shared = Shared() if shared is None else shared
         self._timed = self.shared.paths.setdefault(self.link, {})
         self.shapes_timed = 0
+        if self.shared.balancer is None:
+            self.shared.balancer = Balancer(self.table)
+        self.balancer = self.shared.balancer
+
+    def candidates(self, n: int, n_micro: int) -> list[tuple[int, ...]]:
+        """The layer splits searched for a pipeline of n stages with n_micro micro-batches: the
+        split balanced by time and memory (`core.balance`) first, then every even split."""
+        key = (self.memory, n, n_micro)
+        if key not in self.shared.candidates:
+            out = list(self.splits(n))
+            balanced = self.balancer.split(n, n_micro, self.memory)
+            if balanced is not None and balanced not in out:
+                out.insert(0, balanced)
+            self.shared.candidates[key] = out
+        return self.shared.candidates[key]
 
     def splits(self, n: int) -> list[tuple[int, ...]]:
         """Stage sizes of every even split of the layers over n stages.
@@ -112,10 +134,15 @@ class ShapeModel:
         return out
 
     def bounds(self, sizes: Sequence[int]) -> list[tuple[int, int]]:
-        out, a = [], 0
-        for k in sizes:
-            out.append((a, a + k))
-            a += k
+        """(first_layer, end_layer) per stage; memoised, so callers must not change it."""
+        key = tuple(sizes)
+        out = self.shared.bounds.get(key)
+        if out is None:
+            out, a = [], 0
+            for k in sizes:
+                out.append((a, a + k))
+                a += k
+            self.shared.bounds[key] = out
         return out
 
     def fits(self, sizes: Sequence[int], n_micro: int) -> bool:
@@ -164,6 +191,13 @@ class ShapeModel:
     def lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
         """A chain through the busiest stage k: micro-batch 0 forward to k, all of k's 2 N_m ops,
         the last backward back to stage 0."""
+        mine = (tuple(sizes), n_micro)
+        found = self._lower.get(mine)
+        if found is None:
+            found = self._lower[mine] = self._lower_bound(sizes, n_micro)
+        return found
+
+    def _lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
         t = self.table
         key = (self.link, tuple(sizes), n_micro)
         best = self.shared.chains.get(key, -1.0)
@@ -188,7 +222,11 @@ class ShapeModel:
         lengths that cannot win are never timed."""
         if (n, n_micro) in self._best:
             return self._best[(n, n_micro)][0]
-        bounds = [self.lower_bound(sz, n_micro) for sz in self.splits(n) if self.fits(sz, n_micro)]
+        bounds = [
+            self.lower_bound(sz, n_micro)
+            for sz in self.candidates(n, n_micro)
+            if self.fits(sz, n_micro)
+        ]
         return min(bounds, default=math.inf)
 
     def best(self, n: int, n_micro: int) -> tuple[float, tuple[int, ...] | None]:
@@ -198,7 +236,10 @@ class ShapeModel:
             return self._best[key]
         best: tuple[float, tuple[int, ...] | None] = (math.inf, None)
         if n_micro >= 1:
-            cands = [(self.lower_bound(sz, n_micro), i, sz) for i, sz in enumerate(self.splits(n))]
+            cands = [
+                (self.lower_bound(sz, n_micro), i, sz)
+                for i, sz in enumerate(self.candidates(n, n_micro))
+            ]
             cands.sort()
             for lb, _, sizes in cands:
                 if lb >= best[0]:
@@ -512,7 +553,8 @@ def _exhaustive_all(spec: JobSpec, survivors: Sequence[str], limit: int) -> Exha
         if len(lengths) > total:
             continue
         for micro in _placements(lengths, n_surv, total):
-            for sizes in product(*[model.splits(n) for n in lengths]):
+            splits = [model.candidates(n, m) for n, m in zip(lengths, micro, strict=True)]
+            for sizes in product(*splits):
                 timed += 1
                 if timed > limit:
                     return Exhaustive(None, timed - 1, False)
