@@ -4,7 +4,6 @@ plans; the checks that refuse a malformed model; launch identity from torchrun's
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from worker_harness import TINY_ARCH, Controller, Workers, builtin_model, tiny_spec
+from worker_harness import TINY_ARCH, Controller, Workers, builtin_model, signed_doc, tiny_spec
 
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
@@ -263,7 +262,9 @@ def test_a_malformed_model_is_refused_at_start(
     import redis
 
     client = redis.Redis.from_url(redis_server.url)
-    client.set(Keys("m").spec, json.dumps(tiny_spec("m", global_batch=12, micro_batch=2)))
+    client.set(
+        Keys("m").spec, signed_doc("spec", "m", tiny_spec("m", global_batch=12, micro_batch=2))
+    )
     env = {**os.environ, "SGD_TIED_MALFORMED": "shape"}
     r = subprocess.run(
         [sys.executable, *command, "--redis-url", redis_server.url, "--job", "m",
@@ -318,7 +319,7 @@ def test_a_training_the_spec_disagrees_with_is_refused(
 
     spec = tiny_spec("s", **{"global_batch": 12, "micro_batch": 2, **spec_kw})  # type: ignore[arg-type]
     client = redis.Redis.from_url(redis_server.url)
-    client.set(Keys("s").spec, json.dumps(spec))
+    client.set(Keys("s").spec, signed_doc("spec", "s", spec))
     client.close()
     command = [str(SCRIPT)] if script else ["-m", "workers.main"]
     r = subprocess.run(

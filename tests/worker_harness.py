@@ -90,6 +90,8 @@ def tiny_spec(
         },
         "model": {"layers": [{"count": int(arch["blocks"]) + 2, **layer}], "arch": arch},
         "training": {"global_batch": global_batch, "micro_batch": micro_batch},
+        # Every survivor trains: these jobs test migration into the shapes all of them make.
+        "search": {"spares": False},
         "plan": {"stages": stages},
     }
 

@@ -50,12 +50,12 @@ from typing import Any, cast
 import redis
 
 from chameleond.auth import SIG_FIELD, Keyring, event_payload
+from chameleond.extras import require
 from chameleond.jobs import load_default_spec
 from chameleond.local.chaos import Daemon, PlanFollowers
 from chameleond.local.fuzz import fuzzed_entries
 from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.redis_server import RedisServer
-from workers.events import PlanWatcher
 
 ORDER = ("kill", "storm", "redis_restart", "kill", "fuzz", "forged", "stall", "kill", "storm",
          "redis_outage", "kill", "fuzz", "redis_restart", "kill", "forged", "storm", "kill",
@@ -366,6 +366,8 @@ class Bench:
             self.client.publish(keys.plans_channel, str(generation + n))
             t.forged_sent += 1
             reader = redis.Redis.from_url(self.redis.url)
+            from workers.events import PlanWatcher  # the workers' own (needs chameleond[worker])
+
             watcher = PlanWatcher(reader, t.job, self.keyring)
             watcher.refresh()  # what a worker does on the message
             reader.close()
@@ -431,6 +433,7 @@ class Bench:
 
 
 def run(args: argparse.Namespace) -> int:
+    require("worker", "bench chaos (it reads plans with the workers' PlanWatcher)")
     if args.trials < 1 or args.lease_seconds <= 7.5 or args.outage_seconds < 0:
         print(
             "chameleonctl bench chaos: --trials >= 1, --lease-seconds > 7.5 (1.5 x the socket "

@@ -17,7 +17,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("chameleond.cli.status", "show the job's state, plan, workers and last decisions"),
     "inject": ("chameleond.cli.inject", "send a fault event for a worker"),
     "plan": ("chameleond.cli.plan_cmd", "compare the reroute and dynamic candidates for a fault"),
-    "bench": ("chameleond.cli.bench", "benchmarks: planner, ingest, recovery, checkpoint"),
+    "bench": (
+        "chameleond.cli.bench",
+        "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker",
+    ),
     "simulate": ("chameleond.cli.simulate", "simulate fault-tolerance policies over a trace"),
 }
 

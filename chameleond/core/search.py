@@ -262,10 +262,12 @@ def spare_counts(spec: JobSpec, n_surv: int) -> list[int]:
     """How many survivors a layout may use: all of them, or fewer, leaving the rest idle as
     spares, where pipelines of one allowed length use more of them than any layout of all:
     n x floor(N / n) for each allowed length n, within one pipeline's length of N. Jobs whose
-    workers share CPU hosts (`spec.hosts`) use all of them."""
+    workers share CPU hosts (`spec.hosts`), or whose `[search] spares` is false, use all of them."""
     lo = max(spec.search.min_stages, 1)
     hi = min(spec.search.max_stages, len(spec.layers), n_surv)
     out = {n_surv}
+    if not spec.search.spares:
+        return [n_surv]
     if spec.hosts:
         # Workers sharing a host's cores: the search's objective (the critical path) is not
         # their step (docs/planner.md, shared host), so it cannot tell when idling one pays.

@@ -83,6 +83,8 @@ class SearchLimits:
 
     min_stages: int = 1
     max_stages: int = 64
+    # Whether a layout may leave survivors idle as spares when it steps faster (core.search).
+    spares: bool = True
 
 
 @dataclass(frozen=True)
@@ -317,7 +319,10 @@ def _search(lim: Any) -> SearchLimits:
     limits = SearchLimits(
         min_stages=_int(lim, "min_stages", "search", default=SearchLimits.min_stages),
         max_stages=_int(lim, "max_stages", "search", default=SearchLimits.max_stages),
+        spares=lim.get("spares", SearchLimits.spares),
     )
+    if not isinstance(limits.spares, bool):
+        raise SpecError(f"search.spares: expected true or false, got {limits.spares!r}")
     if limits.min_stages > limits.max_stages:
         raise SpecError(
             f"search: min_stages {limits.min_stages} is above max_stages {limits.max_stages}"

@@ -29,7 +29,6 @@ import redis
 from chameleond.auth import SECRET_ENV, Keyring
 from chameleond.protocol import REDIS_URL_ENV, Keys
 from chameleond.redis_server import free_port
-from workers.events import PlanWatcher
 
 HEARTBEAT_SECONDS = 0.5
 TICK_SECONDS = 0.05
@@ -131,6 +130,8 @@ class PlanFollowers(threading.Thread):
         self.keys = Keys(job)
         self.keyring = keyring
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        from workers.events import PlanWatcher  # the workers' own (needs chameleond[worker])
+
         self.watcher = PlanWatcher(self.client, job, keyring)
         self.workers = list(workers)
         self.memory_bytes = memory_bytes
