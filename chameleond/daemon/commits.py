@@ -90,7 +90,7 @@ class Committer:
             else:
                 self.spec_written = version
         for r in _drain(job.recoveries):
-            self.metrics.recovery_seconds.labels(r.policy).observe(r.seconds)
+            self.metrics.recovered(r.policy, r.seconds)
             decisions_log.info("recovered generation=%d policy=%s seconds=%.3f",
                                r.generation, r.policy, r.seconds)  # fmt: skip
 

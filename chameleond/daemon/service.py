@@ -40,8 +40,8 @@ from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
-from chameleond.daemon.systemd import Notifier
 from chameleond.protocol import Keys, redact_url
+from chameleond.sdnotify import Notifier
 
 log = logging.getLogger("chameleond")
 
