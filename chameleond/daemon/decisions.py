@@ -99,9 +99,10 @@ class Decisions:
             waits = job.act_from(now)
             for w in spec.workers:
                 if w.id in plan.workers and not job.workers[w.id].registered:
-                    job.machine.fault(w.id, "not registered when the initial plan was made", now)
+                    cause = "not registered when the initial plan was made"
+                    job.record(job.machine.fault(w.id, cause, now)[1])
                 elif w.id not in plan.workers and job.workers[w.id].registered:
-                    job.machine.join(w.id, now)
+                    job.record(job.machine.join(w.id, now)[1])
             record = _record(generation, Policy.INITIAL, "initial plan", now)
             published = await self.committer.publish(plan, record, [])
         for seconds in waits.values():
