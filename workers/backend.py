@@ -147,23 +147,17 @@ def new_group(
     """One process group over `store`; blocks until all `size` members joined (or the store
     aborts)."""
     with communicating():
-        return _new_group(store, rank, size, dev, bind_address=bind_address, timeout=timeout)
+        return _new_group(store, rank, size, dev, bind_address, timeout)
 
 
 def _new_group(
-    store: dist.Store,
-    rank: int,
-    size: int,
-    dev: DeviceChoice,
-    *,
-    bind_address: str,
-    timeout: timedelta,
+    store: dist.Store, rank: int, size: int, dev: DeviceChoice, bind: str, timeout: timedelta
 ) -> Any:
     if dev.backend == "gloo":
         # The options type is private in torch's stubs; it is the only way to pass the device.
         opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address)]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
         return dist.ProcessGroupGloo(store, rank, size, opts)
     if dev.backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()
