@@ -9,10 +9,11 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chameleond.cli.exhaustive import exhaustive
 from chameleond.core.balance import Balancer
 from chameleond.core.decide import initial_plan
 from chameleond.core.estimator import LayerTable
-from chameleond.core.search import ShapeModel, exhaustive, search
+from chameleond.core.search import ShapeModel, search
 from chameleond.core.spec import JobSpec, parse_spec
 
 

@@ -6,12 +6,12 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles.simulate import SimOp, SimPipeline, one_f_one_b, simulate
 
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.estimator import Estimator, pipeline_seconds
 from chameleond.core.plan import Plan
 from chameleond.core.schedule import build_schedule
-from chameleond.core.simulate import SimOp, SimPipeline, one_f_one_b, simulate
 from chameleond.core.spec import JobSpec, parse_spec
 
 

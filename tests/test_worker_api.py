@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles.reference import reference_losses
 from torch import nn
 from worker_harness import TINY_ARCH, Controller, Workers, builtin_model, signed_doc, tiny_spec
 
@@ -23,7 +24,6 @@ from workers.identity import from_env
 from workers.layer import LayerState, run_layers
 from workers.main import EXIT_MODEL, EXIT_SPEC, EXIT_USAGE
 from workers.profile import profile_model
-from workers.reference import reference_losses
 from workers.trainable import Trainable
 from workers.validate import check_model
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from oracles.reference import reference_losses
 from worker_harness import (
     TINY_ARCH,
     EventReader,
@@ -25,7 +26,6 @@ from chameleond.core.spec import parse_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
 from workers.model import Arch
-from workers.reference import reference_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -16,12 +16,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from oracles.reference import reference_losses
 from worker_harness import TINY_ARCH, Controller, Workers, tiny_spec, wait_until
 
 from chameleond.redis_server import RedisServer
 from workers import builtin
 from workers.model import Arch
-from workers.reference import reference_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -1,5 +1,5 @@
 """Real training under plans: 6 chameleon-worker processes (CPU, gloo), a real Redis, real plans
-from the decision core, real SIGKILL. The oracle is workers.reference: failure-free training of the
+from the decision core, real SIGKILL. The oracle is oracles.reference: failure-free training of the
 same model on the same samples in one process.
 
 LOSS_RTOL bounds the measured agreement between distributed and single-process training: the runs
@@ -19,6 +19,7 @@ from typing import cast
 
 import pytest
 import redis
+from oracles.reference import reference_losses
 from worker_harness import (
     TINY_ARCH,
     Controller,
@@ -33,7 +34,6 @@ from worker_harness import (
 from chameleond.core.plan import plan_from_dict
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from workers.reference import reference_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -29,6 +29,24 @@ class DeviceFailed(RuntimeError):
     fault. The worker reports itself and leaves (docs/worker.md, "Failure detection")."""
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective or point-to-point operation, or the building of a group, failed: a peer's
+    fault (it died, or its groups closed), which the worker answers by naming the dead peers."""
+
+
+@contextmanager
+def communicating() -> Iterator[None]:
+    """Around the worker's communication: torch raises a plain RuntimeError when a peer's
+    connection closes; here it becomes a CollectiveFailed, told apart from the worker's own
+    errors and from bugs, which are not retried."""
+    try:
+        yield
+    except (CollectiveFailed, DeviceFailed, dist.DistError):
+        raise
+    except RuntimeError as e:
+        raise CollectiveFailed(f"{type(e).__name__}: {e}") from e
+
+
 @contextmanager
 def computing() -> Iterator[None]:
     """Around a worker's own computation (forward, backward, update): an error there is the
@@ -128,11 +146,18 @@ def new_group(
 ) -> Any:
     """One process group over `store`; blocks until all `size` members joined (or the store
     aborts)."""
+    with communicating():
+        return _new_group(store, rank, size, dev, bind_address, timeout)
+
+
+def _new_group(
+    store: dist.Store, rank: int, size: int, dev: DeviceChoice, bind: str, timeout: timedelta
+) -> Any:
     if dev.backend == "gloo":
         # The options type is private in torch's stubs; it is the only way to pass the device.
         opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009
         opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address)]
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
         return dist.ProcessGroupGloo(store, rank, size, opts)
     if dev.backend == "nccl":
         nccl_opts = dist.ProcessGroupNCCL.Options()
@@ -158,8 +183,9 @@ def allreduce_sum(group: Any, host: torch.Tensor, device: torch.device) -> torch
     """SUM all-reduce of a small host tensor (a commit vote, the reconcile rows); the result on
     the host. NCCL and HCCL reduce device tensors only, so it makes the trip through `device`."""
     t = host.to(device)
-    group.allreduce([t]).wait()
-    return t.cpu()
+    with communicating():
+        group.allreduce([t]).wait()
+        return t.cpu()  # on a GPU, an error of the collective may surface at this copy
 
 
 # One point-to-point operation: (send?, tensor, peer rank). It goes on the wire with P2P_TAG.
@@ -183,11 +209,13 @@ def exchange(group: Any, ops: Sequence[P2POp]) -> list[Any]:
     if not ops:
         return []
     coalesce = bool(getattr(group, "supports_coalescing", False))
-    if coalesce:  # NCCL, HCCL (not gloo)
-        group._start_coalescing()
-    works = [
-        (group.send if send else group.recv)([tensor], peer, P2P_TAG) for send, tensor, peer in ops
-    ]
-    if coalesce:
-        return [group._end_coalescing()] * len(ops)
+    with communicating():
+        if coalesce:  # NCCL, HCCL (not gloo)
+            group._start_coalescing()
+        works = [
+            (group.send if send else group.recv)([tensor], peer, P2P_TAG)
+            for send, tensor, peer in ops
+        ]
+        if coalesce:
+            return [group._end_coalescing()] * len(ops)
     return works

@@ -50,6 +50,10 @@ def sync_order(plan: Plan) -> list[tuple[int, SyncGroup]]:
     return sorted(enumerate(plan.sync_groups), key=lambda ig: (ig[1].round, ig[0]))
 
 
+class GenerationAborted(RuntimeError):
+    """The generation's groups were aborted (a peer is gone): what they returned is partial."""
+
+
 @dataclass
 class Generation:
     plan: Plan
@@ -181,7 +185,7 @@ class Generation:
     def check(self) -> None:
         """Raise if the groups were aborted: what the last collective returned may be partial."""
         if self.aborted is not None:
-            raise RuntimeError(f"generation {self.plan.generation} aborted: {self.aborted}")
+            raise GenerationAborted(f"generation {self.plan.generation} aborted: {self.aborted}")
 
     def close(self) -> None:
         groups = self.groups()

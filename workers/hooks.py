@@ -13,6 +13,8 @@ from collections.abc import Callable
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from workers.backend import CollectiveFailed
+
 log = logging.getLogger("chameleon.worker")
 
 FAULT_HOOKS = ("step", "migration", "vote", "vote-lost", "device", "hang")
@@ -76,7 +78,7 @@ def vote_hook(kill_at: str) -> Callable[[int], None] | None:
         if what == "vote":
             log.warning("kill hook: SIGKILL right after the commit vote of step %d", step)
             os.kill(os.getpid(), signal.SIGKILL)
-        raise RuntimeError(f"fault hook: the commit vote of step {step} lost on this worker")
+        raise CollectiveFailed(f"fault hook: the commit vote of step {step} lost on this worker")
 
     return after_vote
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from chameleond.core.plan import Plan
-from workers.backend import P2POp, allreduce_sum, exchange
+from workers.backend import P2POp, allreduce_sum, communicating, exchange
 from workers.generation import Generation
 from workers.layer import LayerState
 from workers.state import WorkerState
@@ -206,8 +206,9 @@ def _execute(
             (True, torch.tensor([b.numel()], dtype=torch.int64, device=state.device), r)
             for r, b in sends
         ] + [(False, n, r) for (r, _), n in zip(receives, lengths, strict=True)]
-        for work in exchange(gen.world_group, ops):
-            work.wait()
+        with communicating():
+            for work in exchange(gen.world_group, ops):
+                work.wait()
         if receives:
             gen.check()
         bufs = [torch.empty(int(n.item()), dtype=torch.uint8, device=state.device) for n in lengths]
@@ -217,8 +218,9 @@ def _execute(
         works = exchange(gen.world_group, ops)
         if on_round is not None:
             on_round(moves_of_round[0].round)
-        for work in works:
-            work.wait()
+        with communicating():
+            for work in works:
+                work.wait()
         if receives:
             gen.check()  # an aborted round may leave its buffers unfinished
         for (_, layer), buf in zip(receives, bufs, strict=True):

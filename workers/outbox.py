@@ -41,6 +41,10 @@ RETRY_SECONDS = 0.5
 MAX_KEPT = 100_000
 
 
+class RedisUnreachable(RuntimeError):
+    """Redis stayed away longer than a rendezvous or a reconciliation may wait."""
+
+
 class OutboxFull(redis.ConnectionError):
     """Redis stayed away while the outbox filled up."""
 
@@ -134,5 +138,7 @@ def through_outage(call: Callable[[], T], seconds: float, what: str) -> T:
             return call()
         except OUTAGE_ERRORS as e:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Redis unreachable for {seconds:g} s during {what}: {e}") from e
+                raise RedisUnreachable(
+                    f"Redis unreachable for {seconds:g} s during {what}: {e}"
+                ) from e
             time.sleep(RETRY_SECONDS)

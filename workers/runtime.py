@@ -35,6 +35,7 @@ from workers import checkpoint
 from workers.absence import ABSENT_ATTEMPTS, Absences
 from workers.api import Training, TrainingOf
 from workers.backend import (
+    CollectiveFailed,
     DeviceChoice,
     DeviceFailed,
     allreduce_sum,
@@ -50,10 +51,10 @@ from workers.events import (
     gone,
     live_incarnations,
 )
-from workers.generation import Generation
+from workers.generation import Generation, GenerationAborted
 from workers.hooks import migration_hook, step_hook, vote_hook
 from workers.migrate import StateLost, reconcile
-from workers.outbox import OUTAGE_ERRORS, through_outage
+from workers.outbox import OUTAGE_ERRORS, RedisUnreachable, through_outage
 from workers.profile import TrainingMeter
 from workers.rendezvous import BuiltWithoutMe, GenerationAbandoned
 from workers.saver import BUBBLE, Saver, Written
@@ -67,6 +68,18 @@ DRAIN_SECONDS = 5.0  # at exit, how long kept events may wait for Redis
 # A generation that failed with nobody gone is built again after a pause: 0.1 s, doubling to 5 s.
 RETRY_FIRST_SECONDS = 0.1
 RETRY_MAX_SECONDS = 5.0
+# The errors that mean a peer, a process group or Redis failed during a generation: the worker
+# names the dead peers, or builds the generation again. Anything else is a bug (the worker's or
+# the user's training) and ends the worker with its traceback instead of being retried forever.
+FAULTS: tuple[type[BaseException], ...] = (
+    CollectiveFailed,  # a collective, a point-to-point op or a group's set-up (backend.py)
+    torch.distributed.DistError,  # torch's own: backend, network and store errors
+    GenerationAborted,  # the groups were aborted: a peer is gone
+    StoreAborted,
+    RedisUnreachable,  # longer than a rendezvous may wait
+)
+# Those, and the ones follow_plans answers apart, that end a generation (their time is noted).
+FAILS_GENERATION: tuple[type[BaseException], ...] = (*FAULTS, GenerationAbandoned, DeviceFailed)
 
 
 @dataclass(frozen=True)
@@ -228,7 +241,7 @@ class WorkerRuntime:
             except DeviceFailed as e:
                 self.on_own_failure(plan, e)
                 raise
-            except (RuntimeError, ValueError) as e:
+            except FAULTS as e:
                 if not self.on_fault(plan, state, e):
                     retry = plan
         return 0
@@ -243,7 +256,7 @@ class WorkerRuntime:
             self.cfg.worker_id, str(error), generation=plan.generation, at=f"{detected:.3f}"
         )
 
-    def on_fault(self, plan: Plan, state: WorkerState, error: Exception) -> bool:
+    def on_fault(self, plan: Plan, state: WorkerState, error: BaseException) -> bool:
         """Discard the step and name the generation's dead peers in faults; False when none
         is found (the generation is then built again, see follow_plans). First make sure the
         error was not this worker's own device's, surfacing outside its computation."""
@@ -381,7 +394,7 @@ class WorkerRuntime:
             if self.cfg.max_steps and rec.committed_step + 1 >= self.cfg.max_steps:
                 raise Finished
             self._train(gen, state, joined, rec.committed_step + 1)
-        except (RuntimeError, ValueError):
+        except FAILS_GENERATION:
             self._failed_at = time.time()  # before the groups are torn down
             self._peers = gen.peers()
             raise

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from chameleond.core.schedule import FORWARD, Op
-from workers.backend import P2POp, computing, exchange
+from workers.backend import P2POp, communicating, computing, exchange
 from workers.generation import Generation, sync_order
 from workers.layer import run_layers
 from workers.p2p import (
@@ -89,7 +89,8 @@ class StepRunner:
         if posted is None:
             raise RuntimeError(f"receive of {message} from {peer} is in no batch before it")
         work, buf = posted
-        work.wait()
+        with communicating():
+            work.wait()
         return buf
 
     def _issue(self, batch: Batch) -> None:
@@ -177,8 +178,9 @@ class StepRunner:
         if bubble is not None:
             bubble(len(self.gen.ops))
         self._waiting_since = time.perf_counter()
-        for work, _ in self._sent:
-            work.wait()
+        with communicating():
+            for work, _ in self._sent:
+                work.wait()
         self._sent.clear()
         if stash or self._outbox or self._inbox:
             raise RuntimeError(
@@ -219,7 +221,8 @@ class StepRunner:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-            pg.allreduce([flat]).wait()
+            with communicating():
+                pg.allreduce([flat]).wait()
             off = 0
             for p in params:
                 assert p.grad is not None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from workers.backend import communicating
 from workers.generation import Generation
 from workers.state import WorkerState
 
@@ -43,7 +44,8 @@ def sync_ties(gen: Generation, state: WorkerState) -> None:
                 buf += _grad(state, layer, name)
         parts.append(buf)
     flat = torch.cat([b.reshape(-1) for b in parts])
-    gen.world_group.allreduce([flat]).wait()
+    with communicating():
+        gen.world_group.allreduce([flat]).wait()
     gen.check()
     off = 0
     for tie, buf in zip(ties, parts, strict=True):

@@ -16,8 +16,9 @@ import statistics
 import time
 from typing import Any
 
+from chameleond.cli.exhaustive import exhaustive
 from chameleond.core.decide import decide, initial_plan
-from chameleond.core.search import exhaustive, search
+from chameleond.core.search import search
 from chameleond.core.spec import JobSpec, load_spec, parse_spec
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)

@@ -23,6 +23,7 @@ from chameleond.core.decide import (
     initial_plan,
 )
 from chameleond.core.plan import plan_to_dict
+from chameleond.core.policy import Selection
 from chameleond.core.spec import SpecError, load_spec
 from chameleond.jobs import default_spec_path
 
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fail", required=True, help="failed worker ids, comma-separated")
     parser.add_argument("--mtbf", type=float, default=None, help="D in seconds (default: prior)")
     parser.add_argument(
-        "--policy", choices=("adaptive", "reroute", "dynamic"), default="adaptive",
+        "--policy", choices=[s.value for s in Selection], default=Selection.ADAPTIVE.value,
         help="adaptive (the selector decides) or force one policy",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             raise DecisionError(f"--mtbf: must be a finite number > 0, got {args.mtbf}")
         mtbf = spec.mtbf_prior_seconds if args.mtbf is None else float(args.mtbf)
         current = initial_plan(spec, generation=1, mtbf_seconds=mtbf)
-        force = None if args.policy == "adaptive" else args.policy
+        force = Selection(args.policy).force
         d = decide(spec, current, failed, mtbf_seconds=mtbf, generation=2, force=force,
                    cause="chameleonctl plan")  # fmt: skip
     except (SpecError, DecisionError) as e:

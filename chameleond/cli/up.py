@@ -20,6 +20,7 @@ from typing import Any
 import redis
 from redis.exceptions import RedisError
 
+from chameleond.core.policy import Selection
 from chameleond.core.spec import JobSpec, SpecError, load_spec, parse_spec
 from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted
@@ -71,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policy",
-        choices=("adaptive", "reroute", "dynamic"),
-        default="adaptive",
+        choices=[s.value for s in Selection],
+        default=Selection.ADAPTIVE.value,
         help="adaptive (the selector decides) or force one policy (default: %(default)s)",
     )
     parser.add_argument("--spec", type=Path, help="job description (default: the packaged job)")

@@ -48,11 +48,12 @@ from chameleond.core import restorer, selector
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Held, of_pipelines, of_plan
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
+from chameleond.core.policy import CANDIDATES, Policy
 from chameleond.core.reroute import reroute
 from chameleond.core.search import ShapeModel, micro_batch_floor, search
 from chameleond.core.spec import JobSpec
 
-POLICIES = ("reroute", "dynamic")
+POLICIES = tuple(p.value for p in CANDIDATES)
 
 
 class DecisionError(ValueError):
@@ -61,7 +62,7 @@ class DecisionError(ValueError):
 
 @dataclass(frozen=True)
 class Candidate:
-    policy: str  # "reroute" | "dynamic"
+    policy: Policy  # REROUTE | DYNAMIC
     feasible: bool
     reason: str  # why infeasible; "" when feasible
     step_seconds: float  # inf when infeasible
@@ -74,7 +75,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
-    selected: str | None  # "reroute" | "dynamic" | "restore" | None (unrecoverable)
+    selected: Policy | None  # REROUTE | DYNAMIC | RESTORE | None (unrecoverable)
     plan: Plan | None
     candidates: tuple[Candidate, Candidate]  # (reroute, dynamic)
     unrecoverable: str | None
@@ -88,7 +89,7 @@ class Decision:
     note: str = ""  # e.g. why a forced policy was not taken
 
 
-def _infeasible(policy: str, reason: str, transition: float = 0.0) -> Candidate:
+def _infeasible(policy: Policy, reason: str, transition: float = 0.0) -> Candidate:
     return Candidate(policy, False, reason, math.inf, transition, 0.0, 0, None)
 
 
@@ -127,7 +128,7 @@ def _lost_layers(spec: JobSpec, held: Held, out: set[str]) -> str | None:
 def _plan(
     spec: JobSpec,
     est: Estimator,
-    policy: str,
+    policy: Policy,
     generation: int,
     pipelines: Sequence[Pipeline],
     routing: tuple[tuple[tuple[str, ...], ...], ...],
@@ -171,7 +172,7 @@ def _plan(
     return plan, est.over_memory(memory)
 
 
-def _candidate(policy: str, plan: Plan, oom: str | None) -> Candidate:
+def _candidate(policy: Policy, plan: Plan, oom: str | None) -> Candidate:
     e = plan.estimates
     peak = max(e.peak_memory_bytes.values(), default=0)
     if oom:
@@ -218,7 +219,7 @@ def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None 
         tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
     )
     plan, oom = _plan(
-        spec, Estimator(spec), "initial", generation, pipelines, routing, (), (), 0.0, mtbf, ""
+        spec, Estimator(spec), Policy.INITIAL, generation, pipelines, routing, (), (), 0.0, mtbf, ""
     )
     if oom:
         raise DecisionError(f"plan: {oom}")
@@ -252,7 +253,7 @@ def decide(
     mtbf_seconds: float,
     generation: int,
     joined: Iterable[str] = (),
-    force: str | None = None,
+    force: Policy | str | None = None,
     cause: str = "",
     holdings: Held | None = None,
     checkpoint_step: int | None = None,
@@ -275,6 +276,7 @@ def decide(
         )
     if force is not None and force not in POLICIES:
         raise DecisionError(f"force: {force!r} is not one of {POLICIES}")
+    forced = None if force is None else Policy(force)
     back -= out
     # Workers fenced by the current plan hold nothing usable, even when they come back.
     fenced = out | set(current.excluded)
@@ -286,7 +288,7 @@ def decide(
     est = Estimator(spec)
     lost = _lost_layers(spec, every, fenced)
     if lost is not None:
-        cands = (_infeasible("reroute", lost), _infeasible("dynamic", lost))
+        cands = (_infeasible(Policy.REROUTE, lost), _infeasible(Policy.DYNAMIC, lost))
         if checkpoint_step is None:
             return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause)
         # Every survivor loads its layers from the checkpoint: any of them suits any slot.
@@ -308,10 +310,10 @@ def decide(
             ),
         )  # fmt: skip
         plan = replace(
-            dyn.plan, policy="restore", restore_step=checkpoint_step, estimates=estimates
+            dyn.plan, policy=Policy.RESTORE, restore_step=checkpoint_step, estimates=estimates
         )
         note = f"{lost}: every worker loads the checkpoint of step {checkpoint_step}"
-        return Decision("restore", plan, cands, None, mtbf, search_seconds, considered,
+        return Decision(Policy.RESTORE, plan, cands, None, mtbf, search_seconds, considered,
                         generation, cause, note=note)  # fmt: skip
 
     held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
@@ -320,8 +322,8 @@ def decide(
         spec, est, current, survivors, held, generation, mtbf, cause, fenced
     )
 
-    selected, note = select(rr, dyn, force)
-    by_policy = {"reroute": rr, "dynamic": dyn}
+    selected, note = select(rr, dyn, forced)
+    by_policy = {Policy.REROUTE: rr, Policy.DYNAMIC: dyn}
     if selected is None:
         reason = f"no feasible plan: reroute: {rr.reason}; dynamic: {dyn.reason}"
         return Decision(
@@ -330,7 +332,7 @@ def decide(
         )  # fmt: skip
 
     follow_up, after = None, None
-    if selected == "reroute" and dyn.feasible and switch is not None:
+    if selected == Policy.REROUTE and dyn.feasible and switch is not None:
         after = _switch_pays_after(rr.step_seconds, dyn.step_seconds, switch.estimates)
         prep = search_seconds
         if after is not None and mtbf > prep + after:
@@ -354,13 +356,13 @@ def decide(
 
 
 def select(
-    reroute_candidate: Candidate, dynamic_candidate: Candidate, force: str | None = None
-) -> tuple[str | None, str]:
+    reroute_candidate: Candidate, dynamic_candidate: Candidate, force: Policy | None = None
+) -> tuple[Policy | None, str]:
     """The policy to run (None: neither is feasible) and a note when a forced policy was not.
 
     The higher score wins; reroute on ties, since it moves nothing.
     """
-    by_policy = {"reroute": reroute_candidate, "dynamic": dynamic_candidate}
+    by_policy = {Policy.REROUTE: reroute_candidate, Policy.DYNAMIC: dynamic_candidate}
     if force is not None and by_policy[force].feasible:
         return force, ""
     note = ""
@@ -391,20 +393,20 @@ def _reroute_candidate(
 ) -> Candidate:
     result = reroute(spec, current, fenced)
     if result.routing is None:
-        return _infeasible("reroute", result.reason, spec.rebuild_seconds)
+        return _infeasible(Policy.REROUTE, result.reason, spec.rebuild_seconds)
     excluded = sorted(fenced, key=_order(spec).__getitem__)
     running = {w for pipe in result.routing for stage in pipe for w in stage}
     try:  # owners that never acknowledged the layers the layout gives them receive them now
         repairs, seconds = restorer.repairs(spec, current.pipelines, running, held)
     except restorer.LostLayers as e:
-        return _infeasible("reroute", str(e), spec.rebuild_seconds)
+        return _infeasible(Policy.REROUTE, str(e), spec.rebuild_seconds)
     unchanged = result.routing == current.routing and set(current.excluded) == fenced
     transition = 0.0 if unchanged and not repairs else spec.rebuild_seconds + seconds
     plan, oom = _plan(
-        spec, est, "reroute", generation, current.pipelines, result.routing, excluded, repairs,
+        spec, est, Policy.REROUTE, generation, current.pipelines, result.routing, excluded, repairs,
         transition, mtbf, cause,
     )  # fmt: skip
-    return _candidate("reroute", plan, oom)
+    return _candidate(Policy.REROUTE, plan, oom)
 
 
 def _dynamic_candidate(
@@ -424,13 +426,13 @@ def _dynamic_candidate(
     search_seconds = found.plans_considered * spec.costs.search_seconds_per_plan
     if found.layout is None:
         reason = found.reason or "no layout"
-        return _infeasible("dynamic", reason), None, search_seconds, found.plans_considered
+        return _infeasible(Policy.DYNAMIC, reason), None, search_seconds, found.plans_considered
     try:
         restored = restorer.assign(
             spec, current, found.layout.shape, found.layout.micro_batches, survivors, held
         )
     except (restorer.RestoreError, restorer.LostLayers) as e:
-        return _infeasible("dynamic", str(e)), None, search_seconds, found.plans_considered
+        return _infeasible(Policy.DYNAMIC, str(e)), None, search_seconds, found.plans_considered
     order = _order(spec)
     known = {st.worker for pipe in current.pipelines for st in pipe.stages} | set(current.excluded)
     # Failed workers are excluded; survivors a layout leaves idle stay on standby (spares).
@@ -443,7 +445,7 @@ def _dynamic_candidate(
     # hidden; the migration still stops training (the state it moves changes every step).
     switch_seconds = restored.migration_seconds + spec.rebuild_seconds
     plan, oom = _plan(
-        spec, est, "dynamic", generation, pipelines, routing, excluded, restored.migration,
+        spec, est, Policy.DYNAMIC, generation, pipelines, routing, excluded, restored.migration,
         search_seconds + switch_seconds, mtbf, cause,
     )  # fmt: skip
     switch = replace(
@@ -461,7 +463,7 @@ def _dynamic_candidate(
             ),
         ),
     )
-    cand = _candidate("dynamic", plan, oom)
+    cand = _candidate(Policy.DYNAMIC, plan, oom)
     return cand, (switch if cand.feasible else None), search_seconds, found.plans_considered
 
 

@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import Any
 
 from chameleond.core.holdings import Holdings, Interval
+from chameleond.core.policy import Policy
 
 
 class Phase(StrEnum):
@@ -72,7 +73,7 @@ class DecisionResult:
     """What the planner answered, reduced to what the machine needs."""
 
     generation: int | None  # None: no new plan (unrecoverable, or nothing worth changing)
-    policy: str | None
+    policy: Policy | None
     workers: tuple[str, ...] = ()
     unrecoverable: str | None = None
     layers: Mapping[str, list[Interval]] = field(default_factory=dict)  # the plan's, per worker
@@ -83,14 +84,14 @@ class Recovery:
     """A fault's recovery is complete: every worker of the new plan committed a step."""
 
     generation: int
-    policy: str
+    policy: Policy
     seconds: float
 
 
 @dataclass
 class _RecoveryWatch:
     generation: int
-    policy: str
+    policy: Policy
     since: float
     remaining: set[str]
 
@@ -290,7 +291,7 @@ class PolicyMachine:
             raise ValueError(f"generation {result.generation} does not follow {self.generation}")
         self.generation = result.generation
         self._adopt(result.workers, now, result.layers)
-        if result.policy == "restore":
+        if result.policy == Policy.RESTORE:
             self.holdings.restored()
         self.failed -= set(self.plan_workers)
         if request.faults:
@@ -410,7 +411,7 @@ class PolicyMachine:
             if not rec
             else _RecoveryWatch(
                 int(rec["generation"]),
-                str(rec["policy"]),
+                Policy(rec["policy"]),
                 float(rec["since"]),
                 set(rec["remaining"]),
             ),

@@ -12,7 +12,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-POLICIES = ("initial", "reroute", "dynamic", "restore")
+from chameleond.core.policy import Policy
+
+POLICIES = tuple(p.value for p in Policy)
 
 
 class PlanError(ValueError):
@@ -74,7 +76,7 @@ class Estimates:
 class Plan:
     job: str
     generation: int
-    policy: str
+    policy: Policy
     global_batch: int
     micro_batch: int
     pipelines: tuple[Pipeline, ...]
@@ -124,9 +126,10 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
 
 def plan_from_dict(d: Mapping[str, Any]) -> Plan:
     try:
-        policy = str(d["policy"])
-        if policy not in POLICIES:
-            raise PlanError(f"policy: {policy!r} is not one of {POLICIES}")
+        name = str(d["policy"])
+        if name not in POLICIES:
+            raise PlanError(f"policy: {name!r} is not one of {POLICIES}")
+        policy = Policy(name)
         est = d["estimates"]
         return Plan(
             job=str(d["job"]),
@@ -183,8 +186,8 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
         raise PlanError(f"plan does not decode: {type(e).__name__}: {e}") from e
 
 
-def _restore_step(policy: str, value: Any) -> int | None:
-    if (policy == "restore") != (value is not None):
+def _restore_step(policy: Policy, value: Any) -> int | None:
+    if (policy is Policy.RESTORE) != (value is not None):
         raise PlanError("restore_step: given exactly when the policy is 'restore'")
     if value is None:
         return None

@@ -20,21 +20,31 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from chameleond.daemon.lease import Lease, hold_lua
+from chameleond.daemon.redis_errors import ErrorCode, lua_error
 from chameleond.protocol import CONSUMER_GROUP, Keys
 
+STATE_LOST = lua_error(
+    ErrorCode.STATE_LOST,
+    "'state lost: Redis holds generation ' .. cur .. ', this daemon published ' .. expected",
+)
+GENERATION_CONFLICT = lua_error(
+    ErrorCode.GENERATION_CONFLICT,
+    "'generation conflict: Redis holds ' .. cur .. ', this daemon expected ' .. expected"
+    " .. ' (is a second chameleond running for this job?)'",
+)
 COMMIT_LUA = (
     hold_lua("KEYS[6]", "ARGV[11]", "ARGV[12]")
-    + """
+    + f"""
 local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 local expected = tonumber(ARGV[1])
 if cur < expected then
-  return redis.error_reply('state lost: Redis holds generation ' .. cur .. ', this daemon '
-    .. 'published ' .. expected)
+  {STATE_LOST}
 end
 if cur ~= expected then
-  return redis.error_reply('generation conflict: Redis holds ' .. cur .. ', this daemon expected '
-    .. expected .. ' (is a second chameleond running for this job?)')
+  {GENERATION_CONFLICT}
 end
+"""
+    + """
 local gen = tonumber(ARGV[2])
 if ARGV[3] ~= '' then
   if gen <= cur then return redis.error_reply('generation must increase') end

@@ -28,6 +28,7 @@ from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.lease import lost as lease_lost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
+from chameleond.daemon.redis_errors import ErrorCode, error_message, has_code
 from chameleond.daemon.views import progress
 from chameleond.protocol import Keys
 
@@ -168,11 +169,11 @@ class Committer:
             except (RedisError, OSError) as e:
                 self.reachability.failed(e)
                 if lease_lost(e):
-                    raise LeaseLost(str(e)) from None
-                if "state lost" in str(e):
+                    raise LeaseLost(error_message(e)) from None
+                if has_code(e, ErrorCode.STATE_LOST):
                     await self._reseed(c)
                     continue
-                if "generation conflict" in str(e):
+                if has_code(e, ErrorCode.GENERATION_CONFLICT):
                     if retried and await self._landed(c):
                         return  # the connection broke after Redis ran it: the reply was lost
                     raise

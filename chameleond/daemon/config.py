@@ -15,9 +15,10 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from chameleond.core.policy import Selection
 from chameleond.protocol import url_error
 
-POLICIES = ("adaptive", "reroute", "dynamic")
+POLICIES = tuple(s.value for s in Selection)
 
 
 class ConfigError(ValueError):
@@ -32,7 +33,7 @@ class Config:
     state_dir: str = ""  # empty: $STATE_DIRECTORY (systemd) or ./state
     http: str = "127.0.0.1:9464"
     spec: str = ""  # empty: the packaged default job (chameleond/jobs/cpu-small.toml)
-    policy: str = "adaptive"
+    policy: str = Selection.ADAPTIVE.value  # a Selection; validate() checks it
     min_workers: int = 0  # 0: every worker of the spec must register before the initial plan
     heartbeat_timeout_seconds: float = 3.0
     ready_timeout_seconds: float = 30.0

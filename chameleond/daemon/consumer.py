@@ -18,6 +18,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from chameleond.daemon.redis_errors import ErrorCode, has_code
 from chameleond.protocol import CONSUMER_GROUP, Keys
 
 log = logging.getLogger("chameleond.consumer")
@@ -61,7 +62,7 @@ class StreamConsumer:
         try:
             await self.client.xgroup_create(self.keys.events, CONSUMER_GROUP, id="0", mkstream=True)
         except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
+            if not has_code(e, ErrorCode.BUSYGROUP):
                 raise
 
     async def read(self) -> list[Entry]:

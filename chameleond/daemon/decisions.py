@@ -21,6 +21,7 @@ from chameleond.core.decide import Decision, DecisionError, decide, decision_to_
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import DecisionRequest, DecisionResult
 from chameleond.core.plan import Plan
+from chameleond.core.policy import Policy
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
 from chameleond.daemon.job import FollowUp, Job
@@ -98,10 +99,11 @@ class Decisions:
             waits = job.act_from(now)
             for w in spec.workers:
                 if w.id in plan.workers and not job.workers[w.id].registered:
-                    job.machine.fault(w.id, "not registered when the initial plan was made", now)
+                    cause = "not registered when the initial plan was made"
+                    job.record(job.machine.fault(w.id, cause, now)[1])
                 elif w.id not in plan.workers and job.workers[w.id].registered:
-                    job.machine.join(w.id, now)
-            record = _record(generation, "initial", "initial plan", now)
+                    job.record(job.machine.join(w.id, now)[1])
+            record = _record(generation, Policy.INITIAL, "initial plan", now)
             published = await self.committer.publish(plan, record, [])
         for seconds in waits.values():
             self.metrics.fault_waiting_seconds.observe(seconds)
@@ -280,7 +282,7 @@ class Decisions:
         self._soon()
 
 
-def _follow_up(decision: Decision | None, plan: Plan, force: str | None) -> FollowUp | None:
+def _follow_up(decision: Decision | None, plan: Plan, force: Policy | None) -> FollowUp | None:
     """The prepared dynamic plan to switch to once `plan` (a reroute) trains; None when the
     planner offered none or the policy is forced."""
     if decision is None or decision.follow_up is None or force is not None:

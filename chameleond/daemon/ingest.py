@@ -24,6 +24,7 @@ from chameleond.daemon.decisions import Decisions
 from chameleond.daemon.job import Job
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
+from chameleond.daemon.redis_errors import ErrorCode, has_code
 from chameleond.protocol import EVENT_TYPES, Event, EventError, check_size, parse_event, shorten
 
 log = logging.getLogger("chameleond")
@@ -77,7 +78,7 @@ class Ingest:
             try:
                 entries = await self.consumer.read()
             except (RedisError, OSError) as e:
-                if "NOGROUP" in str(e):
+                if has_code(e, ErrorCode.NOGROUP):
                     await self._group_lost()
                     continue
                 log.warning("XREADGROUP failed (%s); retrying", e)

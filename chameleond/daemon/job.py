@@ -17,6 +17,7 @@ from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Checkpoints, of_plan
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recovery, Transition
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
+from chameleond.core.policy import Policy, Selection
 from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
 from chameleond.daemon.jobspec import measured_layers, profile_from_json, profile_to_json
 
@@ -125,7 +126,7 @@ class Job:
         name: str,
         spec: JobSpec,
         *,
-        policy: str,
+        policy: Selection,
         machine: PolicyMachine,
         registration_ttl_seconds: float = 60.0,
     ) -> None:
@@ -134,7 +135,7 @@ class Job:
         # Registrations from outside the spec awaiting a profile (bounded: UNCONFIRMED_MAX, TTL).
         self.unconfirmed: dict[str, Registration] = {}
         self.base_spec = spec
-        self.policy = policy  # adaptive | reroute | dynamic
+        self.policy = Selection(policy)
         self.machine = machine
         self.workers: dict[str, WorkerRecord] = {w.id: WorkerRecord(w.id) for w in spec.workers}
         self.extra_workers: dict[str, WorkerSpec] = {}  # registered workers the spec does not list
@@ -337,8 +338,8 @@ class Job:
 
     # ---- decisions -----------------------------------------------------------------------------
 
-    def force(self) -> str | None:
-        return None if self.policy == "adaptive" else self.policy
+    def force(self) -> Policy | None:
+        return self.policy.force
 
     def mtbf(self, now: float) -> float:
         """D: the expected time to the next fault, from this job's faults since its initial plan."""

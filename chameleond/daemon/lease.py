@@ -35,11 +35,11 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from chameleond.daemon.redis_errors import ErrorCode, error_message, has_code, lua_error
 from chameleond.protocol import Keys
 
 log = logging.getLogger("chameleond")
 
-LEASE_LOST = "lease lost"
 POLL_SECONDS = 0.25  # a standby looks at the lease (and the holder's connections) this often
 
 
@@ -62,14 +62,15 @@ def gone_seconds(lease_seconds: float) -> float:
 
 def hold_lua(key: str, token: str, ttl_ms: str) -> str:
     """Lua that holds the lease for `token` (Lua expressions: KEYS[i], ARGV[i]) or fails with
-    LEASE_LOST: it refreshes our own lease, and re-takes one that lapsed during an outage if
+    LEASELOST: it refreshes our own lease, and re-takes one that lapsed during an outage if
     nobody took it meanwhile. The renewal and every commit (daemon/broadcast.py) begin with it."""
+    refuse = lua_error(ErrorCode.LEASE_LOST, "'lease lost: ' .. holder .. ' leads the job'")
     return f"""
 local holder = redis.call('GET', {key})
 if holder == false then
   redis.call('SET', {key}, {token}, 'PX', {ttl_ms})
 elseif holder ~= {token} then
-  return redis.error_reply('{LEASE_LOST}: ' .. holder .. ' leads the job')
+  {refuse}
 else
   redis.call('PEXPIRE', {key}, {ttl_ms})
 end
@@ -86,7 +87,7 @@ XADD_LUA = (
 
 def lost(error: BaseException) -> bool:
     """Whether a Redis error says another daemon holds the lease."""
-    return LEASE_LOST in str(error)
+    return has_code(error, ErrorCode.LEASE_LOST)
 
 
 class LeaseLost(RuntimeError):
@@ -223,7 +224,7 @@ class Lease:
                 failing = False
             except RedisError as e:
                 if lost(e):
-                    raise LeaseLost(str(e)) from None
+                    raise LeaseLost(error_message(e)) from None
                 if not failing:
                     log.warning("leader lease not renewed: %s; retrying", e)
                 failing = True
@@ -240,7 +241,7 @@ class Lease:
             await self._xadd(keys=[self.key, stream], args=args)
         except RedisError as e:
             if lost(e):
-                raise LeaseLost(str(e)) from None
+                raise LeaseLost(error_message(e)) from None
             raise
 
     async def release(self) -> None:

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from chameleond.auth import SIG_FIELD, AuthError, Keyring, signed_json
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
+from chameleond.core.policy import Selection
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.daemon import views
 from chameleond.daemon.broadcast import Broadcaster
@@ -70,7 +71,7 @@ class Service:
         self.job = Job(
             cfg.job,
             replace(spec, name=cfg.job),
-            policy=cfg.policy,
+            policy=Selection(cfg.policy),
             machine=PolicyMachine(ready_timeout_seconds=cfg.ready_timeout_seconds),
             registration_ttl_seconds=cfg.registration_ttl_seconds,
         )
