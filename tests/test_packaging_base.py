@@ -29,9 +29,20 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 IMPORT_ALL = """
 import importlib, pkgutil, sys
 import chameleond, handlers
+from chameleond.extras import MissingExtra
+# The worker library's public modules: they are the [worker] extra, and say so.
+LIBRARY = {"chameleond.worker", "chameleond.hf"}
 names = []
 for pkg in (chameleond, handlers):
     for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        if m.name in LIBRARY:
+            try:
+                importlib.import_module(m.name)
+            except MissingExtra as e:
+                assert "pip install 'chameleond[worker]'" in str(e), e
+            else:
+                raise AssertionError(m.name + " imported without torch")
+            continue
         importlib.import_module(m.name)
         names.append(m.name)
 assert chameleond.__file__.startswith(sys.prefix), chameleond.__file__  # the installed copy
