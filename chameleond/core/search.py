@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations
+
+import numpy as np
+import numpy.typing as npt
 
 from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
@@ -58,6 +61,43 @@ class Shared:
         self.candidates: dict[tuple[int, int, int], list[tuple[int, ...]]] = {}
         self.balancer: Balancer | None = None
         self.bounds: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self.tables: dict[tuple[int, LinkSpec, int, int], Table] = {}
+        self.finishes: dict[tuple[LinkSpec, tuple[int, ...], int], list[float]] = {}
+        self.grads: dict[tuple[int, ...], list[int]] = {}
+        self.arrays: _Arrays | None = None
+
+
+# The memory-feasible splits of one (length, micro-batches) class, grouped by the gradient bytes
+# their sync share depends on; each group as its chain bounds and the splits' indices among the
+# candidates, sorted by (chain, index). The sync share is one number per group, so the splits'
+# order by lower bound is a merge of the groups, and the least bound a min over them, without a
+# pass over every split.
+# Each split also carries a tighter bound, `_fill_bound`, used only to skip timing it.
+Table = dict[int, tuple[list[float], list[int], list[float]]]
+
+
+class _Arrays:
+    """LayerTable's prefix sums as arrays, to cost every split of a length at once."""
+
+    def __init__(self, table: LayerTable) -> None:
+        ends = range(table.n_layers + 1)
+        self.fwd = np.array([table.forward_seconds(0, e) for e in ends], dtype=np.float64)
+        self.bwd = np.array([table.backward_seconds(0, e) for e in ends], dtype=np.float64)
+        self.state = np.array([table.state_bytes(0, e) for e in ends], dtype=np.int64)
+        self.act = np.array([table.activation_bytes(0, e) for e in ends], dtype=np.int64)
+        self.grad = np.array([table.gradient_bytes(0, e) for e in ends], dtype=np.int64)
+        self._table = table
+        self._transfer: dict[LinkSpec, npt.NDArray[np.float64]] = {}
+
+    def transfer(self, link: LinkSpec) -> npt.NDArray[np.float64]:
+        """Per stage end e (e >= 1): seconds on the wire of the output of layer e - 1."""
+        found = self._transfer.get(link)
+        if found is None:
+            t = self._table
+            ends = range(1, t.n_layers + 1)
+            found = np.array([0.0, *(link.transfer_seconds(t.output_bytes(e)) for e in ends)])
+            self._transfer[link] = found
+        return found
 
 
 @dataclass(frozen=True)
@@ -91,7 +131,7 @@ class ShapeModel:
         self.link = spec.inter_host if spans_hosts else spec.intra_host
         self.n_survivors = len(chosen)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
-        self._lower: dict[tuple[tuple[int, ...], int], float] = {}
+        self._shares: dict[tuple[int, int], float] = {}
         # Longest paths depend on the stage durations, micro-batches and link only: searches over
         # several survivor counts share them.
         self.shared = Shared() if shared is None else shared
@@ -154,16 +194,20 @@ class ShapeModel:
         return self.shared.fits[key]
 
     def seconds(self, sizes: Sequence[int], n_micro: int) -> float:
-        t = self.table
-        spans = self.bounds(sizes)
-        fwd = tuple(t.forward_seconds(a, b) for a, b in spans)
-        bwd = tuple(t.backward_seconds(a, b) for a, b in spans)
-        key = (fwd, bwd, n_micro)
-        if key not in self._timed:
-            comm = [self.link.transfer_seconds(t.output_bytes(b)) for _, b in spans[:-1]]
-            self._timed[key] = stage_finishes(fwd, bwd, comm, n_micro)
-            self.shapes_timed += 1
-        return self.with_sync(sizes, self._timed[key])
+        key = (self.link, tuple(sizes), n_micro)
+        finishes = self.shared.finishes.get(key)
+        if finishes is None:
+            t = self.table
+            spans = self.bounds(sizes)
+            fwd = tuple(t.forward_seconds(a, b) for a, b in spans)
+            bwd = tuple(t.backward_seconds(a, b) for a, b in spans)
+            timed = (fwd, bwd, n_micro)
+            if timed not in self._timed:
+                comm = [self.link.transfer_seconds(t.output_bytes(b)) for _, b in spans[:-1]]
+                self._timed[timed] = stage_finishes(fwd, bwd, comm, n_micro)
+                self.shapes_timed += 1
+            finishes = self.shared.finishes[key] = self._timed[timed]
+        return self.with_sync(sizes, finishes)
 
     def with_sync(self, sizes: Sequence[int], finishes: Sequence[float]) -> float:
         """The pipeline's time with its share of the gradient all-reduce: each stage's gradients
@@ -171,31 +215,47 @@ class ShapeModel:
         search's link; after the whole pipeline, or from each stage's own last backward when the
         job overlaps sync with backward. Exact for layouts of one length and split (every stage
         one group, one round)."""
+        n = len(sizes)
         if not self.spec.training.overlap_sync:
-            return max(finishes) + self.sync_seconds(sizes)
-        peers = self.n_survivors / len(sizes)
-        tails = [
-            f + ring_allreduce_seconds(peers, self.table.gradient_bytes(a, b), self.link)
-            for f, (a, b) in zip(finishes, self.bounds(sizes), strict=True)
-        ]
+            return max(finishes) + self._share(n, self._sync_key(sizes))
+        grads = self._grads(sizes)
+        tails = [f + self._share(n, g) for f, g in zip(finishes, grads, strict=True)]
         return max(*finishes, *tails)
 
     def sync_seconds(self, sizes: Sequence[int]) -> float:
         """The largest stage's all-reduce: the sync share when it follows the whole pipeline."""
-        peers = self.n_survivors / len(sizes)
-        grad = max(self.table.gradient_bytes(a, b) for a, b in self.bounds(sizes))
-        return ring_allreduce_seconds(peers, grad, self.link)
+        return self._share(len(sizes), max(self._grads(sizes)))
+
+    def _grads(self, sizes: Sequence[int]) -> list[int]:
+        key = tuple(sizes)
+        found = self.shared.grads.get(key)
+        if found is None:
+            t = self.table
+            found = self.shared.grads[key] = [t.gradient_bytes(a, b) for a, b in self.bounds(key)]
+        return found
+
+    def _share(self, n: int, grad: int) -> float:
+        """One all-reduce of `grad` bytes over the N / n peers of a length-n pipeline's stage."""
+        key = (n, grad)
+        found = self._shares.get(key)
+        if found is None:
+            found = self._shares[key] = ring_allreduce_seconds(
+                self.n_survivors / n, grad, self.link
+            )
+        return found
+
+    def _sync_key(self, sizes: Sequence[int]) -> int:
+        """The gradient bytes the pipeline's lower bound adds a sync for: stage 0's when the sync
+        overlaps backward (stage 0 ends last), else the largest stage's."""
+        grads = self._grads(sizes)
+        return grads[0] if self.spec.training.overlap_sync else max(grads)
 
     def lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
         """A chain through the busiest stage k: micro-batch 0 forward to k, all of k's 2 N_m ops,
-        the last backward back to stage 0."""
-        mine = (tuple(sizes), n_micro)
-        found = self._lower.get(mine)
-        if found is None:
-            found = self._lower[mine] = self._lower_bound(sizes, n_micro)
-        return found
+        the last backward back to stage 0; plus the sync share (`_sync_key`)."""
+        return self._chain(sizes, n_micro) + self._share(len(sizes), self._sync_key(sizes))
 
-    def _lower_bound(self, sizes: Sequence[int], n_micro: int) -> float:
+    def _chain(self, sizes: Sequence[int], n_micro: int) -> float:
         t = self.table
         key = (self.link, tuple(sizes), n_micro)
         best = self.shared.chains.get(key, -1.0)
@@ -206,13 +266,74 @@ class ShapeModel:
                 best = max(best, before + n_micro * work)
                 before += work + 2 * self.link.transfer_seconds(t.output_bytes(b))
             self.shared.chains[key] = best
-        if self.spec.training.overlap_sync:
-            # Stage 0 ends last (its last backward waits for every other stage's), and its own
-            # all-reduce starts only then.
-            a, b = self.bounds(sizes)[0]
-            peers = self.n_survivors / len(sizes)
-            return best + ring_allreduce_seconds(peers, t.gradient_bytes(a, b), self.link)
-        return best + self.sync_seconds(sizes)
+        return best
+
+    def splits_table(self, n: int, n_micro: int) -> Table:
+        """The memory-feasible candidates of (n, n_micro), grouped by `_sync_key`, each group
+        sorted by chain bound, then candidate index: shared by every survivor count.
+
+        Computed for every candidate at once (thousands of even splits for long pipelines), with
+        the same floating-point operations, in the same order, as `_chain` and `fits`."""
+        key = (self.memory, self.link, n, n_micro)
+        found = self.shared.tables.get(key)
+        if found is not None:
+            return found
+        cands = self.candidates(n, n_micro)
+        arrays = self.shared.arrays
+        if arrays is None:
+            arrays = self.shared.arrays = _Arrays(self.table)
+        sizes = np.array(cands, dtype=np.int64).reshape(len(cands), n)
+        ends = np.cumsum(sizes, axis=1)
+        starts = ends - sizes
+        work = (arrays.fwd[ends] - arrays.fwd[starts]) + (arrays.bwd[ends] - arrays.bwd[starts])
+        step = work + 2 * arrays.transfer(self.link)[ends]
+        before = np.zeros_like(work)
+        np.cumsum(step[:, :-1], axis=1, out=before[:, 1:])
+        chain = np.max(before + n_micro * work, axis=1)
+        fill = np.maximum(chain, _fill_bound(arrays, self.link, ends, starts, n_micro))
+        in_flight = np.minimum(n - np.arange(n), n_micro)
+        memory = (arrays.state[ends] - arrays.state[starts]) + in_flight * (
+            arrays.act[ends] - arrays.act[starts]
+        )
+        fits = np.all(memory <= self.memory, axis=1)
+        grads = arrays.grad[ends] - arrays.grad[starts]
+        sync_key = grads[:, 0] if self.spec.training.overlap_sync else np.max(grads, axis=1)
+        found = {}
+        for g in np.unique(sync_key[fits]).tolist():
+            index = np.flatnonzero(fits & (sync_key == g))
+            order = np.lexsort((index, chain[index]))
+            index = index[order]
+            found[int(g)] = (chain[index].tolist(), index.tolist(), fill[index].tolist())
+        self.shared.tables[key] = found
+        return found
+
+    def by_bound(self, n: int, n_micro: int) -> Iterator[tuple[float, float, tuple[int, ...]]]:
+        """The memory-feasible candidates as (lower bound, fill bound, sizes), in increasing
+        order of (lower bound, candidate index): a merge of the table's groups, each group's sync
+        share added to both bounds."""
+        cands = self.candidates(n, n_micro)
+        groups = [
+            (self._share(n, grad), *rows) for grad, rows in self.splits_table(n, n_micro).items()
+        ]
+        pos = [0] * len(groups)
+        while True:
+            low = math.inf
+            for (share, chains, _, _), p in zip(groups, pos, strict=True):
+                if p < len(chains) and chains[p] + share < low:
+                    low = chains[p] + share
+            if low == math.inf:
+                return
+            # Every candidate whose bound equals `low` (a prefix of each group), by index.
+            run = []
+            for g, (share, chains, index, fill) in enumerate(groups):
+                p = pos[g]
+                while p < len(chains) and chains[p] + share == low:
+                    run.append((index[p], fill[p] + share))
+                    p += 1
+                pos[g] = p
+            run.sort()
+            for i, tight in run:
+                yield low, tight, cands[i]
 
     def floor(self, n: int, n_micro: int) -> float:
         """A lower bound of best(n, n_micro) without any longest path: the least chain bound over
@@ -220,35 +341,60 @@ class ShapeModel:
         lengths that cannot win are never timed."""
         if (n, n_micro) in self._best:
             return self._best[(n, n_micro)][0]
-        bounds = [
-            self.lower_bound(sz, n_micro)
-            for sz in self.candidates(n, n_micro)
-            if self.fits(sz, n_micro)
-        ]
-        return min(bounds, default=math.inf)
+        table = self.splits_table(n, n_micro)
+        return min((c[0] + self._share(n, g) for g, (c, _, _) in table.items()), default=math.inf)
 
     def best(self, n: int, n_micro: int) -> tuple[float, tuple[int, ...] | None]:
-        """Fastest memory-feasible split of a pipeline of n stages with n_micro micro-batches."""
+        """Fastest memory-feasible split of a pipeline of n stages with n_micro micro-batches:
+        the first, in order of (lower bound, candidate index), of those with the least time."""
         key = (n, n_micro)
         if key in self._best:
             return self._best[key]
         best: tuple[float, tuple[int, ...] | None] = (math.inf, None)
         if n_micro >= 1:
-            cands = [
-                (self.lower_bound(sz, n_micro), i, sz)
-                for i, sz in enumerate(self.candidates(n, n_micro))
-            ]
-            cands.sort()
-            for lb, _, sizes in cands:
+            for lb, tight, sizes in self.by_bound(n, n_micro):
                 if lb >= best[0]:
                     break
-                if not self.fits(sizes, n_micro):
-                    continue
+                if tight > best[0] * (1 + _ROUNDING):
+                    continue  # slower than the best for certain: timing it would not change it
                 t = self.seconds(sizes, n_micro)
                 if t < best[0]:
                     best = (t, sizes)
         self._best[key] = best
         return best
+
+
+def _fill_bound(
+    arrays: _Arrays,
+    link: LinkSpec,
+    ends: npt.NDArray[np.int64],
+    starts: npt.NDArray[np.int64],
+    n_micro: int,
+) -> npt.NDArray[np.float64]:
+    """Per split (row), a lower bound of its longest path that counts stage k's fill bubble: for
+    each stage k, micro-batch 0's forward through every stage and backward down to k, then the
+    ops of k's 1F1B queue from B(k, 0) on (all N_m backwards, and the forwards after its
+    min(N_pp - k - 1, N_m) warm-up ones and the one before B(k, 0)), then the last backward down
+    to stage 0. Each is a chain of the 1F1B dependency graph; the largest is taken."""
+    n = ends.shape[1]
+    f = arrays.fwd[ends] - arrays.fwd[starts]
+    b = arrays.bwd[ends] - arrays.bwd[starts]
+    c = arrays.transfer(link)[ends]
+    c[:, -1] = 0.0  # the last stage sends nothing on
+    down = f.sum(axis=1) + c.sum(axis=1)
+    # Per k: sum_{s > k} b_s + sum_{s >= k} c_s (micro-batch 0's way back up to k) and
+    # sum_{s < k} (b_s + c_s) (the last micro-batch's way down from k).
+    b_after = np.cumsum(b[:, ::-1], axis=1)[:, ::-1] - b
+    c_from = np.cumsum(c[:, ::-1], axis=1)[:, ::-1]
+    below = np.cumsum(b + c, axis=1) - (b + c)
+    warm = np.minimum(n - 1 - np.arange(n), n_micro)
+    after = np.maximum(n_micro - warm - 1, 0)
+    per_stage = down[:, None] + b_after + c_from + n_micro * b + after * f + below
+    return np.asarray(np.max(per_stage, axis=1), dtype=np.float64)
+
+
+# Relative slack for bounds computed by another summation order than the longest path's.
+_ROUNDING = 1e-9
 
 
 def micro_batch_floor(total: int, survivors: int, length: int) -> int:
