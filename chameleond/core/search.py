@@ -423,18 +423,22 @@ def spare_counts(spec: JobSpec, n_surv: int) -> list[int]:
     return sorted(out, reverse=True)
 
 
-def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
+def search(
+    spec: JobSpec, survivors: Sequence[str], shape_model: type[ShapeModel] = ShapeModel
+) -> SearchResult:
     """The fastest layout shape over the survivors (workers are assigned later by the restorer).
 
     A layout may leave a few survivors idle (`spare_counts`): with B fixed, fewer devices in a
     better-balanced layout can step faster than all of them (31 survivors of an 8 x 4 job: 7 x 4
     and 3 spares beats any partition of 31). Each count is searched exactly; the fastest wins,
-    all survivors on ties. Which survivors stay idle is the caller's choice (core.decide)."""
+    all survivors on ties. Which survivors stay idle is the caller's choice (core.decide).
+    `shape_model` is for referees' negative controls (a deliberately weakened model must show a
+    gap against the exact search, cli/exact.py)."""
     best: SearchResult | None = None
     considered = timed = 0
     shared = Shared()
     for used in spare_counts(spec, len(survivors)):
-        found = _search_all(spec, survivors[:used], shared)
+        found = _search_all(spec, survivors[:used], shared, shape_model)
         considered += found.plans_considered
         timed += found.shapes_timed
         if (
@@ -447,13 +451,16 @@ def search(spec: JobSpec, survivors: Sequence[str]) -> SearchResult:
 
 
 def _search_all(
-    spec: JobSpec, survivors: Sequence[str], shared: Shared | None = None
+    spec: JobSpec,
+    survivors: Sequence[str],
+    shared: Shared | None = None,
+    shape_model: type[ShapeModel] = ShapeModel,
 ) -> SearchResult:
     """Algorithm 1 over exactly these survivors, every one of them in the layout."""
     n_surv, total = len(survivors), spec.training.micro_batches
     if n_surv == 0:
         return SearchResult(None, 0, 0, "no surviving workers")
-    model = ShapeModel(spec, survivors, shared)
+    model = shape_model(spec, survivors, shared)
     lo = max(spec.search.min_stages, 1)
     hi = min(spec.search.max_stages, model.n_layers, n_surv)
     # When a length's proportional share floors to 0, the repairs can overshoot and other
