@@ -6,6 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chameleond.core.balance import Balancer
+from chameleond.core.estimator import LayerTable
 from chameleond.core.search import ShapeModel
 from chameleond.core.spec import JobSpec, parse_spec
 
@@ -83,3 +85,17 @@ def test_tables_bounds_and_best_agree_with_brute_force(data: st.DataObject) -> N
             assert min(rows)[0] <= t_best <= min(rows)[0] * (1 + 1e-9)
             assert sizes_best == next(r[3] for r in rows if r[0] == t_best)
             assert model.floor(n, m) <= model.best(n, m)[0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_balanced_split_shared_by_micro_batch_counts_past_the_length(data: st.DataObject) -> None:
+    """N_m >= N_pp stashes N_pp - i at every stage: the memoised split is the one computed for
+    each count on its own."""
+    spec = uneven_spec(data)
+    memory = min(w.memory_bytes for w in spec.workers)
+    balancer = Balancer(LayerTable(spec))
+    for n in range(1, min(8, len(spec.layers)) + 1):
+        for m in range(1, 2 * n + 2):
+            alone = Balancer(LayerTable(spec))._split(n, m, memory)
+            assert balancer.split(n, m, memory) == alone

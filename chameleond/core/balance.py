@@ -26,6 +26,7 @@ class Balancer:
         self.table = table
         self.n_layers = table.n_layers
         self._thresholds: list[float] | None = None
+        self._splits: dict[tuple[int, int, int], tuple[int, ...] | None] = {}
 
     def work(self, first: int, end: int) -> float:
         t = self.table
@@ -41,9 +42,18 @@ class Balancer:
 
     def split(self, n_stages: int, n_micro: int, memory: int) -> tuple[int, ...] | None:
         """Stage sizes of the memory-feasible split with the least bottleneck stage work (later
-        stages as large as the bottleneck allows), or None when no split fits in memory."""
+        stages as large as the bottleneck allows), or None when no split fits in memory.
+
+        Micro-batches enter only through the stashed activations, min(N_pp - i, N_m) at stage
+        i, which are N_pp - i at every stage once N_m >= N_pp: those counts share one split."""
         if not 1 <= n_stages <= self.n_layers:
             return None
+        key = (n_stages, min(n_micro, n_stages), memory)
+        if key not in self._splits:
+            self._splits[key] = self._split(n_stages, key[1], memory)
+        return self._splits[key]
+
+    def _split(self, n_stages: int, n_micro: int, memory: int) -> tuple[int, ...] | None:
         values = self.thresholds()
         lo, hi = 0, len(values) - 1
         if self._greedy(values[hi], n_stages, n_micro, memory) is None:
