@@ -65,6 +65,7 @@ class Shared:
         self.finishes: dict[tuple[LinkSpec, tuple[int, ...], int], list[float]] = {}
         self.grads: dict[tuple[int, ...], list[int]] = {}
         self.arrays: _Arrays | None = None
+        self.costs: dict[tuple[int, LinkSpec, int, int], _SplitCosts] = {}
 
 
 # The memory-feasible splits of one (length, micro-batches) class, grouped by the gradient bytes
@@ -144,7 +145,7 @@ class ShapeModel:
     def candidates(self, n: int, n_micro: int) -> list[tuple[int, ...]]:
         """The layer splits searched for a pipeline of n stages with n_micro micro-batches: the
         split balanced by time and memory (`core.balance`) first, then every even split."""
-        key = (self.memory, n, n_micro)
+        key = (self.memory, n, min(n_micro, n))  # the balanced split's (`Balancer.split`)
         if key not in self.shared.candidates:
             out = list(self.splits(n))
             balanced = self.balancer.split(n, n_micro, self.memory)
@@ -276,35 +277,21 @@ class ShapeModel:
         the same floating-point operations, in the same order, as `_chain` and `fits`."""
         key = (self.memory, self.link, n, n_micro)
         found = self.shared.tables.get(key)
-        if found is not None:
-            return found
-        cands = self.candidates(n, n_micro)
-        arrays = self.shared.arrays
-        if arrays is None:
-            arrays = self.shared.arrays = _Arrays(self.table)
-        sizes = np.array(cands, dtype=np.int64).reshape(len(cands), n)
-        ends = np.cumsum(sizes, axis=1)
-        starts = ends - sizes
-        work = (arrays.fwd[ends] - arrays.fwd[starts]) + (arrays.bwd[ends] - arrays.bwd[starts])
-        step = work + 2 * arrays.transfer(self.link)[ends]
-        before = np.zeros_like(work)
-        np.cumsum(step[:, :-1], axis=1, out=before[:, 1:])
-        chain = np.max(before + n_micro * work, axis=1)
-        fill = np.maximum(chain, _fill_bound(arrays, self.link, ends, starts, n_micro))
-        in_flight = np.minimum(n - np.arange(n), n_micro)
-        memory = (arrays.state[ends] - arrays.state[starts]) + in_flight * (
-            arrays.act[ends] - arrays.act[starts]
-        )
-        fits = np.all(memory <= self.memory, axis=1)
-        grads = arrays.grad[ends] - arrays.grad[starts]
-        sync_key = grads[:, 0] if self.spec.training.overlap_sync else np.max(grads, axis=1)
-        found = {}
-        for g in np.unique(sync_key[fits]).tolist():
-            index = np.flatnonzero(fits & (sync_key == g))
-            order = np.lexsort((index, chain[index]))
-            index = index[order]
-            found[int(g)] = (chain[index].tolist(), index.tolist(), fill[index].tolist())
-        self.shared.tables[key] = found
+        if found is None:
+            costs_key = (self.memory, self.link, n, min(n_micro, n))
+            costs = self.shared.costs.get(costs_key)
+            if costs is None:
+                if self.shared.arrays is None:
+                    self.shared.arrays = _Arrays(self.table)
+                costs = self.shared.costs[costs_key] = _SplitCosts(
+                    self.shared.arrays,
+                    self.link,
+                    self.candidates(n, n_micro),
+                    min(n_micro, n),
+                    self.memory,
+                    self.spec.training.overlap_sync,
+                )
+            found = self.shared.tables[key] = costs.table(n_micro)
         return found
 
     def by_bound(self, n: int, n_micro: int) -> Iterator[tuple[float, float, tuple[int, ...]]]:
@@ -364,33 +351,69 @@ class ShapeModel:
         return best
 
 
-def _fill_bound(
-    arrays: _Arrays,
-    link: LinkSpec,
-    ends: npt.NDArray[np.int64],
-    starts: npt.NDArray[np.int64],
-    n_micro: int,
-) -> npt.NDArray[np.float64]:
-    """Per split (row), a lower bound of its longest path that counts stage k's fill bubble: for
-    each stage k, micro-batch 0's forward through every stage and backward down to k, then the
-    ops of k's 1F1B queue from B(k, 0) on (all N_m backwards, and the forwards after its
-    min(N_pp - k - 1, N_m) warm-up ones and the one before B(k, 0)), then the last backward down
-    to stage 0. Each is a chain of the 1F1B dependency graph; the largest is taken."""
-    n = ends.shape[1]
-    f = arrays.fwd[ends] - arrays.fwd[starts]
-    b = arrays.bwd[ends] - arrays.bwd[starts]
-    c = arrays.transfer(link)[ends]
-    c[:, -1] = 0.0  # the last stage sends nothing on
-    down = f.sum(axis=1) + c.sum(axis=1)
-    # Per k: sum_{s > k} b_s + sum_{s >= k} c_s (micro-batch 0's way back up to k) and
-    # sum_{s < k} (b_s + c_s) (the last micro-batch's way down from k).
-    b_after = np.cumsum(b[:, ::-1], axis=1)[:, ::-1] - b
-    c_from = np.cumsum(c[:, ::-1], axis=1)[:, ::-1]
-    below = np.cumsum(b + c, axis=1) - (b + c)
-    warm = np.minimum(n - 1 - np.arange(n), n_micro)
-    after = np.maximum(n_micro - warm - 1, 0)
-    per_stage = down[:, None] + b_after + c_from + n_micro * b + after * f + below
-    return np.asarray(np.max(per_stage, axis=1), dtype=np.float64)
+class _SplitCosts:
+    """A length's candidate splits as arrays (one row per split, one column per stage): what
+    does not depend on the micro-batches, or only through min(N_m, N_pp) (the memory check), so
+    that each micro-batch count's table is a few array operations."""
+
+    def __init__(
+        self,
+        arrays: _Arrays,
+        link: LinkSpec,
+        cands: Sequence[tuple[int, ...]],
+        in_flight: int,
+        memory: int,
+        overlap_sync: bool,
+    ) -> None:
+        n = len(cands[0])
+        sizes = np.array(cands, dtype=np.int64).reshape(len(cands), n)
+        ends = np.cumsum(sizes, axis=1)
+        starts = ends - sizes
+        self.n = n
+        self.f = arrays.fwd[ends] - arrays.fwd[starts]
+        self.b = arrays.bwd[ends] - arrays.bwd[starts]
+        self.work = self.f + self.b
+        c = arrays.transfer(link)[ends]
+        # The chain bound's prefix: sum_{s < k} (work_s + 2 c_s), as `ShapeModel._chain` sums it.
+        self.before = np.zeros_like(self.work)
+        np.cumsum((self.work + 2 * c)[:, :-1], axis=1, out=self.before[:, 1:])
+        # The fill bound's part without N_m (`table`): micro-batch 0 forward through every stage
+        # (sum f + sum c) and back up to k (sum_{s > k} b_s + sum_{s >= k} c_s), and the last
+        # micro-batch's way down from k (sum_{s < k} (b_s + c_s)).
+        c[:, -1] = 0.0  # the last stage sends nothing on
+        down = self.f.sum(axis=1) + c.sum(axis=1)
+        b_after = np.cumsum(self.b[:, ::-1], axis=1)[:, ::-1] - self.b
+        c_from = np.cumsum(c[:, ::-1], axis=1)[:, ::-1]
+        below = np.cumsum(self.b + c, axis=1) - (self.b + c)
+        self.fixed = down[:, None] + b_after + c_from + below
+        stashed = np.minimum(n - np.arange(n), in_flight)
+        held = (arrays.state[ends] - arrays.state[starts]) + stashed * (
+            arrays.act[ends] - arrays.act[starts]
+        )
+        fits = np.all(held <= memory, axis=1)
+        grads = arrays.grad[ends] - arrays.grad[starts]
+        sync_key = grads[:, 0] if overlap_sync else np.max(grads, axis=1)
+        self.groups = [
+            (int(g), np.flatnonzero(fits & (sync_key == g)))
+            for g in np.unique(sync_key[fits]).tolist()
+        ]
+
+    def table(self, n_micro: int) -> Table:
+        """Per sync group: chain bounds, candidate indices and fill bounds, sorted by (chain,
+        index). The fill bound, per stage k: micro-batch 0 forward through every stage and back
+        to k, then the ops of k's 1F1B queue from B(k, 0) on (all N_m backwards, and the
+        forwards after its min(N_pp - k - 1, N_m) warm-up ones and the one before B(k, 0)),
+        then the last backward down to stage 0: each a chain of the dependency graph."""
+        chain = np.max(self.before + n_micro * self.work, axis=1)
+        warm = np.minimum(self.n - 1 - np.arange(self.n), n_micro)
+        after = np.maximum(n_micro - warm - 1, 0)
+        fill = np.max(self.fixed + n_micro * self.b + after * self.f, axis=1)
+        fill = np.maximum(chain, fill)
+        found = {}
+        for g, index in self.groups:
+            ordered = index[np.argsort(chain[index], kind="stable")]
+            found[g] = (chain[ordered].tolist(), ordered.tolist(), fill[ordered].tolist())
+        return found
 
 
 # Relative slack for bounds computed by another summation order than the longest path's.
