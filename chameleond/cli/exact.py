@@ -31,11 +31,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-from chameleond.cli.exhaustive import _partitions
+from chameleond.cli.exhaustive import partitions, schedule_finishes
 from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds
-from chameleond.core.plan import Pipeline, Stage
-from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.search import Layout, spare_counts
 from chameleond.core.spec import JobSpec, LinkSpec
 
@@ -112,7 +110,7 @@ class _Classes:
         else the largest stage's after the whole pipeline."""
         key = (self.link, sizes, n_micro)
         if key not in self.timed:
-            self.timed[key] = _finishes(self.table, self.link, sizes, n_micro)
+            self.timed[key] = schedule_finishes(self.table, self.link, sizes, n_micro)
         finishes = self.timed[key]
         peers = self.n_survivors / len(sizes)
         firsts = [sum(sizes[:s]) for s in range(len(sizes))]
@@ -145,7 +143,7 @@ def _exact_all(spec: JobSpec, classes: _Classes, n_surv: int) -> tuple[Layout | 
     best_t = math.inf
     best_groups: dict[tuple[int, int], int] = {}
     scored = 0
-    for lengths in _partitions(n_surv, lo, hi):
+    for lengths in partitions(n_surv, lo, hi):
         if len(lengths) > total:
             continue
         floors, r = _floors(lengths, n_surv, total)
@@ -231,27 +229,3 @@ def _floors(
     for n, m in zip(lengths, micro, strict=True):
         groups[(n, m)] = groups.get((n, m), 0) + 1
     return groups, max(r, 0)
-
-
-def _finishes(table: LayerTable, link: LinkSpec, sizes: Sizes, n_micro: int) -> list[float]:
-    """Per stage, the end of its last op in `schedule.build_schedule`'s schedule of one pipeline
-    with a worker per slot."""
-    stages, first = [], 0
-    for s, k in enumerate(sizes):
-        stages.append(Stage(f"s{s}", first, first + k))
-        first += k
-    pipe = Pipeline(tuple(stages), 0, n_micro)
-    routing = [[[st.worker] * n_micro for st in pipe.stages]]
-
-    def op(_p: int, s: int, kind: str, _w: str) -> float:
-        st = pipe.stages[s]
-        if kind == FORWARD:
-            return table.forward_seconds(st.first_layer, st.end_layer)
-        return table.backward_seconds(st.first_layer, st.end_layer)
-
-    def comm(_p: int, s: int, _k: str, a: str, b: str) -> float:
-        end = pipe.stages[s].end_layer
-        return 0.0 if a == b else link.transfer_seconds(table.output_bytes(end))
-
-    ops = build_schedule([pipe], routing, op, comm).ops
-    return [max(o.end for o in ops[st.worker]) for st in pipe.stages]

@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations, product
 
+from chameleond.core.estimator import LayerTable
 from chameleond.core.plan import Pipeline, Stage
 from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.search import Layout, ShapeModel, micro_batch_floor, spare_counts
-from chameleond.core.spec import JobSpec
+from chameleond.core.spec import JobSpec, LinkSpec
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ def _exhaustive_all(spec: JobSpec, survivors: Sequence[str], limit: int) -> Exha
     hi = min(spec.search.max_stages, model.n_layers, n_surv)
     best: Layout | None = None
     timed = 0
-    for lengths in _partitions(n_surv, lo, hi):
+    for lengths in partitions(n_surv, lo, hi):
         if len(lengths) > total:
             continue
         for micro in _placements(lengths, n_surv, total):
@@ -64,35 +65,24 @@ def _exhaustive_all(spec: JobSpec, survivors: Sequence[str], limit: int) -> Exha
                     return Exhaustive(None, timed - 1, False)
                 if not all(model.fits(sz, m) for sz, m in zip(sizes, micro, strict=True)):
                     continue
-                pipes, first = [], 0
-                for p, (sz, m) in enumerate(zip(sizes, micro, strict=True)):
-                    stages = tuple(
-                        Stage(f"p{p}s{s}", a, b) for s, (a, b) in enumerate(model.bounds(sz))
-                    )
-                    pipes.append(Pipeline(stages, first, m))
-                    first += m
-                routing = [[[st.worker] * pp.micro_batches for st in pp.stages] for pp in pipes]
-
                 # Pipelines share no worker: each one's longest path, plus its sync share.
                 seconds = max(
-                    model.with_sync(sz, _alone(model, pp, rt))
-                    for pp, rt, sz in zip(pipes, routing, sizes, strict=True)
+                    model.with_sync(sz, schedule_finishes(model.table, model.link, sz, m))
+                    for sz, m in zip(sizes, micro, strict=True)
                 )
                 if best is None or seconds < best.seconds:
-                    shape = tuple(
-                        tuple((st.first_layer, st.end_layer) for st in pp.stages) for pp in pipes
-                    )
+                    shape = tuple(tuple(model.bounds(sz)) for sz in sizes)
                     best = Layout(shape, tuple(micro), seconds)
     return Exhaustive(best, timed, True)
 
 
-def _partitions(total: int, lo: int, hi: int, floor: int = 0) -> list[tuple[int, ...]]:
+def partitions(total: int, lo: int, hi: int, floor: int = 0) -> list[tuple[int, ...]]:
     """Non-decreasing sequences of lengths in [lo, hi] summing to total."""
     if total == 0:
         return [()]
     out: list[tuple[int, ...]] = []
     for n in range(max(lo, floor), min(hi, total) + 1):
-        out.extend((n, *rest) for rest in _partitions(total - n, lo, hi, n))
+        out.extend((n, *rest) for rest in partitions(total - n, lo, hi, n))
     return out
 
 
@@ -114,20 +104,27 @@ def _placements(lengths: Sequence[int], n_surv: int, total: int) -> list[tuple[i
     return out
 
 
-def _alone(model: ShapeModel, pipe: Pipeline, routing: list[list[str]]) -> list[float]:
-    """Per stage, the end of its last op in schedule.build_schedule's schedule of one pipeline
-    on the search's link."""
-    t = model.table
+def schedule_finishes(
+    table: LayerTable, link: LinkSpec, sizes: Sequence[int], n_micro: int
+) -> list[float]:
+    """Per stage, the end of its last op in `schedule.build_schedule`'s schedule of one pipeline
+    of these stage sizes, a worker per slot, on `link`."""
+    stages, first = [], 0
+    for s, k in enumerate(sizes):
+        stages.append(Stage(f"s{s}", first, first + k))
+        first += k
+    pipe = Pipeline(tuple(stages), 0, n_micro)
+    routing = [[[st.worker] * n_micro for st in pipe.stages]]
 
     def op(_p: int, s: int, kind: str, _w: str) -> float:
         st = pipe.stages[s]
         if kind == FORWARD:
-            return t.forward_seconds(st.first_layer, st.end_layer)
-        return t.backward_seconds(st.first_layer, st.end_layer)
+            return table.forward_seconds(st.first_layer, st.end_layer)
+        return table.backward_seconds(st.first_layer, st.end_layer)
 
     def comm(_p: int, s: int, _k: str, a: str, b: str) -> float:
         end = pipe.stages[s].end_layer
-        return 0.0 if a == b else model.link.transfer_seconds(t.output_bytes(end))
+        return 0.0 if a == b else link.transfer_seconds(table.output_bytes(end))
 
-    ops = build_schedule([pipe], [routing], op, comm).ops
+    ops = build_schedule([pipe], routing, op, comm).ops
     return [max(o.end for o in ops[st.worker]) for st in pipe.stages]
