@@ -16,7 +16,8 @@ The search is exact over that space and fast because the objective is a max over
 
 * A pipeline's micro-batches depend only on its own length (m_j above), and its best layer split
   only on (length, micro-batches): `best(n, m)` is memoised, each split timed at most once per
-  distinct stage-duration tuple, splits skipped when a cheap lower bound cannot beat the best.
+  distinct stage-duration tuple, splits skipped when a cheap lower bound cannot beat the best
+  (every split of a length costed at once, with its bounds: `core.splits`).
 * A partition is then a count per length class; the remainder goes to the classes whose +1 costs
   least (a prefix of the classes sorted by best(n, m+1)), which is optimal for a max objective.
 * Count vectors are enumerated depth-first over classes sorted by best(n, m_n); any vector using a
@@ -35,12 +36,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-import numpy as np
-import numpy.typing as npt
-
 from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
 from chameleond.core.spec import JobSpec, LinkSpec
+from chameleond.core.splits import ROUNDING, LayerArrays, SplitCosts, Table
 
 Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (first_layer, end_layer)
 
@@ -64,41 +63,8 @@ class Shared:
         self.tables: dict[tuple[int, LinkSpec, int, int], Table] = {}
         self.finishes: dict[tuple[LinkSpec, tuple[int, ...], int], list[float]] = {}
         self.grads: dict[tuple[int, ...], list[int]] = {}
-        self.arrays: _Arrays | None = None
-        self.costs: dict[tuple[int, LinkSpec, int, int], _SplitCosts] = {}
-
-
-# The memory-feasible splits of one (length, micro-batches) class, grouped by the gradient bytes
-# their sync share depends on; each group as its chain bounds and the splits' indices among the
-# candidates, sorted by (chain, index). The sync share is one number per group, so the splits'
-# order by lower bound is a merge of the groups, and the least bound a min over them, without a
-# pass over every split.
-# Each split also carries a tighter bound, `_fill_bound`, used only to skip timing it.
-Table = dict[int, tuple[list[float], list[int], list[float]]]
-
-
-class _Arrays:
-    """LayerTable's prefix sums as arrays, to cost every split of a length at once."""
-
-    def __init__(self, table: LayerTable) -> None:
-        ends = range(table.n_layers + 1)
-        self.fwd = np.array([table.forward_seconds(0, e) for e in ends], dtype=np.float64)
-        self.bwd = np.array([table.backward_seconds(0, e) for e in ends], dtype=np.float64)
-        self.state = np.array([table.state_bytes(0, e) for e in ends], dtype=np.int64)
-        self.act = np.array([table.activation_bytes(0, e) for e in ends], dtype=np.int64)
-        self.grad = np.array([table.gradient_bytes(0, e) for e in ends], dtype=np.int64)
-        self._table = table
-        self._transfer: dict[LinkSpec, npt.NDArray[np.float64]] = {}
-
-    def transfer(self, link: LinkSpec) -> npt.NDArray[np.float64]:
-        """Per stage end e (e >= 1): seconds on the wire of the output of layer e - 1."""
-        found = self._transfer.get(link)
-        if found is None:
-            t = self._table
-            ends = range(1, t.n_layers + 1)
-            found = np.array([0.0, *(link.transfer_seconds(t.output_bytes(e)) for e in ends)])
-            self._transfer[link] = found
-        return found
+        self.arrays: LayerArrays | None = None
+        self.costs: dict[tuple[int, LinkSpec, int, int], SplitCosts] = {}
 
 
 @dataclass(frozen=True)
@@ -282,8 +248,8 @@ class ShapeModel:
             costs = self.shared.costs.get(costs_key)
             if costs is None:
                 if self.shared.arrays is None:
-                    self.shared.arrays = _Arrays(self.table)
-                costs = self.shared.costs[costs_key] = _SplitCosts(
+                    self.shared.arrays = LayerArrays(self.table)
+                costs = self.shared.costs[costs_key] = SplitCosts(
                     self.shared.arrays,
                     self.link,
                     self.candidates(n, n_micro),
@@ -342,82 +308,13 @@ class ShapeModel:
             for lb, tight, sizes in self.by_bound(n, n_micro):
                 if lb >= best[0]:
                     break
-                if tight > best[0] * (1 + _ROUNDING):
+                if tight > best[0] * (1 + ROUNDING):
                     continue  # slower than the best for certain: timing it would not change it
                 t = self.seconds(sizes, n_micro)
                 if t < best[0]:
                     best = (t, sizes)
         self._best[key] = best
         return best
-
-
-class _SplitCosts:
-    """A length's candidate splits as arrays (one row per split, one column per stage): what
-    does not depend on the micro-batches, or only through min(N_m, N_pp) (the memory check), so
-    that each micro-batch count's table is a few array operations."""
-
-    def __init__(
-        self,
-        arrays: _Arrays,
-        link: LinkSpec,
-        cands: Sequence[tuple[int, ...]],
-        in_flight: int,
-        memory: int,
-        overlap_sync: bool,
-    ) -> None:
-        n = len(cands[0])
-        sizes = np.array(cands, dtype=np.int64).reshape(len(cands), n)
-        ends = np.cumsum(sizes, axis=1)
-        starts = ends - sizes
-        self.n = n
-        self.f = arrays.fwd[ends] - arrays.fwd[starts]
-        self.b = arrays.bwd[ends] - arrays.bwd[starts]
-        self.work = self.f + self.b
-        c = arrays.transfer(link)[ends]
-        # The chain bound's prefix: sum_{s < k} (work_s + 2 c_s), as `ShapeModel._chain` sums it.
-        self.before = np.zeros_like(self.work)
-        np.cumsum((self.work + 2 * c)[:, :-1], axis=1, out=self.before[:, 1:])
-        # The fill bound's part without N_m (`table`): micro-batch 0 forward through every stage
-        # (sum f + sum c) and back up to k (sum_{s > k} b_s + sum_{s >= k} c_s), and the last
-        # micro-batch's way down from k (sum_{s < k} (b_s + c_s)).
-        c[:, -1] = 0.0  # the last stage sends nothing on
-        down = self.f.sum(axis=1) + c.sum(axis=1)
-        b_after = np.cumsum(self.b[:, ::-1], axis=1)[:, ::-1] - self.b
-        c_from = np.cumsum(c[:, ::-1], axis=1)[:, ::-1]
-        below = np.cumsum(self.b + c, axis=1) - (self.b + c)
-        self.fixed = down[:, None] + b_after + c_from + below
-        stashed = np.minimum(n - np.arange(n), in_flight)
-        held = (arrays.state[ends] - arrays.state[starts]) + stashed * (
-            arrays.act[ends] - arrays.act[starts]
-        )
-        fits = np.all(held <= memory, axis=1)
-        grads = arrays.grad[ends] - arrays.grad[starts]
-        sync_key = grads[:, 0] if overlap_sync else np.max(grads, axis=1)
-        self.groups = [
-            (int(g), np.flatnonzero(fits & (sync_key == g)))
-            for g in np.unique(sync_key[fits]).tolist()
-        ]
-
-    def table(self, n_micro: int) -> Table:
-        """Per sync group: chain bounds, candidate indices and fill bounds, sorted by (chain,
-        index). The fill bound, per stage k: micro-batch 0 forward through every stage and back
-        to k, then the ops of k's 1F1B queue from B(k, 0) on (all N_m backwards, and the
-        forwards after its min(N_pp - k - 1, N_m) warm-up ones and the one before B(k, 0)),
-        then the last backward down to stage 0: each a chain of the dependency graph."""
-        chain = np.max(self.before + n_micro * self.work, axis=1)
-        warm = np.minimum(self.n - 1 - np.arange(self.n), n_micro)
-        after = np.maximum(n_micro - warm - 1, 0)
-        fill = np.max(self.fixed + n_micro * self.b + after * self.f, axis=1)
-        fill = np.maximum(chain, fill)
-        found = {}
-        for g, index in self.groups:
-            ordered = index[np.argsort(chain[index], kind="stable")]
-            found[g] = (chain[ordered].tolist(), ordered.tolist(), fill[ordered].tolist())
-        return found
-
-
-# Relative slack for bounds computed by another summation order than the longest path's.
-_ROUNDING = 1e-9
 
 
 def micro_batch_floor(total: int, survivors: int, length: int) -> int:
