@@ -17,8 +17,11 @@ from chameleond.core.decide import (
     decide,
     decision_to_dict,
     initial_plan,
+    own_layout,
     select,
 )
+from chameleond.core.estimator import Estimator
+from chameleond.core.holdings import of_plan
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
 
@@ -308,3 +311,42 @@ def test_a_layer_without_state_is_never_lost() -> None:
         assert d.plan.restore_step is None
         assert violations(spec, d.plan) == []
         assert all(1 not in t.layers for t in d.plan.migration)
+
+
+def test_a_scale_up_offers_the_jobs_own_layout() -> None:
+    """With every worker of `spec.layout` live again, its layout is priced beside the search's:
+    the workers that came back receive their slots' layers (NIC-bound) and the estimator, with
+    each boundary's real link, times it."""
+    spec = parse_spec(
+        {
+            "workers": [{"id": f"w{i}", "host": f"h{i // 2}", "memory_bytes": 10**12}
+                        for i in range(8)],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_second": 1e9, "latency_seconds": 1e-5},
+                "inter_host": {"bandwidth_bytes_per_second": 1e8, "latency_seconds": 1e-4},
+            },
+            "model": {"layers": [{"forward_seconds": 0.01, "backward_seconds": 0.02,
+                                  "param_bytes": 10**6, "optimizer_bytes": 2 * 10**6,
+                                  "activation_bytes": 10**5, "output_bytes": 10**4,
+                                  "count": 4}]},
+            "training": {"global_batch": 32, "micro_batch": 1},
+            "plan": {"stages": 2},
+            "job": {"rebuild_seconds": 0.5},
+        }
+    )  # fmt: skip
+    start = initial_plan(spec)
+    dropped = decide(spec, start, ["w2", "w3"], mtbf_seconds=1e6, generation=2, force="dynamic")
+    assert dropped.plan is not None
+    held = of_plan(dropped.plan)
+    everyone = [w.id for w in spec.workers]
+    own = own_layout(spec, Estimator(spec), everyone, held, [])
+    assert own is not None
+    step, seconds, pipelines, migration = own
+    assert list(pipelines) == list(start.pipelines)
+    assert step == pytest.approx(start.estimates.step_seconds)
+    # w2 and w3 (host h1) each receive 2 layers of 3 MB (parameters + optimizer state) from a
+    # peer of their stage: 12 MB into h1's interface at 1e8 B/s.
+    assert sorted((t.dst, t.nbytes) for t in migration) == [("w2", 6 * 10**6), ("w3", 6 * 10**6)]
+    assert seconds == pytest.approx(0.12)
+    # Not while a worker of it is down.
+    assert own_layout(spec, Estimator(spec), everyone[:-1], held, []) is None

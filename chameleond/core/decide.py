@@ -47,7 +47,7 @@ from typing import Any
 from chameleond.core import restorer, selector
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Held, of_pipelines, of_plan
-from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
+from chameleond.core.plan import Estimates, Pipeline, Plan, Stage, Transfer
 from chameleond.core.policy import CANDIDATES, Policy
 from chameleond.core.reroute import reroute
 from chameleond.core.search import ShapeModel, micro_batch_floor, search
@@ -201,6 +201,20 @@ def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None 
     leftover layers on ties), micro-batches split proportionally to pipeline length as Algorithm 1
     step 2 does."""
     mtbf = spec.mtbf_prior_seconds if mtbf_seconds is None else mtbf_seconds
+    pipelines = layout_pipelines(spec)
+    routing = tuple(
+        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
+    )
+    plan, oom = _plan(
+        spec, Estimator(spec), Policy.INITIAL, generation, pipelines, routing, (), (), 0.0, mtbf, ""
+    )
+    if oom:
+        raise DecisionError(f"plan: {oom}")
+    return plan
+
+
+def layout_pipelines(spec: JobSpec) -> list[Pipeline]:
+    """The pipelines of `spec.layout`, split as `initial_plan` describes."""
     workers = [w for pipe in spec.layout for w in pipe]
     model = ShapeModel(spec, workers)
     lengths = [len(pipe) for pipe in spec.layout]
@@ -215,15 +229,7 @@ def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None 
         stages = tuple(Stage(w, a, b) for w, (a, b) in zip(pipe, model.bounds(sizes), strict=True))
         pipelines.append(Pipeline(stages, first, m))
         first += m
-    routing = tuple(
-        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
-    )
-    plan, oom = _plan(
-        spec, Estimator(spec), Policy.INITIAL, generation, pipelines, routing, (), (), 0.0, mtbf, ""
-    )
-    if oom:
-        raise DecisionError(f"plan: {oom}")
-    return plan
+    return pipelines
 
 
 def micro_batch_split(model: ShapeModel, lengths: Sequence[int], total: int) -> list[int]:
@@ -437,15 +443,17 @@ def _dynamic_candidate(
     known = {st.worker for pipe in current.pipelines for st in pipe.stages} | set(current.excluded)
     # Failed workers are excluded; survivors a layout leaves idle stay on standby (spares).
     excluded = sorted((known | fenced) - set(survivors), key=order.__getitem__)
-    pipelines = restored.pipelines
-    routing = tuple(
-        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
-    )
+    pipelines, migration = restored.pipelines, restored.migration
+    moving = restored.migration_seconds
+    own = own_layout(spec, est, survivors, held, excluded)
+    if own is not None and own[:2] < (_routed_step(est, pipelines, excluded), moving):
+        _, moving, pipelines, migration = own
+    routing = _own_routing(pipelines)
     # Chosen now: search, migration and rebuild stop training. As a follow-up the search is
     # hidden; the migration still stops training (the state it moves changes every step).
-    switch_seconds = restored.migration_seconds + spec.rebuild_seconds
+    switch_seconds = moving + spec.rebuild_seconds
     plan, oom = _plan(
-        spec, est, Policy.DYNAMIC, generation, pipelines, routing, excluded, restored.migration,
+        spec, est, Policy.DYNAMIC, generation, pipelines, routing, excluded, migration,
         search_seconds + switch_seconds, mtbf, cause,
     )  # fmt: skip
     switch = replace(
@@ -465,6 +473,38 @@ def _dynamic_candidate(
     )
     cand = _candidate(Policy.DYNAMIC, plan, oom)
     return cand, (switch if cand.feasible else None), search_seconds, found.plans_considered
+
+
+def _own_routing(pipelines: Sequence[Pipeline]) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """Every slot runs its own micro-batches."""
+    return tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in pipelines)
+
+
+def _routed_step(est: Estimator, pipelines: Sequence[Pipeline], excluded: Sequence[str]) -> float:
+    groups = restorer.sync_groups(pipelines, excluded)
+    return est.step_seconds(pipelines, _own_routing(pipelines), groups)
+
+
+def own_layout(
+    spec: JobSpec, est: Estimator, survivors: Sequence[str], held: Held, excluded: Sequence[str]
+) -> tuple[float, float, tuple[Pipeline, ...], tuple[Transfer, ...]] | None:
+    """The job's own layout (`spec.layout`) when every worker of it is live: (step, migration
+    seconds, pipelines, migration), or None. The search prices every stage boundary at the slowest
+    link among the survivors (core.search), so when they span hosts it can rank a layout that
+    crosses hosts above the operator's host-aligned one; with every worker back (a scale-up after
+    repairs) the job's own layout is offered beside the search's and the estimator, with each
+    boundary's real link, picks the faster."""
+    live = set(survivors)
+    if not all(w in live for pipe in spec.layout for w in pipe):
+        return None
+    try:
+        pipelines = layout_pipelines(spec)
+        migration, seconds = restorer.repairs(spec, pipelines, survivors, held)
+    except (DecisionError, restorer.LostLayers):
+        return None
+    if est.over_memory(est.peak_memory(pipelines, _own_routing(pipelines), excluded)):
+        return None
+    return _routed_step(est, pipelines, excluded), seconds, tuple(pipelines), migration
 
 
 def restore_seconds(
