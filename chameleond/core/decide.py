@@ -21,7 +21,10 @@ wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
    `follow_up_after_seconds`. It is offered only if D > prep + that; whoever switches re-checks
    the remaining window when the plan is ready.
 2. Rejoin: `joined` workers are survivors of the dynamic candidate (a scale-up plan); reroute is
-   then "keep the current layout" (the joined workers stay idle), scored the same way.
+   then "keep the current layout" (the joined workers stay idle), scored the same way. With every
+   worker of `spec.layout` live, the dynamic candidate also prices that layout (`own_layout`) and
+   keeps the faster of it and the search's: the search prices every boundary at the slowest link,
+   the estimator each at its own.
 3. A fault during a transition: decide works from `current` (the last published plan), the
    cumulative failed set and `holdings` (core.holdings: the copies the workers acknowledged).
    State that has not been acknowledged at its new owner still counts at its old owner (sources
