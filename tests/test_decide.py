@@ -20,7 +20,6 @@ from chameleond.core.decide import (
     own_layout,
     select,
 )
-from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import of_plan
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
@@ -339,14 +338,13 @@ def test_a_scale_up_offers_the_jobs_own_layout() -> None:
     assert dropped.plan is not None
     held = of_plan(dropped.plan)
     everyone = [w.id for w in spec.workers]
-    own = own_layout(spec, Estimator(spec), everyone, held, [])
+    own = own_layout(spec, everyone, held)
     assert own is not None
-    step, seconds, pipelines, migration = own
+    pipelines, migration, seconds = own
     assert list(pipelines) == list(start.pipelines)
-    assert step == pytest.approx(start.estimates.step_seconds)
     # w2 and w3 (host h1) each receive 2 layers of 3 MB (parameters + optimizer state) from a
     # peer of their stage: 12 MB into h1's interface at 1e8 B/s.
     assert sorted((t.dst, t.nbytes) for t in migration) == [("w2", 6 * 10**6), ("w3", 6 * 10**6)]
     assert seconds == pytest.approx(0.12)
     # Not while a worker of it is down.
-    assert own_layout(spec, Estimator(spec), everyone[:-1], held, []) is None
+    assert own_layout(spec, everyone[:-1], held) is None

@@ -446,19 +446,29 @@ def _dynamic_candidate(
     known = {st.worker for pipe in current.pipelines for st in pipe.stages} | set(current.excluded)
     # Failed workers are excluded; survivors a layout leaves idle stay on standby (spares).
     excluded = sorted((known | fenced) - set(survivors), key=order.__getitem__)
-    pipelines, migration = restored.pipelines, restored.migration
-    moving = restored.migration_seconds
-    own = own_layout(spec, est, survivors, held, excluded)
-    if own is not None and own[:2] < (_routed_step(est, pipelines, excluded), moving):
-        _, moving, pipelines, migration = own
-    routing = _own_routing(pipelines)
-    # Chosen now: search, migration and rebuild stop training. As a follow-up the search is
-    # hidden; the migration still stops training (the state it moves changes every step).
-    switch_seconds = moving + spec.rebuild_seconds
-    plan, oom = _plan(
-        spec, est, Policy.DYNAMIC, generation, pipelines, routing, excluded, migration,
-        search_seconds + switch_seconds, mtbf, cause,
-    )  # fmt: skip
+
+    def priced(
+        pipelines: Sequence[Pipeline], migration: tuple[Transfer, ...], moving: float
+    ) -> tuple[Plan, str | None, float]:
+        # Chosen now: search, migration and rebuild stop training. As a follow-up the search is
+        # hidden; the migration still stops training (the state it moves changes every step).
+        switch_seconds = moving + spec.rebuild_seconds
+        plan, oom = _plan(
+            spec, est, Policy.DYNAMIC, generation, pipelines, _own_routing(pipelines), excluded,
+            migration, search_seconds + switch_seconds, mtbf, cause,
+        )  # fmt: skip
+        return plan, oom, switch_seconds
+
+    plan, oom, switch_seconds = priced(
+        restored.pipelines, restored.migration, restored.migration_seconds
+    )
+    own = own_layout(spec, survivors, held)
+    if own is not None:
+        alt = priced(*own)
+        faster = (alt[0].estimates.step_seconds, alt[2]) < (plan.estimates.step_seconds,
+                                                             switch_seconds)  # fmt: skip
+        if alt[1] is None and (oom is not None or faster):
+            plan, oom, switch_seconds = alt
     switch = replace(
         plan,
         estimates=replace(
@@ -469,7 +479,7 @@ def _dynamic_candidate(
                 plan.estimates.step_seconds,
                 switch_seconds,
                 mtbf,
-                at_risk(pipelines, routing),
+                at_risk(plan.pipelines, plan.routing),
                 spec.restart_seconds,
             ),
         ),
@@ -483,20 +493,16 @@ def _own_routing(pipelines: Sequence[Pipeline]) -> tuple[tuple[tuple[str, ...], 
     return tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in pipelines)
 
 
-def _routed_step(est: Estimator, pipelines: Sequence[Pipeline], excluded: Sequence[str]) -> float:
-    groups = restorer.sync_groups(pipelines, excluded)
-    return est.step_seconds(pipelines, _own_routing(pipelines), groups)
-
-
 def own_layout(
-    spec: JobSpec, est: Estimator, survivors: Sequence[str], held: Held, excluded: Sequence[str]
-) -> tuple[float, float, tuple[Pipeline, ...], tuple[Transfer, ...]] | None:
-    """The job's own layout (`spec.layout`) when every worker of it is live: (step, migration
-    seconds, pipelines, migration), or None. The search prices every stage boundary at the slowest
+    spec: JobSpec, survivors: Sequence[str], held: Held
+) -> tuple[tuple[Pipeline, ...], tuple[Transfer, ...], float] | None:
+    """The job's own layout (`spec.layout`) when every worker of it is live: its pipelines, the
+    migration that gives each worker the layers of its slot it does not hold, and that
+    migration's seconds; None otherwise. The search prices every stage boundary at the slowest
     link among the survivors (core.search), so when they span hosts it can rank a layout that
     crosses hosts above the operator's host-aligned one; with every worker back (a scale-up after
-    repairs) the job's own layout is offered beside the search's and the estimator, with each
-    boundary's real link, picks the faster."""
+    repairs) the job's own layout is priced beside the search's and the estimator, with each
+    boundary's real link, keeps the faster."""
     live = set(survivors)
     if not all(w in live for pipe in spec.layout for w in pipe):
         return None
@@ -505,9 +511,7 @@ def own_layout(
         migration, seconds = restorer.repairs(spec, pipelines, survivors, held)
     except (DecisionError, restorer.LostLayers):
         return None
-    if est.over_memory(est.peak_memory(pipelines, _own_routing(pipelines), excluded)):
-        return None
-    return _routed_step(est, pipelines, excluded), seconds, tuple(pipelines), migration
+    return tuple(pipelines), migration, seconds
 
 
 def restore_seconds(
