@@ -96,7 +96,7 @@ def one_run(args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, A
             return any(c.generation > old_gen for c in mon.commits)
 
         wait_for(recovered, args.timeout, f"a step on a new plan after killing {args.victim}", 0)
-        _wait_settled(mon, cl, args, old_gen)
+        _wait_settled(mon, cl, args)
         mon.read_all()
         rows = plan_rows(mon, "sim-check", base)
         at_kill = _spec_by(base, mon, killed_at)
@@ -134,9 +134,7 @@ def one_run(args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, A
     }
 
 
-def _wait_settled(
-    mon: StreamMonitor, cl: LocalCluster, args: argparse.Namespace, old_gen: int
-) -> None:
+def _wait_settled(mon: StreamMonitor, cl: LocalCluster, args: argparse.Namespace) -> None:
     """Until the newest plan after the fault has committed --after steps (a follow-up switch
     may publish one more plan meanwhile)."""
     while True:
