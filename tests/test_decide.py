@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +24,10 @@ from chameleond.core.decide import (
 )
 from chameleond.core.holdings import of_plan
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
+from chameleond.core.search import search
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**12) -> JobSpec:
@@ -348,3 +353,29 @@ def test_a_scale_up_offers_the_jobs_own_layout() -> None:
     assert seconds == pytest.approx(0.12)
     # Not while a worker of it is down.
     assert own_layout(spec, everyone[:-1], held) is None
+
+
+def test_a_scale_up_takes_the_jobs_own_layout_when_it_steps_faster() -> None:
+    """96 hosts of examples/cluster-1024.toml, 8 devices and one 8-stage pipeline each: after a
+    host's loss and return the search's layout over the 768 workers crosses hosts (the search
+    prices every boundary at the inter-host link) and steps slower than the job's own; the
+    dynamic candidate takes the job's own layout back."""
+    doc = tomllib.loads((EXAMPLES / "cluster-1024.toml").read_text())
+    doc["workers"] = doc["workers"][: 8 * 96]
+    doc["training"]["global_batch"] = 16 * 96
+    spec = parse_spec(doc)
+    start = initial_plan(spec)
+    host = [f"w{i}" for i in range(8, 16)]
+    dropped = decide(spec, start, host, mtbf_seconds=1e6, generation=2, force="dynamic")
+    assert dropped.plan is not None
+    running = {st.worker for p in dropped.plan.pipelines for st in p.stages}
+    back = [w.id for w in spec.workers if w.id not in running]  # the host and any spares
+    up = decide(spec, dropped.plan, [], mtbf_seconds=1e6, generation=3, joined=back,
+                holdings=of_plan(dropped.plan))  # fmt: skip
+    assert up.selected == "dynamic" and up.plan is not None
+    assert up.plan.pipelines == start.pipelines
+    assert up.plan.estimates.step_seconds == pytest.approx(start.estimates.step_seconds)
+    found = search(spec, [w.id for w in spec.workers])
+    assert found.layout is not None and found.layout.shape != tuple(
+        tuple((st.first_layer, st.end_layer) for st in p.stages) for p in start.pipelines
+    )
