@@ -319,25 +319,8 @@ def test_a_layer_without_state_is_never_lost() -> None:
 
 def test_a_scale_up_offers_the_jobs_own_layout() -> None:
     """With every worker of `spec.layout` live again, its layout is priced beside the search's:
-    the workers that came back receive their slots' layers (NIC-bound) and the estimator, with
-    each boundary's real link, times it."""
-    spec = parse_spec(
-        {
-            "workers": [{"id": f"w{i}", "host": f"h{i // 2}", "memory_bytes": 10**12}
-                        for i in range(8)],
-            "links": {
-                "intra_host": {"bandwidth_bytes_per_second": 1e9, "latency_seconds": 1e-5},
-                "inter_host": {"bandwidth_bytes_per_second": 1e8, "latency_seconds": 1e-4},
-            },
-            "model": {"layers": [{"forward_seconds": 0.01, "backward_seconds": 0.02,
-                                  "param_bytes": 10**6, "optimizer_bytes": 2 * 10**6,
-                                  "activation_bytes": 10**5, "output_bytes": 10**4,
-                                  "count": 4}]},
-            "training": {"global_batch": 32, "micro_batch": 1},
-            "plan": {"stages": 2},
-            "job": {"rebuild_seconds": 0.5},
-        }
-    )  # fmt: skip
+    the workers that came back receive their slots' layers (the migration of repairs)."""
+    spec = job(4, 2, 4, 32)  # w0-w3 on h0, w4-w7 on h1
     start = initial_plan(spec)
     dropped = decide(spec, start, ["w2", "w3"], mtbf_seconds=1e6, generation=2, force="dynamic")
     assert dropped.plan is not None
@@ -347,10 +330,12 @@ def test_a_scale_up_offers_the_jobs_own_layout() -> None:
     assert own is not None
     pipelines, migration, seconds = own
     assert list(pipelines) == list(start.pipelines)
-    # w2 and w3 (host h1) each receive 2 layers of 3 MB (parameters + optimizer state) from a
-    # peer of their stage: 12 MB into h1's interface at 1e8 B/s.
-    assert sorted((t.dst, t.nbytes) for t in migration) == [("w2", 6 * 10**6), ("w3", 6 * 10**6)]
-    assert seconds == pytest.approx(0.12)
+    # w2 and w3 each receive 2 layers of 3 MB (parameters + optimizer state) from their stage's
+    # peer on the same host (w0, w1), in one round: 6 MB over the 1e9 B/s intra-host link + 10 us.
+    assert sorted((t.src, t.dst, t.nbytes) for t in migration) == [
+        ("w0", "w2", 6 * 10**6), ("w1", "w3", 6 * 10**6)
+    ]  # fmt: skip
+    assert seconds == pytest.approx(6e6 / 1e9 + 1e-5)
     # Not while a worker of it is down.
     assert own_layout(spec, everyone[:-1], held) is None
 
