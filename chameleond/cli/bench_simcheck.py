@@ -2,7 +2,8 @@
 
 Each run: the packaged job (or --spec) trains --warmup committed steps (by then the workers have
 reported in-training profiles), worker --victim is killed (kill -9), the daemon's selector
-recovers and the new plan trains --after steps. Then `chameleond.sim` runs the `chameleon` policy
+recovers (or, with --policy reroute|dynamic, the policy forced on the daemon) and the new plan
+trains --after steps. Then `chameleond.sim` runs the same policy (`chameleon`: the selector)
 over the same job and a one-event trace (the victim fails as many seconds after the first commit
 as the kill came), on the daemon's view of the job: the spec with the profiles the workers had
 reported (folded as handlers/profile.py folds them). Bubble checkpoints are off in the
@@ -54,16 +55,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--after", type=int, default=40, help="steps on the plan after the fault")
     parser.add_argument("--victim", default=VICTIM, help="worker to kill (default %(default)s)")
     parser.add_argument("--runs", type=int, default=1, help="runs, one after another")
+    parser.add_argument(
+        "--policy",
+        choices=("chameleon", "reroute", "dynamic"),
+        default="chameleon",
+        help="the daemon's and the simulator's policy: the selector, or one forced",
+    )
     parser.add_argument("--spec", type=Path, help="job description (default: the packaged job)")
     parser.add_argument("--timeout", type=float, default=240.0, help="per run, seconds")
 
 
-def simulated(spec: JobSpec, victim: str, fault_seconds: float) -> dict[str, Any]:
-    """The `chameleon` policy over one fault: step seconds before it and on the final plan."""
+def simulated(
+    spec: JobSpec, victim: str, fault_seconds: float, policy: str = "chameleon"
+) -> dict[str, Any]:
+    """`policy` over one fault: step seconds before it and on the final plan."""
     at = max(fault_seconds, 1.0)
     trace = JobTrace((JobEvent(at, frozenset({victim}), frozenset()),), 1, len(spec.workers), 0,
                      at + 3600.0)  # fmt: skip
-    result = simulate(spec, trace, "chameleon", SimConfig(bubble_checkpoint_overhead=0.0))
+    result = simulate(spec, trace, policy, SimConfig(bubble_checkpoint_overhead=0.0))
     rates = [s.throughput for s in result.segments if s.kind == "training" and s.throughput > 0]
     batch = spec.training.global_batch
     return {
@@ -84,7 +93,13 @@ def _slots(plan: Plan | None) -> list[tuple[str, int, int, int]]:
 def one_run(args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, Any]:
     base = load_spec(spec_path)
     with (
-        LocalCluster(tmp, job="bench", workers=worker_ids(spec_path), spec_path=spec_path) as cl,
+        LocalCluster(
+            tmp,
+            job="bench",
+            workers=worker_ids(spec_path),
+            spec_path=spec_path,
+            policy=None if args.policy == "chameleon" else args.policy,
+        ) as cl,  # fmt: skip
         warmed_up(cl, args.warmup, args.timeout) as mon,
     ):
         old_gen = mon.last_commit.generation if mon.last_commit else 0
@@ -108,8 +123,8 @@ def one_run(args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, A
     if not before or not after:
         raise ClusterError(f"too few committed steps to measure (plans measured: {rows})")
     fault = killed_at - first_commit
-    forecast = simulated(at_kill, args.victim, fault)
-    model = simulated(at_end, args.victim, fault)
+    forecast = simulated(at_kill, args.victim, fault, args.policy)
+    model = simulated(at_end, args.victim, fault, args.policy)
     sim = {"initial": forecast["initial"], "after_fault": model["after_fault"]}
     measured = {"initial": before[-1]["measured_step_seconds"],
                 "after_fault": after[-1]["measured_step_seconds"]}  # fmt: skip
