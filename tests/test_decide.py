@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import tomllib
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,10 +19,15 @@ from chameleond.core.decide import (
     decide,
     decision_to_dict,
     initial_plan,
+    own_layout,
     select,
 )
+from chameleond.core.holdings import of_plan
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
+from chameleond.core.search import search
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**12) -> JobSpec:
@@ -308,3 +315,52 @@ def test_a_layer_without_state_is_never_lost() -> None:
         assert d.plan.restore_step is None
         assert violations(spec, d.plan) == []
         assert all(1 not in t.layers for t in d.plan.migration)
+
+
+def test_a_scale_up_offers_the_jobs_own_layout() -> None:
+    """With every worker of `spec.layout` live again, its layout is priced beside the search's:
+    the workers that came back receive their slots' layers (the migration of repairs)."""
+    spec = job(4, 2, 4, 32)  # w0-w3 on h0, w4-w7 on h1
+    start = initial_plan(spec)
+    dropped = decide(spec, start, ["w2", "w3"], mtbf_seconds=1e6, generation=2, force="dynamic")
+    assert dropped.plan is not None
+    held = of_plan(dropped.plan)
+    everyone = [w.id for w in spec.workers]
+    own = own_layout(spec, everyone, held)
+    assert own is not None
+    pipelines, migration, seconds = own
+    assert list(pipelines) == list(start.pipelines)
+    # w2 and w3 each receive 2 layers of 3 MB (parameters + optimizer state) from their stage's
+    # peer on the same host (w0, w1), in one round: 6 MB over the 1e9 B/s intra-host link + 10 us.
+    assert sorted((t.src, t.dst, t.nbytes) for t in migration) == [
+        ("w0", "w2", 6 * 10**6), ("w1", "w3", 6 * 10**6)
+    ]  # fmt: skip
+    assert seconds == pytest.approx(6e6 / 1e9 + 1e-5)
+    # Not while a worker of it is down.
+    assert own_layout(spec, everyone[:-1], held) is None
+
+
+def test_a_scale_up_takes_the_jobs_own_layout_when_it_steps_faster() -> None:
+    """96 hosts of examples/cluster-1024.toml, 8 devices and one 8-stage pipeline each: after a
+    host's loss and return the search's layout over the 768 workers crosses hosts (the search
+    prices every boundary at the inter-host link) and steps slower than the job's own; the
+    dynamic candidate takes the job's own layout back."""
+    doc = tomllib.loads((EXAMPLES / "cluster-1024.toml").read_text())
+    doc["workers"] = doc["workers"][: 8 * 96]
+    doc["training"]["global_batch"] = 16 * 96
+    spec = parse_spec(doc)
+    start = initial_plan(spec)
+    host = [f"w{i}" for i in range(8, 16)]
+    dropped = decide(spec, start, host, mtbf_seconds=1e6, generation=2, force="dynamic")
+    assert dropped.plan is not None
+    running = {st.worker for p in dropped.plan.pipelines for st in p.stages}
+    back = [w.id for w in spec.workers if w.id not in running]  # the host and any spares
+    up = decide(spec, dropped.plan, [], mtbf_seconds=1e6, generation=3, joined=back,
+                holdings=of_plan(dropped.plan))  # fmt: skip
+    assert up.selected == "dynamic" and up.plan is not None
+    assert up.plan.pipelines == start.pipelines
+    assert up.plan.estimates.step_seconds == pytest.approx(start.estimates.step_seconds)
+    found = search(spec, [w.id for w in spec.workers])
+    assert found.layout is not None and found.layout.shape != tuple(
+        tuple((st.first_layer, st.end_layer) for st in p.stages) for p in start.pipelines
+    )

@@ -18,7 +18,7 @@ from chameleond.core.spec import CostSpec, JobSpec, parse_spec
 from chameleond.daemon.jobspec import spec_document
 from chameleond.local.trace import TraceEvent, parse_trace
 from chameleond.sim.engine import compare, simulate
-from chameleond.sim.policies import POLICIES, Choose, SimConfig
+from chameleond.sim.policies import POLICIES, Choose, DropReplica, SimConfig, rejoin_seconds
 from chameleond.sim.timeline import Phase, Timeline
 from chameleond.sim.trace import JobEvent, JobTrace, job_trace, synthetic_trace
 
@@ -201,3 +201,28 @@ def test_redundant_takes_over_a_failed_stage_and_falls_back_when_neighbours_fail
     both = simulate(spec, one_fault(100.0, {"w0", "w1"}, 1000.0), "redundant")
     assert [x.selected for x in both.records] == ["restore"]
     assert both.breakdown["restart"] > 0
+
+
+def test_drop_replica_rejoin_stops_training_beyond_one_step() -> None:
+    # rebuild 5 s + a 4 s fetch, 1.5 s steps: one step overlaps, 7.5 s train nothing.
+    assert rejoin_seconds(5.0, 4.0, 1.5) == (7.5, 1.5)
+    # A step longer than rebuild + fetch hides both: nothing stops.
+    assert rejoin_seconds(0.5, 0.25, 2.0) == (0.0, 0.75)
+
+
+def test_drop_replica_rejoin_is_priced_as_its_quorum_step() -> None:
+    spec = job()
+    r = simulate(spec, fail_then_back("w3"), "drop-replica")
+    rejoin = r.records[-1]
+    # The returning pipeline (w2, w3, both on h1) fetches its 4 layers over h1's interface (the
+    # inter-host link, 1e8 B/s), 3 MB of parameters and optimizer state each: 0.12 s; rebuild
+    # 0.5 s.
+    assert rejoin.transition_seconds == pytest.approx(0.62)
+    pol = DropReplica(spec, SimConfig())
+    pol.start()
+    _, _, step = pol.live_plan(initial_plan(spec), {"w3"})
+    after = [s for s in r.segments if s.start >= 500.0]
+    assert [s.kind for s in after] == ["training", "transition", "training"]
+    assert after[0].end - after[0].start == pytest.approx(min(step, 0.62))
+    assert after[1].end - after[1].start == pytest.approx(0.62 - min(step, 0.62))
+    assert after[0].throughput < after[2].throughput  # 3 pipelines, then 4

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("chameleond.cli.plan_cmd", "compare the reroute and dynamic candidates for a fault"),
     "bench": (
         "chameleond.cli.bench",
-        "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker",
+        "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check",
     ),
     "simulate": ("chameleond.cli.simulate", "simulate fault-tolerance policies over a trace"),
 }

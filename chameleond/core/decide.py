@@ -21,7 +21,10 @@ wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
    `follow_up_after_seconds`. It is offered only if D > prep + that; whoever switches re-checks
    the remaining window when the plan is ready.
 2. Rejoin: `joined` workers are survivors of the dynamic candidate (a scale-up plan); reroute is
-   then "keep the current layout" (the joined workers stay idle), scored the same way.
+   then "keep the current layout" (the joined workers stay idle), scored the same way. With every
+   worker of `spec.layout` live, the dynamic candidate also prices that layout (`own_layout`) and
+   keeps the faster of it and the search's: the search prices every boundary at the slowest link,
+   the estimator each at its own.
 3. A fault during a transition: decide works from `current` (the last published plan), the
    cumulative failed set and `holdings` (core.holdings: the copies the workers acknowledged).
    State that has not been acknowledged at its new owner still counts at its old owner (sources
@@ -47,7 +50,7 @@ from typing import Any
 from chameleond.core import restorer, selector
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Held, of_pipelines, of_plan
-from chameleond.core.plan import Estimates, Pipeline, Plan, Stage
+from chameleond.core.plan import Estimates, Pipeline, Plan, Stage, Transfer
 from chameleond.core.policy import CANDIDATES, Policy
 from chameleond.core.reroute import reroute
 from chameleond.core.search import ShapeModel, micro_batch_floor, search
@@ -201,6 +204,20 @@ def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None 
     leftover layers on ties), micro-batches split proportionally to pipeline length as Algorithm 1
     step 2 does."""
     mtbf = spec.mtbf_prior_seconds if mtbf_seconds is None else mtbf_seconds
+    pipelines = layout_pipelines(spec)
+    routing = tuple(
+        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
+    )
+    plan, oom = _plan(
+        spec, Estimator(spec), Policy.INITIAL, generation, pipelines, routing, (), (), 0.0, mtbf, ""
+    )
+    if oom:
+        raise DecisionError(f"plan: {oom}")
+    return plan
+
+
+def layout_pipelines(spec: JobSpec) -> list[Pipeline]:
+    """The pipelines of `spec.layout`, split as `initial_plan` describes."""
     workers = [w for pipe in spec.layout for w in pipe]
     model = ShapeModel(spec, workers)
     lengths = [len(pipe) for pipe in spec.layout]
@@ -215,15 +232,7 @@ def initial_plan(spec: JobSpec, generation: int = 1, mtbf_seconds: float | None 
         stages = tuple(Stage(w, a, b) for w, (a, b) in zip(pipe, model.bounds(sizes), strict=True))
         pipelines.append(Pipeline(stages, first, m))
         first += m
-    routing = tuple(
-        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
-    )
-    plan, oom = _plan(
-        spec, Estimator(spec), Policy.INITIAL, generation, pipelines, routing, (), (), 0.0, mtbf, ""
-    )
-    if oom:
-        raise DecisionError(f"plan: {oom}")
-    return plan
+    return pipelines
 
 
 def micro_batch_split(model: ShapeModel, lengths: Sequence[int], total: int) -> list[int]:
@@ -437,17 +446,29 @@ def _dynamic_candidate(
     known = {st.worker for pipe in current.pipelines for st in pipe.stages} | set(current.excluded)
     # Failed workers are excluded; survivors a layout leaves idle stay on standby (spares).
     excluded = sorted((known | fenced) - set(survivors), key=order.__getitem__)
-    pipelines = restored.pipelines
-    routing = tuple(
-        tuple((st.worker,) * pipe.micro_batches for st in pipe.stages) for pipe in pipelines
+
+    def priced(
+        pipelines: Sequence[Pipeline], migration: tuple[Transfer, ...], moving: float
+    ) -> tuple[Plan, str | None, float]:
+        # Chosen now: search, migration and rebuild stop training. As a follow-up the search is
+        # hidden; the migration still stops training (the state it moves changes every step).
+        switch_seconds = moving + spec.rebuild_seconds
+        plan, oom = _plan(
+            spec, est, Policy.DYNAMIC, generation, pipelines, _own_routing(pipelines), excluded,
+            migration, search_seconds + switch_seconds, mtbf, cause,
+        )  # fmt: skip
+        return plan, oom, switch_seconds
+
+    plan, oom, switch_seconds = priced(
+        restored.pipelines, restored.migration, restored.migration_seconds
     )
-    # Chosen now: search, migration and rebuild stop training. As a follow-up the search is
-    # hidden; the migration still stops training (the state it moves changes every step).
-    switch_seconds = restored.migration_seconds + spec.rebuild_seconds
-    plan, oom = _plan(
-        spec, est, Policy.DYNAMIC, generation, pipelines, routing, excluded, restored.migration,
-        search_seconds + switch_seconds, mtbf, cause,
-    )  # fmt: skip
+    own = own_layout(spec, survivors, held)
+    if own is not None:
+        alt = priced(*own)
+        faster = (alt[0].estimates.step_seconds, alt[2]) < (plan.estimates.step_seconds,
+                                                             switch_seconds)  # fmt: skip
+        if alt[1] is None and (oom is not None or faster):
+            plan, oom, switch_seconds = alt
     switch = replace(
         plan,
         estimates=replace(
@@ -458,13 +479,39 @@ def _dynamic_candidate(
                 plan.estimates.step_seconds,
                 switch_seconds,
                 mtbf,
-                at_risk(pipelines, routing),
+                at_risk(plan.pipelines, plan.routing),
                 spec.restart_seconds,
             ),
         ),
     )
     cand = _candidate(Policy.DYNAMIC, plan, oom)
     return cand, (switch if cand.feasible else None), search_seconds, found.plans_considered
+
+
+def _own_routing(pipelines: Sequence[Pipeline]) -> tuple[tuple[tuple[str, ...], ...], ...]:
+    """Every slot runs its own micro-batches."""
+    return tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in pipelines)
+
+
+def own_layout(
+    spec: JobSpec, survivors: Sequence[str], held: Held
+) -> tuple[tuple[Pipeline, ...], tuple[Transfer, ...], float] | None:
+    """The job's own layout (`spec.layout`) when every worker of it is live: its pipelines, the
+    migration that gives each worker the layers of its slot it does not hold, and that
+    migration's seconds; None otherwise. The search prices every stage boundary at the slowest
+    link among the survivors (core.search), so when they span hosts it can rank a layout that
+    crosses hosts above the operator's host-aligned one; with every worker back (a scale-up after
+    repairs) the job's own layout is priced beside the search's and the estimator, with each
+    boundary's real link, keeps the faster."""
+    live = set(survivors)
+    if not all(w in live for pipe in spec.layout for w in pipe):
+        return None
+    try:
+        pipelines = layout_pipelines(spec)
+        migration, seconds = restorer.repairs(spec, pipelines, survivors, held)
+    except (DecisionError, restorer.LostLayers):
+        return None
+    return tuple(pipelines), migration, seconds
 
 
 def restore_seconds(

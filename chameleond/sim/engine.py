@@ -14,7 +14,7 @@ from typing import Any
 from chameleond.core.decide import decide
 from chameleond.core.plan import Plan
 from chameleond.core.spec import JobSpec
-from chameleond.sim.policies import POLICIES, Record, SimConfig, make_policy
+from chameleond.sim.policies import POLICIES, JobState, Record, SimConfig, make_policy
 from chameleond.sim.timeline import KINDS, Segment
 from chameleond.sim.trace import JobTrace
 
@@ -28,6 +28,7 @@ class PolicyResult:
     breakdown: dict[str, float]  # seconds per segment kind
     segments: tuple[Segment, ...]
     records: tuple[Record, ...] = field(default=())
+    plan: Plan | None = None  # the plan the policy runs when the trace ends
 
     def to_dict(self, with_segments: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -96,8 +97,9 @@ def simulate(
     ideal = ideal_average(spec, trace, failure_free)
     gap = 1 - average / ideal if ideal > 0 else 0.0
     return PolicyResult(
-        policy, average, ideal, gap, breakdown, tuple(tl.segments), tuple(pol.records)
-    )
+        policy, average, ideal, gap, breakdown, tuple(tl.segments), tuple(pol.records),
+        tl.state.plan if isinstance(tl.state, JobState) else None,
+    )  # fmt: skip
 
 
 def compare(

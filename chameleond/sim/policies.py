@@ -310,28 +310,30 @@ class Restart(Policy):
 
 class DropReplica(Policy):
     """TorchFT-style: a data-parallel replica (pipeline) with a failed worker drops out and the
-    others go on with fewer samples per step; it rejoins, after a live transfer of its state
-    from a healthy replica, once all its workers are back."""
+    others go on with fewer samples per step; it rejoins, after a transfer of its state from a
+    healthy replica, once all its workers are back."""
 
     name = "drop-replica"
 
-    def live_plan(self, plan: Plan, down: Collection[str]) -> tuple[tuple[Pipeline, ...], float]:
-        """The pipelines that can train, and their samples per second."""
+    def live_plan(
+        self, plan: Plan, down: Collection[str]
+    ) -> tuple[tuple[Pipeline, ...], float, float]:
+        """The pipelines that can train, their samples per second and their step's seconds."""
         live = tuple(p for p in plan.pipelines if not any(st.worker in down for st in p.stages))
         if not live:
-            return live, 0.0
+            return live, 0.0, INF
         routing = tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in live)
         groups = restorer.sync_groups(live, ())
         step = self.est.step_seconds(live, routing, groups)
         samples = sum(p.micro_batches for p in live) * self.spec.training.micro_batch
-        return live, samples / step * self.kept()
+        return live, samples / step * self.kept(), step
 
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         now = ev.seconds
         state: JobState = tl.state
         # Who was down before this event: its failures were not, its rejoins were.
-        before, thr_before = self.live_plan(state.plan, (down - ev.failed) | ev.joined)
-        live, thr = self.live_plan(state.plan, down)
+        before, thr_before, step_before = self.live_plan(state.plan, (down - ev.failed) | ev.joined)
+        live, thr, _ = self.live_plan(state.plan, down)
         if not live:
             self.restore(tl, now, down)
             return
@@ -343,21 +345,41 @@ class DropReplica(Policy):
         back = [p for p in live if p not in before]
         if not back:
             return
-        # Each returning worker fetches its slot's state from a live replica; its host's
-        # interface carries all of it.
+        # Each returning worker fetches its slot's parameters and optimizer state (what a
+        # migration moves, core.restorer) from a live replica; its host's interface carries all
+        # of it.
         per_host: dict[str, int] = {}
         host = {w.id: w.host for w in self.spec.workers}
+        layers = self.spec.layers
         for p in back:
             for st in p.stages:
-                b = self.est.table.state_bytes(st.first_layer, st.end_layer)
+                b = sum(
+                    lp.param_bytes + lp.optimizer_bytes
+                    for lp in layers[st.first_layer : st.end_layer]
+                )
                 per_host[host[st.worker]] = per_host.get(host[st.worker], 0) + b
         fetch = max(per_host.values()) / self.spec.nic_bytes_per_second()
-        self.note(now, "rejoin", state.plan, fetch + self.spec.rebuild_seconds)
+        stall, overlap = rejoin_seconds(self.spec.rebuild_seconds, fetch, step_before)
+        self.note(now, "rejoin", state.plan, stall + overlap)
         tl.follow([
-            Phase("training", fetch, thr_before),
-            Phase("transition", self.spec.rebuild_seconds, 0.0),
+            Phase("training", overlap, thr_before),
+            Phase("transition", stall, 0.0),
             Phase("training", INF, thr),
         ])  # fmt: skip
+
+
+def rejoin_seconds(rebuild: float, fetch: float, step: float) -> tuple[float, float]:
+    """A TorchFT replica's rejoin: (seconds nothing trains, seconds one step of the live replicas
+    trains meanwhile). At the step whose quorum admits it, every replica's quorum thread rebuilds
+    its process group, which then includes the healing replica, and the healing replica receives
+    its state from a healthy peer in that thread; each replica's gradient all-reduce waits for its
+    quorum thread and, being one collective over the group, for the healing replica's
+    (torchft/manager.py: `_async_quorum`, `allreduce` -> `wait_quorum`). The live replicas'
+    forward and backward of that step run meanwhile (asynchronous quorum): at most one step
+    overlaps the rebuild and the transfer; the rest stops training."""
+    total = rebuild + fetch
+    overlap = min(step, total)
+    return total - overlap, overlap
 
 
 class Redundant(Policy):
