@@ -214,6 +214,17 @@ class RunningJob:
         self.workers.run_first_plan()
         wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
 
+    def next_fault(self, daemon: Daemon, generation: int, out: list[str], worker: str) -> None:
+        """The workers of `generation` (all but `out`) acknowledge it and `daemon` trains; then
+        `worker` fails, and the next generation leaves out `out` and `worker`."""
+        workers = self.workers
+        workers.ready(generation, [w for w in WORKERS if w not in out])
+        wait_for(lambda: daemon.status()["state"] == "training", 15, f"training {generation}")
+        workers.send(type="fault", worker=worker, cause="NIC down")
+        wait_for(lambda: workers.generation() == generation + 1, 15, f"the plan after {worker}")
+        plan = workers.plan()
+        assert plan is not None and sorted(plan["excluded"]) == sorted([*out, worker])
+
     def stop(self) -> None:
         for d in self.daemons:
             d.stop()

@@ -8,7 +8,7 @@ import signal
 import time
 
 import redis
-from daemon_harness import WORKERS, Generations, RunningJob, Workers, wait_for
+from daemon_harness import Generations, RunningJob, Workers, wait_for
 
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
@@ -51,12 +51,7 @@ def test_a_standby_daemon_takes_over_when_the_leader_dies(
     leader.kill()  # kill -9: the lease lapses
     standby.wait_ready(timeout=LEASE_SECONDS + 15)
     assert standby.status()["generation"] == 2  # resumed from the leader's commits
-    workers.ready(2, [w for w in WORKERS if w != "w1"])
-    wait_for(lambda: standby.status()["state"] == "training", 15, "training generation 2")
-    workers.send(type="fault", worker="w3", cause="NIC down")
-    wait_for(lambda: workers.generation() == 3, 15, "generation 3 from the new leader")
-    plan = workers.plan()
-    assert plan is not None and sorted(plan["excluded"]) == ["w1", "w3"]
+    running_job.next_fault(standby, 2, ["w1"], "w3")  # generation 3, from the new leader
 
     assert standby.terminate() == 0
     assert redis_client.get(KEYS.leader) is None  # handed over at once, not left to lapse

@@ -8,7 +8,7 @@ import json
 import time
 
 import redis
-from daemon_harness import WORKERS, RunningJob, wait_for
+from daemon_harness import RunningJob, wait_for
 
 from chameleond.redis_server import RedisServer
 
@@ -40,12 +40,7 @@ def test_redis_restart_during_a_decision_loses_nothing_and_generations_continue(
     wait_for(lambda: redis_client.xpending(EVENTS, "chameleond")["pending"] == 0, 10, "acks")
     assert redis_client.xrange(EVENTS, fault, fault)  # the fault entry itself survived
 
-    workers.ready(2, [w for w in WORKERS if w != "w1"])
-    wait_for(lambda: daemon.status()["state"] == "training", 15, "training generation 2")
-    workers.send(type="fault", worker="w3", cause="NIC down")
-    wait_for(lambda: workers.generation() == 3, 15, "generation 3")
-    plan = workers.plan()
-    assert plan is not None and sorted(plan["excluded"]) == ["w1", "w3"]
+    running_job.next_fault(daemon, 2, ["w1"], "w3")  # generation 3
     wait_for(lambda: redis_client.xpending(EVENTS, "chameleond")["pending"] == 0, 10, "acks")
 
     # Everything acknowledged before the restart stayed acknowledged: nothing was handled
