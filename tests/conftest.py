@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from daemon_harness import RunningJob
 
 from chameleond.auth import SECRET_ENV
 from chameleond.redis_server import RedisServer, Tls, redis_binary
@@ -38,6 +39,19 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def running_job(
+    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+) -> Iterator[RunningJob]:
+    """A job on this test's redis-server: start its daemons with `start` / `start_training`; each
+    is stopped when the test ends."""
+    job = RunningJob(redis_server.url, tmp_path, redis_client)
+    try:
+        yield job
+    finally:
+        job.stop()
 
 
 def tls_redis_server() -> str:

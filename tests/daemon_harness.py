@@ -177,6 +177,59 @@ class Workers:
         return [{_s(k): _s(v) for k, v in f.items()} for _, f in entries]
 
 
+class RunningJob:
+    """One job on a real Redis as a daemon test drives it: its daemons (`chameleond run`, one or
+    several: restarts, a standby), what its workers would send (`workers`) and a client. Every
+    daemon made here is stopped when the test ends (the `running_job` fixture, tests/conftest.py).
+    """
+
+    def __init__(
+        self, redis_url: str, workdir: Path, client: redis.Redis, job: str = "default"
+    ) -> None:
+        self.redis_url = redis_url
+        self.workdir = workdir
+        self.client = client
+        self.job = job
+        self.workers = Workers(client, job)
+        self.daemons: list[Daemon] = []
+
+    def daemon(self, *args: str) -> Daemon:
+        """A daemon of this job with these flags, not started yet."""
+        d = Daemon(self.redis_url, self.workdir, *args, job=self.job)
+        self.daemons.append(d)
+        return d
+
+    def start(self, *args: str, env: dict[str, str] | None = None, timeout: float = 20.0) -> Daemon:
+        """A daemon of this job started, and ready (/readyz)."""
+        return self.daemon(*args).start(env).wait_ready(timeout)
+
+    def start_training(self, *args: str) -> Daemon:
+        """A daemon started, every worker registered and generation 1 acknowledged: it trains."""
+        daemon = self.start(*args)
+        self.train(daemon)
+        return daemon
+
+    def train(self, daemon: Daemon) -> None:
+        """Every worker registers and acknowledges generation 1; `daemon` says it trains."""
+        self.workers.run_first_plan()
+        wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
+
+    def next_fault(self, daemon: Daemon, generation: int, out: list[str], worker: str) -> None:
+        """The workers of `generation` (all but `out`) acknowledge it and `daemon` trains; then
+        `worker` fails, and the next generation leaves out `out` and `worker`."""
+        workers = self.workers
+        workers.ready(generation, [w for w in WORKERS if w not in out])
+        wait_for(lambda: daemon.status()["state"] == "training", 15, f"training {generation}")
+        workers.send(type="fault", worker=worker, cause="NIC down")
+        wait_for(lambda: workers.generation() == generation + 1, 15, f"the plan after {worker}")
+        plan = workers.plan()
+        assert plan is not None and sorted(plan["excluded"]) == sorted([*out, worker])
+
+    def stop(self) -> None:
+        for d in self.daemons:
+            d.stop()
+
+
 def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import Daemon, wait_for
+from daemon_harness import RunningJob, wait_for
 
 from chameleond.daemon.cli import build_parser, main
 from chameleond.daemon.config import FIELDS, ConfigError, load
@@ -74,7 +74,7 @@ def test_lease_seconds_must_outlast_a_renewal(tmp_path: Path) -> None:
 
 
 def test_check_exits_0_when_healthy_and_1_otherwise(
-    redis_server: RedisServer, tmp_path: Path
+    redis_server: RedisServer, running_job: RunningJob, tmp_path: Path
 ) -> None:
     ok = subprocess.run([*CLI, "check", "--config-only"], capture_output=True, timeout=60)
     assert ok.returncode == 0
@@ -83,14 +83,11 @@ def test_check_exits_0_when_healthy_and_1_otherwise(
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 1 and "missing.toml" in bad.stdout
-    daemon = Daemon(redis_server.url, tmp_path).start()
-    try:
-        daemon.wait_ready()
-        args = ["--redis-url", redis_server.url, "--http", f"127.0.0.1:{daemon.port}"]
-        live = subprocess.run([*CLI, "check", *args], capture_output=True, text=True, timeout=60)
-        assert live.returncode == 0, live.stdout
-    finally:
-        daemon.stop()
+    daemon = running_job.start()
+    args = ["--redis-url", redis_server.url, "--http", f"127.0.0.1:{daemon.port}"]
+    live = subprocess.run([*CLI, "check", *args], capture_output=True, text=True, timeout=60)
+    assert live.returncode == 0, live.stdout
+    daemon.stop()
     dead = subprocess.run([*CLI, "check", *args], capture_output=True, text=True, timeout=60)
     assert dead.returncode == 1 and "no daemon answering" in dead.stdout
 

@@ -7,11 +7,10 @@ import json
 import random
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import Daemon, Generations, Workers, wait_for
+from daemon_harness import Generations, RunningJob, Workers, wait_for
 
 from chameleond.redis_server import RedisServer
 
@@ -45,73 +44,52 @@ def plan_records(workers: Workers) -> list[int]:
 
 
 def test_kill_during_a_decision_then_restart_redecides_once(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, generations: Generations
+    redis_client: redis.Redis, running_job: RunningJob, generations: Generations
 ) -> None:
-    workers = Workers(redis_client)
-    slow = Daemon(redis_server.url, tmp_path, "--decision-delay-seconds", "30").start()
-    try:
-        slow.wait_ready()
-        workers.run_first_plan()
-        wait_for(lambda: slow.status()["state"] == "training", 15, "training")
-        fault_id = workers.send(type="fault", worker="w1", cause="NIC down")
-        wait_for(lambda: slow.status()["state"] == "planning", 15, "planning")
-        slow.kill()  # kill -9 while the decision is held
-    finally:
-        slow.stop()
+    workers = running_job.workers
+    slow = running_job.start_training("--decision-delay-seconds", "30")
+    fault_id = workers.send(type="fault", worker="w1", cause="NIC down")
+    wait_for(lambda: slow.status()["state"] == "planning", 15, "planning")
+    slow.kill()  # kill -9 while the decision is held
     assert workers.generation() == 1 and pending(redis_client) == 1  # nothing half-written
 
-    again = Daemon(redis_server.url, tmp_path).start()
-    try:
-        again.wait_ready()
-        wait_for(lambda: workers.generation() == 2, 15, "generation 2 after the restart")
-        plan = workers.plan()
-        assert plan is not None and plan["excluded"] == ["w1"]
-        wait_for(lambda: pending(redis_client) == 0, 10, "the fault acknowledged")
-        entries = redis_client.xrange(EVENTS, fault_id, fault_id)
-        assert entries and entries[0][1]["worker"] == "w1"
-        assert plan_records(workers) == [1, 2]
-        assert again.status()["state"] == "transitioning"
-    finally:
-        again.stop()
+    again = running_job.start()
+    wait_for(lambda: workers.generation() == 2, 15, "generation 2 after the restart")
+    plan = workers.plan()
+    assert plan is not None and plan["excluded"] == ["w1"]
+    wait_for(lambda: pending(redis_client) == 0, 10, "the fault acknowledged")
+    entries = redis_client.xrange(EVENTS, fault_id, fault_id)
+    assert entries and entries[0][1]["worker"] == "w1"
+    assert plan_records(workers) == [1, 2]
+    assert again.status()["state"] == "transitioning"
+    again.stop()
     wait_for(lambda: generations.seen, 5, "published generations")
     assert generations.seen == sorted(set(generations.seen)) and generations.seen[-1] == 2
 
 
 def test_random_kills_lose_no_acknowledged_fault_and_never_reuse_a_generation(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path, generations: Generations
+    redis_client: redis.Redis, running_job: RunningJob, generations: Generations
 ) -> None:
     rng = random.Random(7)
-    workers = Workers(redis_client)
-    first = Daemon(redis_server.url, tmp_path).start()
-    try:
-        first.wait_ready()
-        workers.run_first_plan()
-    finally:
-        first.kill()
+    workers = running_job.workers
+    running_job.start_training().kill()
     faulted: list[str] = []
     for worker in ("w1", "w2", "w4"):
-        d = Daemon(redis_server.url, tmp_path, "--decision-delay-seconds", "0.4").start()
-        try:
-            d.wait_ready()
-            workers.send(type="fault", worker=worker, cause="injected")
-            faulted.append(worker)
-            threading.Event().wait(rng.uniform(0.0, 0.8))
-            d.kill()
-        finally:
-            d.stop()
+        d = running_job.start("--decision-delay-seconds", "0.4")
+        workers.send(type="fault", worker=worker, cause="injected")
+        faulted.append(worker)
+        threading.Event().wait(rng.uniform(0.0, 0.8))
+        d.kill()
         # Whatever was acknowledged is in the committed plan; nothing unacknowledged is lost.
         plan = workers.plan()
         assert plan is not None
         assert set(faulted) <= set(plan["excluded"]) | unacknowledged(redis_client)
-    final = Daemon(redis_server.url, tmp_path).start()
-    try:
-        final.wait_ready()
-        wait_for(lambda: pending(redis_client) == 0, 20, "every fault acknowledged")
-        plan = workers.plan()
-        assert plan is not None and sorted(plan["excluded"]) == sorted(faulted)
-        assert final.status()["failed"] == sorted(faulted)
-    finally:
-        final.stop()
+    final = running_job.start()
+    wait_for(lambda: pending(redis_client) == 0, 20, "every fault acknowledged")
+    plan = workers.plan()
+    assert plan is not None and sorted(plan["excluded"]) == sorted(faulted)
+    assert final.status()["failed"] == sorted(faulted)
+    final.stop()
     records = plan_records(workers)
     assert records == sorted(set(records)) and records[-1] == plan["generation"]
     assert generations.seen == sorted(set(generations.seen))

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import Daemon, Workers, keyring, signed, wait_for
+from daemon_harness import Daemon, RunningJob, Workers, keyring, signed, wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -112,15 +111,12 @@ def _handler_level(fields: dict[str | bytes, str | bytes]) -> bool:
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Daemon, redis.Redis]]:
     tmp = tmp_path_factory.mktemp("deadletter")
     server = RedisServer(tmp / "redis").start()
-    daemon = Daemon(server.url, tmp).start()
     client = redis.Redis.from_url(server.url, decode_responses=True)
+    job = RunningJob(server.url, tmp, client)
     try:
-        daemon.wait_ready()
-        workers = Workers(client)
-        workers.run_first_plan()
-        yield daemon, client
+        yield job.start_training(), client
     finally:
-        daemon.stop()
+        job.stop()
         client.close()
         server.stop()
 
@@ -176,7 +172,7 @@ def test_dead_letters_are_counted_and_the_daemon_still_works(
 
 
 def test_poison_entry_goes_to_dead_letters_after_max_deliveries(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
     redis_client.xgroup_create(EVENTS, "chameleond", id="0", mkstream=True)
     entry = redis_client.xadd(EVENTS, signed({"type": "heartbeat", "worker": "w1"}))
@@ -185,15 +181,11 @@ def test_poison_entry_goes_to_dead_letters_after_max_deliveries(
         redis_client.xreadgroup("chameleond", "test-daemon", {EVENTS: "0"})
     rows = redis_client.xpending_range(EVENTS, "chameleond", "-", "+", 10)
     assert rows[0]["times_delivered"] == 6
-    daemon = Daemon(redis_server.url, tmp_path, "--max-deliveries", "3").start()
-    try:
-        daemon.wait_ready()
-        wait_for(lambda: redis_client.xlen(DEAD) == 1, 10, "the poison entry dead-lettered")
-        dead = redis_client.xrange(DEAD)[0][1]
-        assert dead["entry"] == entry and "delivered" in dead["error"]
-        assert redis_client.xpending(EVENTS, "chameleond")["pending"] == 0
-    finally:
-        daemon.stop()
+    running_job.start("--max-deliveries", "3")
+    wait_for(lambda: redis_client.xlen(DEAD) == 1, 10, "the poison entry dead-lettered")
+    dead = redis_client.xrange(DEAD)[0][1]
+    assert dead["entry"] == entry and "delivered" in dead["error"]
+    assert redis_client.xpending(EVENTS, "chameleond")["pending"] == 0
 
 
 def test_oversized_entries_and_reports_from_nowhere_are_dead_lettered_in_bounds(

@@ -8,10 +8,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
+from daemon_harness import WORKERS, RunningJob, signed, wait_for
 
 from chameleond.daemon.job import UNCONFIRMED_MAX
 from chameleond.daemon.jobspec import profile_to_json
@@ -24,60 +23,48 @@ PHANTOMS = 300
 PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(load_default_spec().layers)))})
 
 
-def training(daemon: Daemon, workers: Workers) -> None:
-    workers.run_first_plan()
-    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
-
-
 def test_phantom_registrations_expire_and_are_never_planned(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
-    daemon = Daemon(redis_server.url, tmp_path, "--registration-ttl-seconds", "2").start()
-    workers = Workers(redis_client)
-    try:
-        daemon.wait_ready()
-        training(daemon, workers)
-        with redis_client.pipeline(transaction=False) as p:
-            for i in range(PHANTOMS):
-                fields = {"type": "register", "worker": f"ghost{i}", "host": "h",
-                          "memory_bytes": str(2**34)}  # fmt: skip
-                p.xadd(KEYS.events, signed(fields))  # type: ignore[arg-type]
-            p.execute()
-        # Beyond the bound they are refused at once, with the reason, and nothing is lost.
-        wait_for(lambda: redis_client.xlen(KEYS.dead) == PHANTOMS - UNCONFIRMED_MAX, 15, "refused")
-        reason = redis_client.xrange(KEYS.dead, count=1)[0][1]["error"]
-        assert "registrations already wait for their profile" in reason
-        assert len(daemon.status()["registrations_waiting"]) == UNCONFIRMED_MAX
-        # A rejoin from one of them is refused too: it never became a worker of the job.
-        workers.send(type="rejoin", worker="ghost0")
-        wait_for(lambda: redis_client.xlen(KEYS.dead) == PHANTOMS - UNCONFIRMED_MAX + 1, 15, "rej")
-        wait_for(lambda: daemon.status()["registrations_waiting"] == [], 15, "expired")
-        # A decision after all that plans with the spec's workers only.
-        workers.send(type="fault", worker="w1", cause="ECC error")
-        wait_for(lambda: workers.generation() == 2, 15, "generation 2")
-        plan = workers.plan()
-        assert plan is not None
-        planned = {st["worker"] for pipe in plan["pipelines"] for st in pipe["stages"]}
-        planned |= {w for pipe in plan["routing"] for stage in pipe for w in stage}
-        assert planned <= set(WORKERS), planned
-        assert not any(w.startswith("ghost") for w in daemon.status()["workers"])
-        decision = [d for d in workers.decisions() if d.get("kind") == "decision"][-1]
-        assert "ghost" not in decision["joined"]
-        # A real newcomer (register, then profile) is taken in by a later decision.
-        workers.send(type="register", worker="x1", host="localhost", memory_bytes=2**31)
-        workers.send(type="profile", worker="x1", data=PROFILE)
-        wait_for(lambda: "x1" in daemon.status()["workers"], 15, "x1 confirmed")
-    finally:
-        daemon.stop()
+    daemon = running_job.start_training("--registration-ttl-seconds", "2")
+    workers = running_job.workers
+    with redis_client.pipeline(transaction=False) as p:
+        for i in range(PHANTOMS):
+            fields = {"type": "register", "worker": f"ghost{i}", "host": "h",
+                      "memory_bytes": str(2**34)}  # fmt: skip
+            p.xadd(KEYS.events, signed(fields))  # type: ignore[arg-type]
+        p.execute()
+    # Beyond the bound they are refused at once, with the reason, and nothing is lost.
+    wait_for(lambda: redis_client.xlen(KEYS.dead) == PHANTOMS - UNCONFIRMED_MAX, 15, "refused")
+    reason = redis_client.xrange(KEYS.dead, count=1)[0][1]["error"]
+    assert "registrations already wait for their profile" in reason
+    assert len(daemon.status()["registrations_waiting"]) == UNCONFIRMED_MAX
+    # A rejoin from one of them is refused too: it never became a worker of the job.
+    workers.send(type="rejoin", worker="ghost0")
+    wait_for(lambda: redis_client.xlen(KEYS.dead) == PHANTOMS - UNCONFIRMED_MAX + 1, 15, "rej")
+    wait_for(lambda: daemon.status()["registrations_waiting"] == [], 15, "expired")
+    # A decision after all that plans with the spec's workers only.
+    workers.send(type="fault", worker="w1", cause="ECC error")
+    wait_for(lambda: workers.generation() == 2, 15, "generation 2")
+    plan = workers.plan()
+    assert plan is not None
+    planned = {st["worker"] for pipe in plan["pipelines"] for st in pipe["stages"]}
+    planned |= {w for pipe in plan["routing"] for stage in pipe for w in stage}
+    assert planned <= set(WORKERS), planned
+    assert not any(w.startswith("ghost") for w in daemon.status()["workers"])
+    decision = [d for d in workers.decisions() if d.get("kind") == "decision"][-1]
+    assert "ghost" not in decision["joined"]
+    # A real newcomer (register, then profile) is taken in by a later decision.
+    workers.send(type="register", worker="x1", host="localhost", memory_bytes=2**31)
+    workers.send(type="profile", worker="x1", data=PROFILE)
+    wait_for(lambda: "x1" in daemon.status()["workers"], 15, "x1 confirmed")
 
 
 def test_a_finished_worker_is_never_suspected_and_a_dead_one_is_named_dead(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_server: RedisServer, redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
-    daemon = Daemon(
-        redis_server.url, tmp_path, "--heartbeat-timeout-seconds", "1", "--policy", "reroute"
-    ).start()
-    workers = Workers(redis_client)
+    daemon = running_job.daemon("--heartbeat-timeout-seconds", "1", "--policy", "reroute").start()
+    workers = running_job.workers
     beating = set(WORKERS)
     stop = threading.Event()
 
@@ -92,7 +79,7 @@ def test_a_finished_worker_is_never_suspected_and_a_dead_one_is_named_dead(
     thread.start()
     try:
         daemon.wait_ready()
-        training(daemon, workers)
+        running_job.train(daemon)
         # w2 finishes its steps and exits: it says so, then goes silent.
         workers.send(type="ack", worker="w2", generation=1, phase="stopped", reason="finished")
         beating.discard("w2")
@@ -115,4 +102,3 @@ def test_a_finished_worker_is_never_suspected_and_a_dead_one_is_named_dead(
     finally:
         stop.set()
         thread.join()
-        daemon.stop()

@@ -6,34 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
+from daemon_harness import WORKERS, Daemon, RunningJob, Workers, signed, wait_for
 
 from chameleond.redis_server import RedisServer, redis_binary
-
-
-@pytest.fixture
-def daemon_factory(redis_server: RedisServer, tmp_path: Path) -> Iterator[type[Daemon]]:
-    started: list[Daemon] = []
-
-    class Started(Daemon):
-        def __init__(self, *args: str) -> None:
-            super().__init__(redis_server.url, tmp_path, *args)
-            started.append(self)
-
-    yield Started
-    for d in started:
-        d.stop()
-
-
-def training(workers: Workers, daemon: Daemon) -> None:
-    workers.run_first_plan()
-    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
 
 
 def redis_cli(server: RedisServer, *args: str) -> str:
@@ -42,14 +20,14 @@ def redis_cli(server: RedisServer, *args: str) -> str:
 
 
 def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_record(
-    daemon_factory: type[Daemon], redis_server: RedisServer, redis_client: redis.Redis
+    running_job: RunningJob, redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    daemon = daemon_factory().start().wait_ready()
-    workers = Workers(redis_client)
+    daemon = running_job.start()
+    workers = running_job.workers
     assert daemon.get("/api/v1/plan")[0] == 404  # no plan before the workers registered
     spec = json.loads(redis_client.get("chameleon:default:spec") or "{}")
     assert spec["model"]["arch"]["d_model"] > 0  # workers build the model from the stored spec
-    training(workers, daemon)
+    running_job.train(daemon)
     pubsub = redis_client.pubsub()
     pubsub.subscribe("chameleon:default:plans")
 
@@ -108,21 +86,12 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
 
 
 def test_heartbeat_lapse_ack_timeout_and_fencing(
-    daemon_factory: type[Daemon], redis_server: RedisServer, redis_client: redis.Redis
+    running_job: RunningJob, redis_server: RedisServer
 ) -> None:
-    daemon = (
-        daemon_factory(
-            "--heartbeat-timeout-seconds",
-            "1.5",
-            "--ready-timeout-seconds",
-            "3",
-            "--policy",
-            "reroute",
-        )
-        .start()
-        .wait_ready()
+    daemon = running_job.start(
+        "--heartbeat-timeout-seconds", "1.5", "--ready-timeout-seconds", "3", "--policy", "reroute"
     )
-    workers = Workers(redis_client)
+    workers = running_job.workers
     beating = set(WORKERS) - {"w4"}  # w4 never heartbeats: its lapse is a fault
     stop = threading.Event()
 
@@ -136,7 +105,7 @@ def test_heartbeat_lapse_ack_timeout_and_fencing(
     thread = threading.Thread(target=heartbeats, daemon=True)
     thread.start()
     try:
-        training(workers, daemon)
+        running_job.train(daemon)
         wait_for(lambda: workers.generation() == 2, 15, "generation 2 after w4's lapse")
         plan = workers.plan()
         assert plan is not None and plan["excluded"] == ["w4"] and plan["policy"] == "reroute"
@@ -158,11 +127,10 @@ def test_heartbeat_lapse_ack_timeout_and_fencing(
         thread.join()
 
 
-def w1_lost_then_back(daemon: Daemon, client: redis.Redis) -> tuple[Daemon, Workers]:
+def w1_lost_then_back(job: RunningJob, *args: str) -> tuple[Daemon, Workers]:
     """A training job loses w1 (generation 2, acknowledged), then w1 rejoins."""
-    daemon.start().wait_ready()
-    workers = Workers(client)
-    training(workers, daemon)
+    daemon = job.start_training(*args)
+    workers = job.workers
     workers.send(type="fault", worker="w1", cause="power")
     wait_for(lambda: workers.generation() == 2, 15, "generation 2")
     workers.ready(2, [w for w in WORKERS if w != "w1"])
@@ -171,10 +139,8 @@ def w1_lost_then_back(daemon: Daemon, client: redis.Redis) -> tuple[Daemon, Work
     return daemon, workers
 
 
-def test_rejoin_takes_a_repaired_worker_back(
-    daemon_factory: type[Daemon], redis_client: redis.Redis
-) -> None:
-    _, workers = w1_lost_then_back(daemon_factory("--policy", "dynamic"), redis_client)
+def test_rejoin_takes_a_repaired_worker_back(running_job: RunningJob) -> None:
+    _, workers = w1_lost_then_back(running_job, "--policy", "dynamic")
     wait_for(lambda: workers.generation() == 3, 15, "generation 3")
     plan = workers.plan()
     assert plan is not None and "w1" not in plan["excluded"]
@@ -184,10 +150,10 @@ def test_rejoin_takes_a_repaired_worker_back(
 
 
 def test_a_worker_kept_out_stays_on_standby_offered_to_the_next_decision(
-    daemon_factory: type[Daemon], redis_client: redis.Redis
+    running_job: RunningJob,
 ) -> None:
     # Forced reroute keeps the current plan at a rejoin: w1 comes back but is kept out.
-    daemon, workers = w1_lost_then_back(daemon_factory("--policy", "reroute"), redis_client)
+    daemon, workers = w1_lost_then_back(running_job, "--policy", "reroute")
 
     def decisions() -> list[dict[str, str]]:
         return [d for d in workers.decisions() if d.get("kind") == "decision"]
@@ -205,13 +171,12 @@ def test_a_worker_kept_out_stays_on_standby_offered_to_the_next_decision(
     assert "fenced w1" not in daemon.output()
 
 
-def w1_planned_back(daemon: Daemon, client: redis.Redis) -> tuple[Workers, set[str]]:
+def w1_planned_back(job: RunningJob) -> tuple[Daemon, Workers, set[str]]:
     """w1 is lost (generation 2 acknowledged and committed), then rejoins and generation 3 plans
-    it back with layers it must receive. Returns the workers and those that held (after
-    generation 2's commit) some layer w1 is to receive."""
-    daemon.start().wait_ready()
-    workers = Workers(client)
-    training(workers, daemon)
+    it back with layers it must receive (policy dynamic). Returns the daemon, the workers and
+    those that held (after generation 2's commit) some layer w1 is to receive."""
+    daemon = job.start_training("--policy", "dynamic")
+    workers = job.workers
     workers.send(type="fault", worker="w1", cause="power")
     wait_for(lambda: workers.generation() == 2, 15, "generation 2")
     second = workers.plan()
@@ -234,14 +199,13 @@ def w1_planned_back(daemon: Daemon, client: redis.Redis) -> tuple[Workers, set[s
         if st["worker"] not in second["excluded"]
         and received & set(range(st["first_layer"], st["end_layer"]))
     }
-    return workers, holders
+    return daemon, workers, holders
 
 
 def test_a_receiver_that_never_acknowledged_holds_nothing_when_its_sources_die(
-    daemon_factory: type[Daemon], redis_client: redis.Redis
+    running_job: RunningJob,
 ) -> None:
-    daemon = daemon_factory("--policy", "dynamic")
-    workers, holders = w1_planned_back(daemon, redis_client)
+    daemon, workers, holders = w1_planned_back(running_job)
     for w in sorted(holders):  # every copy of the layers w1 was to receive dies before w1's ack
         workers.send(type="fault", worker=w, cause="preempted")
     wait_for(lambda: daemon.status()["state"] == "unrecoverable", 15, "unrecoverable")
@@ -251,10 +215,9 @@ def test_a_receiver_that_never_acknowledged_holds_nothing_when_its_sources_die(
 
 
 def test_a_receiver_that_acknowledged_holds_its_layers_when_its_sources_die(
-    daemon_factory: type[Daemon], redis_client: redis.Redis
+    running_job: RunningJob,
 ) -> None:
-    daemon = daemon_factory("--policy", "dynamic")
-    workers, holders = w1_planned_back(daemon, redis_client)
+    daemon, workers, holders = w1_planned_back(running_job)
     workers.ready(3, ["w1"])  # w1 finished the migration: it holds the layers now
     wait_for(lambda: "w1" not in daemon.status().get("awaiting_ready", ["w1"]), 15, "w1's ack")
     for w in sorted(holders):

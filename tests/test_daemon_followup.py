@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from daemon_harness import Daemon, Generations, Workers, wait_for
+from daemon_harness import Daemon, Generations, RunningJob, Workers, wait_for
 
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.spec import parse_spec
@@ -70,18 +70,15 @@ def steps(workers: Workers, generation: int, plan_workers: list[str], step: int)
 
 
 def test_reroute_then_switch_survives_kill_9_without_loss_or_repeat(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_server: RedisServer, redis_client: redis.Redis, running_job: RunningJob, tmp_path: Path
 ) -> None:
     spec_file = tmp_path / "followup.json"
     spec_file.write_text(json.dumps(spec_document()))
-    workers = Workers(redis_client)
+    workers = running_job.workers
     published = Generations(redis_server.url)
-    daemons: list[Daemon] = []
 
     def start() -> Daemon:
-        d = Daemon(redis_server.url, tmp_path, "--spec", str(spec_file)).start()
-        daemons.append(d)
-        return d.wait_ready()
+        return running_job.start("--spec", str(spec_file))
 
     try:
         first = start()
@@ -131,8 +128,7 @@ def test_reroute_then_switch_survives_kill_9_without_loss_or_repeat(
         assert status["generation"] == 3 and status["follow_up"] is None
         assert workers.generation() == 3
     finally:
-        for d in daemons:
-            d.stop()
+        running_job.stop()
         published.close()
     plans = [d for d in workers.decisions() if d["kind"] == "decision" and d.get("selected")]
     assert [(d["generation"], d["selected"]) for d in plans] == [

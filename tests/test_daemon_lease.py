@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import redis
-from daemon_harness import WORKERS, Daemon, Generations, Workers, wait_for
+from daemon_harness import Generations, RunningJob, Workers, wait_for
 
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
@@ -32,65 +31,47 @@ def _stamp(entry_id: str) -> tuple[int, ...]:
 
 
 def test_a_standby_daemon_takes_over_when_the_leader_dies(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
-    leader = Daemon(redis_server.url, tmp_path, *SHORT_LEASE).start()
-    standby = Daemon(redis_server.url, tmp_path, *SHORT_LEASE, "--consumer", "standby")
-    workers = Workers(redis_client)
-    try:
-        leader.wait_ready()
-        workers.run_first_plan()
-        wait_for(lambda: leader.status()["state"] == "training", 15, "training")
-        standby.start()
-        wait_for(lambda: standby.get("/readyz")[0] == 503, 15, "the standby's HTTP")
-        _, why = standby.get("/readyz")
-        assert "standing by: job led by test-daemon" in str(why)
-        assert standby.get("/healthz")[0] == 200  # alive: nothing for a supervisor to restart
-        assert standby.status()["standby"] is True
-        assert standby.metric("chameleon_leader") == 0 and leader.metric("chameleon_leader") == 1
+    leader = running_job.start_training(*SHORT_LEASE)
+    standby = running_job.daemon(*SHORT_LEASE, "--consumer", "standby")
+    workers = running_job.workers
+    standby.start()
+    wait_for(lambda: standby.get("/readyz")[0] == 503, 15, "the standby's HTTP")
+    _, why = standby.get("/readyz")
+    assert "standing by: job led by test-daemon" in str(why)
+    assert standby.get("/healthz")[0] == 200  # alive: nothing for a supervisor to restart
+    assert standby.status()["standby"] is True
+    assert standby.metric("chameleon_leader") == 0 and leader.metric("chameleon_leader") == 1
 
-        workers.send(type="fault", worker="w1", cause="ECC error")
-        wait_for(lambda: workers.generation() == 2, 15, "generation 2 from the leader")
-        assert _consumers(redis_client) == {"test-daemon"}  # the standby read nothing
+    workers.send(type="fault", worker="w1", cause="ECC error")
+    wait_for(lambda: workers.generation() == 2, 15, "generation 2 from the leader")
+    assert _consumers(redis_client) == {"test-daemon"}  # the standby read nothing
 
-        leader.kill()  # kill -9: the lease lapses
-        standby.wait_ready(timeout=LEASE_SECONDS + 15)
-        assert standby.status()["generation"] == 2  # resumed from the leader's commits
-        workers.ready(2, [w for w in WORKERS if w != "w1"])
-        wait_for(lambda: standby.status()["state"] == "training", 15, "training generation 2")
-        workers.send(type="fault", worker="w3", cause="NIC down")
-        wait_for(lambda: workers.generation() == 3, 15, "generation 3 from the new leader")
-        plan = workers.plan()
-        assert plan is not None and sorted(plan["excluded"]) == ["w1", "w3"]
+    leader.kill()  # kill -9: the lease lapses
+    standby.wait_ready(timeout=LEASE_SECONDS + 15)
+    assert standby.status()["generation"] == 2  # resumed from the leader's commits
+    running_job.next_fault(standby, 2, ["w1"], "w3")  # generation 3, from the new leader
 
-        assert standby.terminate() == 0
-        assert redis_client.get(KEYS.leader) is None  # handed over at once, not left to lapse
-    finally:
-        leader.stop()
-        standby.stop()
+    assert standby.terminate() == 0
+    assert redis_client.get(KEYS.leader) is None  # handed over at once, not left to lapse
 
 
 def test_a_daemon_whose_lease_was_taken_stops_without_writing(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
-    daemon = Daemon(redis_server.url, tmp_path).start()
-    workers = Workers(redis_client)
-    try:
-        daemon.wait_ready()
-        workers.run_first_plan()
-        wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
-        redis_client.set(KEYS.leader, "elsewhere 1234", px=60_000)  # another daemon leads now
-        fault = workers.send(type="fault", worker="w1", cause="ECC error")
-        assert daemon.proc is not None
-        wait_for(lambda: daemon.proc is not None and daemon.proc.poll() is not None, 20, "exit")
-        assert daemon.proc.returncode == 1
-        assert "lease lost: elsewhere 1234 leads the job" in daemon.output()
-        assert workers.generation() == 1  # it published nothing after losing the lease
-        pending = redis_client.xpending_range(KEYS.events, "chameleond", fault, fault, 1)
-        delivered = redis_client.xinfo_groups(KEYS.events)[0]["last-delivered-id"]
-        assert pending or _stamp(delivered) < _stamp(fault)  # it waits for the daemon that leads
-    finally:
-        daemon.stop()
+    daemon = running_job.start_training()
+    workers = running_job.workers
+    redis_client.set(KEYS.leader, "elsewhere 1234", px=60_000)  # another daemon leads now
+    fault = workers.send(type="fault", worker="w1", cause="ECC error")
+    assert daemon.proc is not None
+    wait_for(lambda: daemon.proc is not None and daemon.proc.poll() is not None, 20, "exit")
+    assert daemon.proc.returncode == 1
+    assert "lease lost: elsewhere 1234 leads the job" in daemon.output()
+    assert workers.generation() == 1  # it published nothing after losing the lease
+    pending = redis_client.xpending_range(KEYS.events, "chameleond", fault, fault, 1)
+    delivered = redis_client.xinfo_groups(KEYS.events)[0]["last-delivered-id"]
+    assert pending or _stamp(delivered) < _stamp(fault)  # it waits for the daemon that leads
 
 
 def _decisions_for(workers: Workers, generation: int) -> list[dict[str, str]]:
@@ -102,21 +83,18 @@ def _decisions_for(workers: Workers, generation: int) -> list[dict[str, str]]:
 
 
 def test_the_leader_killed_mid_decision_hands_over_within_the_lease(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_server: RedisServer, redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
     """kill -9 while a fault's decision is held: the standby sees the leader's connections gone,
     takes the lease before it lapses, claims the fault left in flight at once (not after
     claim_idle_seconds) and answers it with exactly one plan."""
     lease = "4"
     args = ("--lease-seconds", lease, "--socket-timeout-seconds", "2", "--block-ms", "500")
-    leader = Daemon(redis_server.url, tmp_path, *args, "--decision-delay-seconds", "30").start()
-    standby = Daemon(redis_server.url, tmp_path, *args, "--consumer", "standby")
-    workers = Workers(redis_client)
+    leader = running_job.start_training(*args, "--decision-delay-seconds", "30")
+    standby = running_job.daemon(*args, "--consumer", "standby")
+    workers = running_job.workers
     seen = Generations(redis_server.url)
     try:
-        leader.wait_ready()
-        workers.run_first_plan()
-        wait_for(lambda: leader.status()["state"] == "training", 15, "training")
         standby.start()
         wait_for(lambda: standby.get("/readyz")[0] == 503, 15, "the standby's HTTP")
         fault = workers.send(type="fault", worker="w1", cause="ECC error")
@@ -143,37 +121,28 @@ def test_the_leader_killed_mid_decision_hands_over_within_the_lease(
         assert "claimed 1 in-flight entries" in standby.output()
     finally:
         seen.close()
-        leader.stop()
-        standby.stop()
 
 
 def test_a_stalled_leader_that_wakes_up_after_the_takeover_decides_nothing(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    running_job: RunningJob,
 ) -> None:
     """SIGSTOP keeps the leader's connections open, so the standby waits for the lease to lapse;
     the old leader, resumed after the takeover with its decision in hand, cannot commit it: the
     fault is answered once, by the new leader."""
     args = ("--lease-seconds", "3", "--socket-timeout-seconds", "1.5", "--block-ms", "500")
-    leader = Daemon(redis_server.url, tmp_path, *args, "--decision-delay-seconds", "2").start()
-    standby = Daemon(redis_server.url, tmp_path, *args, "--consumer", "standby")
-    workers = Workers(redis_client)
+    leader = running_job.start_training(*args, "--decision-delay-seconds", "2")
+    standby = running_job.daemon(*args, "--consumer", "standby")
+    workers = running_job.workers
+    standby.start()
+    wait_for(lambda: standby.get("/readyz")[0] == 503, 15, "the standby's HTTP")
+    workers.send(type="fault", worker="w1", cause="ECC error")
+    wait_for(lambda: leader.status()["state"] == "planning", 15, "the leader deciding")
+    assert leader.proc is not None
+    leader.proc.send_signal(signal.SIGSTOP)
     try:
-        leader.wait_ready()
-        workers.run_first_plan()
-        wait_for(lambda: leader.status()["state"] == "training", 15, "training")
-        standby.start()
-        wait_for(lambda: standby.get("/readyz")[0] == 503, 15, "the standby's HTTP")
-        workers.send(type="fault", worker="w1", cause="ECC error")
-        wait_for(lambda: leader.status()["state"] == "planning", 15, "the leader deciding")
-        assert leader.proc is not None
-        leader.proc.send_signal(signal.SIGSTOP)
-        try:
-            wait_for(lambda: workers.generation() == 2, 30, "generation 2 from the standby")
-        finally:
-            leader.proc.send_signal(signal.SIGCONT)
-        wait_for(lambda: leader.proc is not None and leader.proc.poll() is not None, 30, "exit")
-        assert leader.proc.returncode == 1
-        assert len(_decisions_for(workers, 2)) == 1 and workers.generation() == 2
+        wait_for(lambda: workers.generation() == 2, 30, "generation 2 from the standby")
     finally:
-        leader.stop()
-        standby.stop()
+        leader.proc.send_signal(signal.SIGCONT)
+    wait_for(lambda: leader.proc is not None and leader.proc.poll() is not None, 30, "exit")
+    assert leader.proc.returncode == 1
+    assert len(_decisions_for(workers, 2)) == 1 and workers.generation() == 2

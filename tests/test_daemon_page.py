@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
-
-from chameleond.redis_server import RedisServer
+from daemon_harness import WORKERS, Daemon, RunningJob, Workers, wait_for
 
 XSS = "<script>document.title='owned'</script><img src=x onerror=alert(1)>"
 
@@ -35,10 +32,8 @@ def browse(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture
-def daemon(redis_server: RedisServer, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(redis_server.url, tmp_path).start().wait_ready(60)
-    yield d
-    d.stop()
+def daemon(running_job: RunningJob) -> Daemon:
+    return running_job.start(timeout=60)
 
 
 def test_the_status_page_shows_state_plan_and_last_decision_in_a_browser(

@@ -10,7 +10,8 @@ import json
 import pytest
 import redis
 
-from chameleond.daemon import Config, Service
+from chameleond.daemon import Config
+from chameleond.daemon.service import Service
 from chameleond.jobs import load_default_spec
 from chameleond.redis_server import RedisServer, free_port
 

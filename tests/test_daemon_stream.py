@@ -11,7 +11,7 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
-from daemon_harness import Daemon, Workers, wait_for
+from daemon_harness import RunningJob, wait_for
 
 from chameleond.daemon.consumer import StreamConsumer
 from chameleond.protocol import CONSUMER_GROUP, Keys
@@ -31,17 +31,10 @@ def pending_of(client: redis.Redis, consumer: str) -> int:
 
 
 def test_entries_of_a_consumer_that_died_are_claimed_and_owed_ones_are_left_alone(
-    redis_server: RedisServer, redis_client: redis.Redis, tmp_path: Path
+    redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
-    workers = Workers(redis_client)
-    first = Daemon(redis_server.url, tmp_path).start()
-    try:
-        first.wait_ready()
-        workers.run_first_plan()
-        wait_for(lambda: first.status()["state"] == "training", 15, "training")
-        assert first.terminate() == 0
-    finally:
-        first.stop()
+    workers = running_job.workers
+    assert running_job.start_training().terminate() == 0
 
     # Another daemon (another consumer name, another host) reads two entries and dies.
     fault = workers.send(type="fault", worker="w2", cause="NIC down")
@@ -50,26 +43,21 @@ def test_entries_of_a_consumer_that_died_are_claimed_and_owed_ones_are_left_alon
     assert [i for _, entries in got for i, _ in entries] == [fault, beat]
     assert pending_of(redis_client, "dead-host") == 2
 
-    daemon = Daemon(redis_server.url, tmp_path, "--claim-idle-seconds", "1",
-                    "--decision-delay-seconds", "4").start()  # fmt: skip
-    try:
-        daemon.wait_ready()
-        # Claimed (XAUTOCLAIM) once idle for a second, then handled: the fault starts a decision.
-        wait_for(lambda: daemon.status()["state"] == "planning", 10, "the claimed fault decided")
-        assert pending_of(redis_client, "dead-host") == 0
-        assert delivered(redis_client, fault) == 2  # once to dead-host, once claimed
-        # While its decision is held, claim rounds pass every second; the fault waits for the
-        # decision's commit and is not claimed again, so its delivery count stays put.
-        time.sleep(2.5)
-        assert daemon.status()["state"] == "planning"
-        assert delivered(redis_client, fault) == 2
-        wait_for(lambda: workers.generation() == 2, 10, "generation 2")
-        plan = workers.plan()
-        assert plan is not None and plan["excluded"] == ["w2"]
-        wait_for(lambda: redis_client.xpending(EVENTS, CONSUMER_GROUP)["pending"] == 0, 5, "acks")
-        assert redis_client.xlen("chameleon:default:dead") == 0
-    finally:
-        daemon.stop()
+    daemon = running_job.start("--claim-idle-seconds", "1", "--decision-delay-seconds", "4")
+    # Claimed (XAUTOCLAIM) once idle for a second, then handled: the fault starts a decision.
+    wait_for(lambda: daemon.status()["state"] == "planning", 10, "the claimed fault decided")
+    assert pending_of(redis_client, "dead-host") == 0
+    assert delivered(redis_client, fault) == 2  # once to dead-host, once claimed
+    # While its decision is held, claim rounds pass every second; the fault waits for the
+    # decision's commit and is not claimed again, so its delivery count stays put.
+    time.sleep(2.5)
+    assert daemon.status()["state"] == "planning"
+    assert delivered(redis_client, fault) == 2
+    wait_for(lambda: workers.generation() == 2, 10, "generation 2")
+    plan = workers.plan()
+    assert plan is not None and plan["excluded"] == ["w2"]
+    wait_for(lambda: redis_client.xpending(EVENTS, CONSUMER_GROUP)["pending"] == 0, 5, "acks")
+    assert redis_client.xlen("chameleon:default:dead") == 0
 
 
 async def _trim_scenario(url: str) -> None:

@@ -3,23 +3,16 @@ form one unbroken chain, each leaving the phase the previous one entered."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from itertools import pairwise
-from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import WORKERS, Daemon, Workers, wait_for
-
-from chameleond.redis_server import RedisServer
+from daemon_harness import WORKERS, Daemon, RunningJob, Workers, wait_for
 
 
 @pytest.fixture
-def daemon(redis_server: RedisServer, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(redis_server.url, tmp_path, "--min-workers", str(len(WORKERS) - 1))
-    d.start().wait_ready(60)
-    yield d
-    d.stop()
+def daemon(running_job: RunningJob) -> Daemon:
+    return running_job.start("--min-workers", str(len(WORKERS) - 1), timeout=60)
 
 
 def test_a_worker_missing_from_the_initial_plan_is_a_recorded_fault(

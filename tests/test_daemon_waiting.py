@@ -7,12 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from daemon_harness import Daemon, Workers, wait_for
+from daemon_harness import Daemon, RunningJob, Workers, wait_for
 
 from chameleond.core.plan import plan_from_dict
 from chameleond.local.timeline import entry_seconds
@@ -22,10 +20,8 @@ WAIT = 2.0
 
 
 @pytest.fixture
-def daemon(redis_server: RedisServer, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(redis_server.url, tmp_path).start().wait_ready(60)
-    yield d
-    d.stop()
+def daemon(running_job: RunningJob) -> Daemon:
+    return running_job.start(timeout=60)
 
 
 def test_a_fault_before_the_workers_waits_visibly_and_is_not_counted_as_decision_time(

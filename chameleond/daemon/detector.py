@@ -14,6 +14,11 @@ Redis restart must not turn into every worker declared failed. Nor is silence wh
 itself did not run (stopped, starved: a tick comes more than STALL_SECONDS late): nobody's
 heartbeat was read meanwhile. A suspicion is written only while this daemon holds the lease
 (`Lease.xadd`), so one that stalled past its lease and wakes up writes nothing.
+
+The detector is given what it reads and the two things it may do, nothing else of the daemon:
+the job (it reads the workers and the plan, and expires stale registrations), the configuration,
+the daemon's view of Redis, a function that writes an event to the job's stream, and one that
+publishes a generation again.
 """
 
 from __future__ import annotations
@@ -21,14 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
 from chameleond.core.machine import Phase
-
-if TYPE_CHECKING:
-    from chameleond.daemon.service import Service
+from chameleond.daemon.config import Config
+from chameleond.daemon.job import Job
+from chameleond.daemon.reachability import Reachability
 
 log = logging.getLogger("chameleond.detector")
 TICK_SECONDS = 0.2
@@ -37,8 +42,17 @@ NUDGE_SECONDS = 2.0
 
 
 class Detector:
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    def __init__(
+        self,
+        job: Job,
+        cfg: Config,
+        reachability: Reachability,
+        write_event: Callable[[dict[str, str]], Awaitable[None]],
+        nudge: Callable[[int], Awaitable[None]],
+    ) -> None:
+        self.job, self.cfg, self.reachability = job, cfg, reachability
+        self.write_event = write_event  # to the job's event stream, signed, while leading
+        self.nudge = nudge  # publish this generation again (the fenced learn they are out)
         self.reported: dict[str, float] = {}  # worker -> when a suspicion was written
         self.last_nudge = 0.0
         self.fenced_logged: set[str] = set()
@@ -48,16 +62,15 @@ class Detector:
 
     def suspects(self, now: float) -> dict[str, str]:
         """Workers of the current plan or on standby to declare failed now, with the reason."""
-        svc = self.service
-        job, cfg = svc.job, svc.cfg
+        job, cfg = self.job, self.cfg
         m = job.machine
         if m.phase in (Phase.WAITING, Phase.UNRECOVERABLE) or job.plan is None:
             return {}
         hold = max(2.0, cfg.heartbeat_timeout_seconds)
         # While Redis was away no heartbeat or ack could arrive; once it is back every worker
         # gets a whole timeout to be heard from again (their kept events come first).
-        redis = svc.reachability
-        if redis is None or redis.error or now - redis.since < hold or now < self.quiet_until:
+        redis = self.reachability
+        if redis.error or now - redis.since < hold or now < self.quiet_until:
             return {}
         out: dict[str, str] = {}
         # A worker on standby is offered to every decision, a joining one to the next: one that
@@ -84,20 +97,18 @@ class Detector:
         return out
 
     def fenced_alive(self, now: float) -> list[str]:
-        svc = self.service
-        job = svc.job
-        states = job.worker_states(now, svc.cfg.heartbeat_timeout_seconds)
+        states = self.job.worker_states(now, self.cfg.heartbeat_timeout_seconds)
         return sorted(w for w, s in states.items() if s == "fenced")
 
     async def run(self) -> None:
-        svc = self.service
+        job, cfg = self.job, self.cfg
         while True:
             await asyncio.sleep(TICK_SECONDS)
             tick = time.monotonic()
             late, self.last_tick = tick - self.last_tick - TICK_SECONDS, tick
             now = time.time()
             if late > STALL_SECONDS:
-                hold = max(2.0, svc.cfg.heartbeat_timeout_seconds)
+                hold = max(2.0, cfg.heartbeat_timeout_seconds)
                 self.quiet_until = now + hold
                 log.warning("the daemon did not run for %.1f s: suspecting nobody for %.0f s",
                             late, hold)  # fmt: skip
@@ -105,13 +116,12 @@ class Detector:
                 for worker, cause in self.suspects(now).items():
                     self.reported[worker] = now
                     log.warning("suspect %s: %s", worker, cause)
-                    assert svc.lease is not None
                     fault = {"type": "fault", "worker": worker, "cause": cause}
                     fault["source"] = "detector"
-                    await svc.lease.xadd(svc.keys.events, svc.signed(fault))
-                for w in svc.job.expire_unconfirmed(now):
+                    await self.write_event(fault)
+                for w in job.expire_unconfirmed(now):
                     log.info("registration of %s expired: no profile followed it", w)
-                states = svc.job.worker_states(now, svc.cfg.heartbeat_timeout_seconds)
+                states = job.worker_states(now, cfg.heartbeat_timeout_seconds)
                 fenced = sorted(w for w, s in states.items() if s == "fenced")
                 for w in set(fenced) - self.fenced_logged:
                     log.warning("fenced %s: heard from after it was declared failed", w)
@@ -122,6 +132,6 @@ class Detector:
                 self.dead_logged = dead
                 if fenced and now - self.last_nudge >= NUDGE_SECONDS:
                     self.last_nudge = now
-                    await svc.broadcaster.nudge(svc.job.machine.generation)
+                    await self.nudge(job.machine.generation)
             except (RedisError, OSError) as e:
                 log.warning("detector: %s", e)

@@ -1,25 +1,36 @@
 """HTTP on aiohttp (127.0.0.1 by default): the status page at /, /metrics, /healthz, /readyz,
-/api/v1/status and plan."""
+/api/v1/status and plan.
+
+The endpoints read what they are given and nothing else of the daemon: the job (never changed
+here), the configuration, the metrics, the daemon's `Health`, and a Redis client for the page's
+view of the job's streams."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import RedisError
 
 from chameleond.core.plan import plan_to_dict
-from chameleond.daemon import page
+from chameleond.daemon import page, views
+from chameleond.daemon.config import Config
+from chameleond.daemon.health import Health
+from chameleond.daemon.job import Job
+from chameleond.daemon.metrics import Metrics
 from chameleond.local.timeline import is_decision, parse_decision
-
-if TYPE_CHECKING:
-    from chameleond.daemon.service import Service
+from chameleond.protocol import Keys
 
 
 class HttpServer:
-    def __init__(self, service: Service) -> None:
-        self.service = service
+    def __init__(
+        self, job: Job, cfg: Config, metrics: Metrics, health: Health, client: aioredis.Redis
+    ) -> None:
+        self.job, self.cfg, self.gauges, self.health = job, cfg, metrics, health
+        self.client = client
+        self.keys = Keys(cfg.job)
         self.runner: web.AppRunner | None = None
         self.port = 0
 
@@ -48,44 +59,45 @@ class HttpServer:
             self.runner = None
 
     async def metrics(self, request: web.Request) -> web.Response:
-        self.service.refresh_gauges()
-        body = self.service.metrics.exposition()
+        views.refresh_gauges(self.job, self.gauges, self.cfg)
+        body = self.gauges.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(self, request: web.Request) -> web.Response:
-        ok, why = self.service.healthy()
+        ok, why = self.health.healthy()
         return web.json_response({"ok": ok, "reason": why}, status=200 if ok else 503)
 
     async def readyz(self, request: web.Request) -> web.Response:
-        svc = self.service
-        ready, why = svc.readiness()
-        body = {"ready": ready, "state": svc.job.machine.phase.value, "reason": why}
+        ready, why = self.health.readiness()
+        body = {"ready": ready, "state": self.job.machine.phase.value, "reason": why}
         return web.json_response(body, status=200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.service.status())
+        return web.json_response(self._status())
 
     async def plan(self, request: web.Request) -> web.Response:
-        plan = self.service.job.plan
+        plan = self.job.plan
         if plan is None:
             return web.json_response({"error": "no plan yet: waiting for workers"}, status=404)
         return web.json_response(plan_to_dict(plan))
 
     async def page(self, request: web.Request) -> web.Response:
-        svc = self.service
-        data = page.PageData(svc.status(), svc.job.plan)
-        client = svc.client
-        if client is not None and not svc.standby_for:
+        data = page.PageData(self._status(), self.job.plan)
+        client, keys = self.client, self.keys
+        if not self.health.standby_for:
             try:
-                data.events = _text(await client.xrevrange(svc.keys.events, count=PAGE_EVENTS))
-                data.dead = _text(await client.xrevrange(svc.keys.dead, count=PAGE_EVENTS))
-                records = _text(await client.xrevrange(svc.keys.decisions, count=200))
+                data.events = _text(await client.xrevrange(keys.events, count=PAGE_EVENTS))
+                data.dead = _text(await client.xrevrange(keys.dead, count=PAGE_EVENTS))
+                records = _text(await client.xrevrange(keys.decisions, count=200))
                 data.decisions = [parse_decision(i, f) for i, f in records if is_decision(f)][
                     :PAGE_DECISIONS
                 ]
             except (RedisError, OSError) as e:
                 data.errors.append(f"Redis unreadable: {e}")
         return web.Response(text=page.render(data), content_type="text/html", charset="utf-8")
+
+    def _status(self) -> dict[str, Any]:
+        return views.status(self.job, self.cfg, standby_for=self.health.standby_for)
 
 
 PAGE_EVENTS = 10

@@ -7,6 +7,9 @@ one bounded shutdown sequence: stop reading, let the batch in hand and a running
 commit, write the progress, close. It installs no signal handlers; the command line maps SIGTERM
 to `shutdown()`. The flow itself lives in daemon/ingest.py (events), daemon/decisions.py
 (plans), daemon/commits.py (durable writes) and daemon/views.py (status and gauges).
+
+The service builds the parts and hands each the narrow thing it needs (the job, the configuration,
+a callback); no part is given the service.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -28,12 +32,12 @@ from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.core.policy import Selection
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.daemon import views
-from chameleond.daemon.broadcast import Broadcaster
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
 from chameleond.daemon.consumer import StreamConsumer
 from chameleond.daemon.decisions import Decisions
 from chameleond.daemon.detector import Detector
+from chameleond.daemon.health import Health
 from chameleond.daemon.http import HttpServer
 from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.job import Job
@@ -75,21 +79,22 @@ class Service:
             machine=PolicyMachine(ready_timeout_seconds=cfg.ready_timeout_seconds),
             registration_ttl_seconds=cfg.registration_ttl_seconds,
         )
-        self.http = HttpServer(self) if http else None
-        self.ready = False
-        # Built by run() once Redis answers.
-        self.client: aioredis.Redis | None = None
-        self.broadcaster: Broadcaster
-        self.decisions: Decisions | None = None
-        self.ingest: Ingest | None = None
-        self.reachability: Reachability | None = None  # the daemon's view of Redis (once running)
+        # What /healthz and /readyz answer; moved along by the lifecycle below.
+        self.health = Health(
+            loop_limit_seconds=cfg.block_ms / 1000 + cfg.socket_timeout_seconds * 2
+        )
+        self._serve_http = http
+        self.http: HttpServer | None = None  # built by run() once Redis answers
         self._stop = asyncio.Event()
         self._stopped = asyncio.Event()
         self._running = False
         self._failed: BaseException | None = None
-        self.standby_for = ""  # the daemon that leads the job while this one stands by
         self.leading = False  # holds the job's leader lease (daemon/lease.py)
-        self.lease: Lease | None = None  # built by run()
+
+    @property
+    def ready(self) -> bool:
+        """Started and leading the job (False again once stopping)."""
+        return self.health.ready
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -120,7 +125,7 @@ class Service:
     async def _run(self) -> int:
         cfg, job = self.cfg, self.job
         incarnation = new_incarnation()
-        client = self.client = aioredis.Redis.from_url(
+        client = aioredis.Redis.from_url(
             self.redis_url,
             socket_timeout=cfg.socket_timeout_seconds,
             socket_connect_timeout=cfg.socket_timeout_seconds,
@@ -128,18 +133,17 @@ class Service:
             client_name=connection_name(incarnation),  # how a standby sees this process live
         )
         tasks: list[asyncio.Task[Any]] = []
-        lease = self.lease = Lease(
-            client, self.keys, cfg.consumer_name, cfg.lease_seconds, incarnation
-        )
+        lease = Lease(client, self.keys, cfg.consumer_name, cfg.lease_seconds, incarnation)
         try:
             await client.ping()
-            if self.http is not None:
+            if self._serve_http:
+                self.http = HttpServer(job, cfg, self.metrics, self.health, client)
                 await self.http.start(cfg.http_host, cfg.http_port)
             if self.notifier.watchdog_seconds:
                 tasks.append(asyncio.create_task(self.notifier.watchdog(), name="watchdog"))
             if not await lease.acquire(self._stop, self._standing_by):
                 return 0  # stopped while standing by
-            self.standby_for, self.leading = "", True
+            self.health.standby_for, self.leading = "", True
             self.metrics.leader.set(1)
             consumer = StreamConsumer(
                 client, self.keys, cfg.consumer_name,
@@ -154,18 +158,23 @@ class Service:
             if orphans:
                 log.info("claimed %d in-flight entries of the daemon that led before", orphans)
             await self._restore(client)
-            reachability = self.reachability = Reachability(self.metrics)
+            reachability = self.health.reachability = Reachability(self.metrics)
             committer = Committer(
                 client, self.keys, job, self.metrics, reachability, lease,
                 persist_interval_seconds=cfg.persist_interval_seconds, keyring=self.keyring,
             )  # fmt: skip
-            self.broadcaster = committer.broadcaster
-            decisions = self.decisions = Decisions(job, cfg, committer, self.metrics)
-            ingest = self.ingest = Ingest(
+            decisions = Decisions(job, cfg, committer, self.metrics)
+            ingest = Ingest(
                 job, consumer, committer, decisions, self.metrics, reachability,
                 max_deliveries=cfg.max_deliveries, observer=self.observer, keyring=self.keyring,
             )  # fmt: skip
-            self.ready = True
+            self.health.last_activity = lambda: max(ingest.last_loop, committer.last_attempt)
+            detector = Detector(
+                job, cfg, reachability,
+                write_event=own_event_writer(lease, self.keys, self.keyring),
+                nudge=committer.broadcaster.nudge,
+            )  # fmt: skip
+            self.health.ready = True
             self.refresh_gauges()
             self.notifier.ready(f"job {cfg.job}: {job.machine.phase}")
             log.info(
@@ -177,8 +186,10 @@ class Service:
             decisions.maybe_decide()
             tasks += [
                 asyncio.create_task(ingest.run(self._stop), name="consume"),
-                asyncio.create_task(Detector(self).run(), name="detector"),
-                asyncio.create_task(self._housekeeping(ingest, committer), name="housekeeping"),
+                asyncio.create_task(detector.run(), name="detector"),
+                asyncio.create_task(
+                    self._housekeeping(ingest, committer, decisions), name="housekeeping"
+                ),
                 asyncio.create_task(lease.keep(self._stop), name="lease"),
             ]
             stop = asyncio.create_task(self._stop.wait(), name="stop")
@@ -193,7 +204,7 @@ class Service:
             log.error("cannot run: Redis at %s: %s", redact_url(self.redis_url), e)
             self._failed = e
         finally:
-            self.ready = False
+            self.health.ready = False
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -214,7 +225,7 @@ class Service:
         the progress is written."""
         self.notifier.stopping()
         self._stop.set()
-        self.ready = False
+        self.health.ready = False
         consume = next((t for t in tasks if t.get_name() == "consume"), None)
         if consume is not None and not consume.done():
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
@@ -225,7 +236,7 @@ class Service:
         log.info("stopped job=%s generation=%d", self.cfg.job, self.job.machine.generation)
 
     def _standing_by(self, holder: str) -> None:
-        self.standby_for = holder
+        self.health.standby_for = holder
         self.notifier.ready(f"job {self.cfg.job}: standing by, led by {holder}")
 
     async def _restore(self, client: aioredis.Redis) -> None:
@@ -335,10 +346,11 @@ class Service:
 
     # ---- periodic ------------------------------------------------------------------------------
 
-    async def _housekeeping(self, ingest: Ingest, committer: Committer) -> None:
+    async def _housekeeping(
+        self, ingest: Ingest, committer: Committer, decisions: Decisions
+    ) -> None:
         """Claim stale entries, trim the stream, persist progress, start due decisions, refresh
         gauges. A Redis error is logged and the next tick tries again."""
-        assert self.decisions is not None
         claim_every = max(1.0, self.cfg.claim_idle_seconds / 2)
         next_claim = time.monotonic() + claim_every
         while not self._stop.is_set():
@@ -348,49 +360,31 @@ class Service:
                     next_claim = time.monotonic() + claim_every
                     await ingest.claim_and_trim()
                 await committer.batch([], [])
-                self.decisions.maybe_decide()
+                decisions.maybe_decide()
             except (RedisError, OSError) as e:
                 log.warning("housekeeping: %s", e)
             self.refresh_gauges()
 
-    def signed(self, fields: dict[str, str]) -> dict[str, str]:
-        """An event this daemon writes to its own stream (the detector's faults), signed as the
-        workers sign theirs, so that it passes the same check."""
-        return self.keyring.sign_event(self.cfg.job, fields) if self.keyring else fields
-
-    # ---- views (HTTP, detector) --------------------------------------------------------------
+    # ---- views -------------------------------------------------------------------------------
 
     def refresh_gauges(self) -> None:
         views.refresh_gauges(self.job, self.metrics, self.cfg)
 
     def status(self) -> dict[str, Any]:
-        if self.standby_for:
-            return {"job": self.cfg.job, "standby": True, "leader": self.standby_for}
-        return views.status(self.job, self.cfg)
+        return views.status(self.job, self.cfg, standby_for=self.health.standby_for)
 
     def healthy(self) -> tuple[bool, str]:
-        ingest = self.ingest
-        last = (
-            max(ingest.last_loop, ingest.committer.last_attempt)
-            if ingest is not None
-            else time.monotonic()
-        )
-        age = time.monotonic() - last
-        limit = self.cfg.block_ms / 1000 + self.cfg.socket_timeout_seconds * 2
-        if self.ready and age > limit:
-            return False, f"consumer loop silent for {age:.1f} s"
-        return True, "ok"
+        return self.health.healthy()
 
-    def readiness(self) -> tuple[bool, str]:
-        """Healthy, started, and reading Redis: a daemon that cannot reach Redis is alive (it
-        retries; /healthz stays 200) but cannot take faults, so it is not ready."""
-        ok, why = self.healthy()
-        if not ok:
-            return False, why
-        if self.standby_for:
-            return False, f"standing by: job led by {self.standby_for}"
-        if not self.ready:
-            return False, "starting or stopping"
-        if self.reachability is not None and self.reachability.error:
-            return False, f"Redis unreachable: {self.reachability.error}"
-        return True, "ok"
+
+def own_event_writer(
+    lease: Lease, keys: Keys, keyring: Keyring | None
+) -> Callable[[dict[str, str]], Awaitable[None]]:
+    """How the daemon writes an event to its own stream (the detector's faults): signed as the
+    workers sign theirs, so that it passes the same check, and only while it holds the lease."""
+
+    async def write(fields: dict[str, str]) -> None:
+        event = keyring.sign_event(keys.job, fields) if keyring else fields
+        await lease.xadd(keys.events, event)
+
+    return write

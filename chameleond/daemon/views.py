@@ -26,7 +26,10 @@ def progress(job: Job) -> dict[str, Any]:
     }
 
 
-def status(job: Job, cfg: Config) -> dict[str, Any]:
+def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
+    """/api/v1/status; a daemon standing by names the leader (the job is the leader's to show)."""
+    if standby_for:
+        return {"job": cfg.job, "standby": True, "leader": standby_for}
     now = time.time()
     m = job.machine
     states = job.worker_states(now, cfg.heartbeat_timeout_seconds)
