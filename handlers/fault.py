@@ -5,23 +5,18 @@ the plans again is about its earlier process, and changes nothing."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from chameleond.protocol import Event, EventError
-from handlers import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome, handles
-
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
+from chameleond.events import Fault
+from chameleond.protocol import EventError
+from chameleond.state.job import Job
+from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
 
 
-@handles("fault")
-def handle_fault(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_fault(job: Job, event: Fault, entry_id: str, now: float) -> Outcome:
     worker = event.worker
     if not job.knows(worker):
         raise EventError(f"fault names {worker!r}, which is not a worker of job {job.name!r}")
-    cause = event.get("cause") or "reported failed"
-    seen_in = event.get("generation")  # validated by parse_event
-    if seen_in and job.stale_fault(worker, int(seen_in)):
+    cause = event.cause or "reported failed"
+    if event.generation is not None and job.stale_fault(worker, event.generation):
         return DUPLICATE
     if job.pending(worker):
         # Already part of the next decision: ack with it, never earlier.

@@ -5,26 +5,21 @@ was measured on keeps busy), folded into the spec's host cores."""
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING
-
 from chameleond.core.machine import Phase
 from chameleond.core.spec import JobSpec, LayerProfile
-from chameleond.daemon.jobspec import fold_profile
-from chameleond.protocol import Event, EventError
-from handlers import DUPLICATE, HANDLED, Outcome, handles
+from chameleond.events import Profile
+from chameleond.protocol import EventError
+from chameleond.state.job import Job
+from chameleond.state.jobspec import fold_profile
+from handlers.outcome import DUPLICATE, HANDLED, Outcome
 from handlers.register import admitted
 
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
 
-
-@handles("profile")
-def handle_profile(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_profile(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
     held = job.unconfirmed.get(event.worker)
     if not job.knows(event.worker) and held is None:
         raise EventError(f"profile from {event.worker!r}, not a worker of job {job.name!r}")
-    data = json.loads(event.get("data"))  # parse_event checked: an object with 'layers'
+    data = event.data
     if held is not None:
         # The profile a worker outside the spec sends after `register` confirms it (a bad one
         # raises and leaves the registration held).

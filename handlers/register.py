@@ -8,23 +8,17 @@ once, so registrations nobody follows up can neither pile up nor be planned in."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from chameleond.core.machine import Phase
 from chameleond.core.spec import WorkerSpec
-from chameleond.daemon.job import UNCONFIRMED_MAX, Registration
-from chameleond.protocol import Event, EventError
-from handlers import DUPLICATE, HANDLED, Outcome, handles
+from chameleond.events import Register
+from chameleond.protocol import EventError
+from chameleond.state.job import UNCONFIRMED_MAX, Job, Registration
+from handlers.outcome import DUPLICATE, HANDLED, Outcome
 from handlers.rejoin import join
 
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
 
-
-@handles("register")
-def handle_register(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    host, device = event.get("host"), event.get("device", "cpu") or "cpu"
-    memory = int(event.get("memory_bytes"))
+def handle_register(job: Job, event: Register, entry_id: str, now: float) -> Outcome:
+    host, device, memory = event.host, event.device, event.memory_bytes
     if not job.knows(event.worker):
         if not job.await_profile(event.worker, Registration(host, memory, device, now)):
             raise EventError(

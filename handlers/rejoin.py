@@ -3,13 +3,10 @@ planner decides whether and how to take it back (decide(joined=...))."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from chameleond.protocol import Event, EventError
-from handlers import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome, handles
-
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
+from chameleond.events import Rejoin
+from chameleond.protocol import EventError
+from chameleond.state.job import Job
+from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
 
 
 def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
@@ -30,8 +27,7 @@ def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
     return HANDLED
 
 
-@handles("rejoin")
-def handle_rejoin(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_rejoin(job: Job, event: Rejoin, entry_id: str, now: float) -> Outcome:
     if not job.knows(event.worker) or not job.workers[event.worker].registered:
         raise EventError(f"rejoin from {event.worker!r}, which never registered: send register")
     job.new_process(event.worker)

@@ -18,13 +18,13 @@ from chameleond.core.holdings import of_plan
 from chameleond.core.machine import PolicyMachine
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import Job
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
+from chameleond.state.job import Job
 
 KEYS = Keys("t")
 

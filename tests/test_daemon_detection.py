@@ -13,11 +13,11 @@ from pathlib import Path
 import redis
 from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
-from chameleond.daemon.job import UNCONFIRMED_MAX
-from chameleond.daemon.jobspec import profile_to_json
 from chameleond.jobs import load_default_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
+from chameleond.state.job import UNCONFIRMED_MAX
+from chameleond.state.jobspec import profile_to_json
 
 KEYS = Keys("default")
 PHANTOMS = 300

@@ -10,9 +10,9 @@ from pathlib import Path
 import redis
 from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
-from chameleond.daemon.jobspec import spec_document
 from chameleond.jobs import load_default_spec
 from chameleond.redis_server import RedisServer
+from chameleond.state.jobspec import spec_document
 
 EVENTS = "chameleon:default:events"
 

@@ -8,20 +8,21 @@ import json
 
 import pytest
 
-import handlers
 from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
-from chameleond.daemon.job import UNCONFIRMED_MAX, Job
-from chameleond.daemon.jobspec import profile_to_json
+from chameleond.daemon.dispatch import dispatch
 from chameleond.jobs import load_default_spec
 from chameleond.protocol import EventError, parse_event
+from chameleond.state.job import UNCONFIRMED_MAX, Job
+from chameleond.state.jobspec import profile_to_json
+from handlers.outcome import Outcome
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)
 PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(SPEC.layers)))})
 
 
-def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> handlers.Outcome:
-    return handlers.dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
+def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> Outcome:
+    return dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
 
 
 def training_job(ttl: float = 60.0) -> Job:

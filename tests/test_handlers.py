@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, replace
+from typing import get_args
 
 import pytest
 
-import handlers
 from chameleond.core.decide import initial_plan
 from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
-from chameleond.daemon.job import Job
+from chameleond.daemon.dispatch import HANDLERS, dispatch
+from chameleond.events import EVENT_CLASSES, Event
 from chameleond.jobs import load_default_spec
 from chameleond.protocol import EVENT_TYPES, EventError, parse_event
+from chameleond.state.job import Job
+from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)
@@ -22,8 +25,8 @@ def job() -> Job:
     return Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
 
 
-def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> handlers.Outcome:
-    return handlers.dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
+def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> Outcome:
+    return dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
 
 
 def training_job() -> Job:
@@ -38,7 +41,9 @@ def training_job() -> Job:
 
 
 def test_one_handler_per_event_type() -> None:
-    assert set(handlers.HANDLERS) == set(EVENT_TYPES)
+    """The daemon's table names a handler for every event the protocol parses, and nothing else."""
+    assert set(HANDLERS) == set(EVENT_CLASSES) == set(get_args(Event))
+    assert sorted(c.type for c in EVENT_CLASSES) == sorted(EVENT_TYPES)
 
 
 def test_registration_counts_towards_the_initial_plan() -> None:
@@ -140,7 +145,7 @@ def test_ack_stopped_and_rejoin() -> None:
 
 def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worker() -> None:
     from chameleond.core.decide import decide, initial_plan
-    from chameleond.daemon.job import FollowUp
+    from chameleond.state.job import FollowUp
 
     j = training_job()
     plan = initial_plan(SPEC)
@@ -176,10 +181,10 @@ def test_checkpoints_count_once_their_files_cover_every_layer_and_survive_a_rest
     n = len(j.spec.layers)
     half = ",".join(map(str, range(n // 2)))
     rest = ",".join(map(str, range(n // 2, n)))
-    assert checkpoint(j, "w0", 9, half) == handlers.HANDLED
+    assert checkpoint(j, "w0", 9, half) == HANDLED
     assert j.checkpoints.newest(n) is None  # half the model is on storage: nothing to restore
-    assert checkpoint(j, "w2", 9, half) == handlers.DUPLICATE
-    assert checkpoint(j, "w1", 9, rest) == handlers.HANDLED
+    assert checkpoint(j, "w2", 9, half) == DUPLICATE
+    assert checkpoint(j, "w1", 9, rest) == HANDLED
     assert j.checkpoints.newest(n) == 9 and j.dirty
     with pytest.raises(EventError, match="the job has layers"):
         checkpoint(j, "w1", 9, str(n))
@@ -194,14 +199,14 @@ def test_a_checkpoint_written_before_a_restore_of_an_earlier_step_is_stale() -> 
     j = training_job()
     n = len(j.spec.layers)
     every = ",".join(map(str, range(n)))
-    assert checkpoint(j, "w0", 9, every) == handlers.HANDLED
+    assert checkpoint(j, "w0", 9, every) == HANDLED
     j.machine.generation = 3  # the restore plan was published...
     j.checkpoints.restored(3, 9)  # ...and generation 3 trains again from step 9
     # Written under generation 2, reported late: its worker deletes the file in the restore.
-    assert checkpoint(j, "w1", 14, every, generation=2) == handlers.DUPLICATE
-    assert checkpoint(j, "w1", 4, every, generation=2) == handlers.HANDLED  # still on disk
+    assert checkpoint(j, "w1", 14, every, generation=2) == DUPLICATE
+    assert checkpoint(j, "w1", 4, every, generation=2) == HANDLED  # still on disk
     assert j.checkpoints.newest(n) == 9
-    assert checkpoint(j, "w1", 14, every, generation=3) == handlers.HANDLED  # trained again
+    assert checkpoint(j, "w1", 14, every, generation=3) == HANDLED  # trained again
     assert j.checkpoints.newest(n) == 14
     again = job()
     again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
@@ -234,12 +239,12 @@ def unrestorable(j: Job, entry: str, worker: str, generation: int = 2, step: int
 def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint() -> None:
     j = restoring_job()
     n = len(j.spec.layers)
-    assert unrestorable(j, "7-0", "w1", step=4) == handlers.DUPLICATE  # not this plan's step
-    assert unrestorable(j, "7-1", "w1", generation=1) == handlers.DUPLICATE
-    assert unrestorable(j, "8-0", "w1") == handlers.HANDLED_OWED
+    assert unrestorable(j, "7-0", "w1", step=4) == DUPLICATE  # not this plan's step
+    assert unrestorable(j, "7-1", "w1", generation=1) == DUPLICATE
+    assert unrestorable(j, "8-0", "w1") == HANDLED_OWED
     assert j.checkpoints.newest(n) == 4 and j.dirty
-    assert unrestorable(j, "8-1", "w1") == handlers.DUPLICATE_OWED  # redelivered
-    assert unrestorable(j, "8-2", "w2") == handlers.DUPLICATE  # the same redo answers it
+    assert unrestorable(j, "8-1", "w1") == DUPLICATE_OWED  # redelivered
+    assert unrestorable(j, "8-2", "w2") == DUPLICATE  # the same redo answers it
     request, _ = j.machine.next_request(4.0)
     assert request is not None and set(request.unrestorable) == {"w1"}
     # The report is acknowledged only with the decision that answers it.
@@ -247,12 +252,12 @@ def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint()
     # Files of step 9 reported late, from before the failed restore, are never offered again;
     # the step trained again and written anew is.
     every = ",".join(map(str, range(n)))
-    assert checkpoint(j, "w1", 9, every, generation=1) == handlers.DUPLICATE
+    assert checkpoint(j, "w1", 9, every, generation=1) == DUPLICATE
     again = job()
     again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
     assert again.checkpoints == j.checkpoints
     j.machine.generation = 3
-    assert checkpoint(j, "w1", 9, every, generation=3) == handlers.HANDLED
+    assert checkpoint(j, "w1", 9, every, generation=3) == HANDLED
     assert j.checkpoints.newest(n) == 9
 
 

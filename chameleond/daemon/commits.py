@@ -22,8 +22,6 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, Respon
 from chameleond.auth import Keyring, signed_json
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.daemon.broadcast import Broadcaster, Commit
-from chameleond.daemon.job import Job
-from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.lease import lost as lease_lost
 from chameleond.daemon.metrics import Metrics
@@ -31,6 +29,8 @@ from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.redis_errors import ErrorCode, error_message, has_code
 from chameleond.daemon.views import progress
 from chameleond.protocol import Keys
+from chameleond.state.job import Job
+from chameleond.state.jobspec import spec_document
 
 log = logging.getLogger("chameleond")
 # Refusals that end by themselves: a replica until failover completes, memory until freed.

@@ -24,9 +24,9 @@ from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import FollowUp, Job
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.views import refresh_gauges
+from chameleond.state.job import FollowUp, Job
 
 log = logging.getLogger("chameleond")
 decisions_log = logging.getLogger("chameleond.decisions")

@@ -36,13 +36,13 @@ from chameleond.daemon.decisions import Decisions
 from chameleond.daemon.detector import Detector
 from chameleond.daemon.http import HttpServer
 from chameleond.daemon.ingest import EventObserver, Ingest
-from chameleond.daemon.job import Job
-from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.protocol import Keys, redact_url
 from chameleond.sdnotify import Notifier
+from chameleond.state.job import Job
+from chameleond.state.jobspec import spec_document
 
 log = logging.getLogger("chameleond")
 

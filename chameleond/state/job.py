@@ -19,7 +19,7 @@ from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recov
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.policy import Policy, Selection
 from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
-from chameleond.daemon.jobspec import measured_layers, profile_from_json, profile_to_json
+from chameleond.state.jobspec import measured_layers, profile_from_json, profile_to_json
 
 WORKER_STATES = ("waiting", "active", "failed", "fenced", "stopped", "finished", "left")
 RECORDS_KEEP = 10_000  # decision/transition entries kept in the decisions stream
