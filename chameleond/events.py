@@ -60,7 +60,7 @@ class Profile:
 
     type: ClassVar[str] = "profile"
     worker: str
-    data: Mapping[str, Any]  # a JSON object with a `layers` list (state/jobspec.parse_profile)
+    data: Mapping[str, Any]  # a JSON object with a `layers` list (jobstate/jobspec.parse_profile)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from an older checkpoint, and the entry is acknowledged with that decision."""
 from __future__ import annotations
 
 from chameleond.events import Ack, AckPhase
-from chameleond.state.job import Job
+from chameleond.jobstate.change import SNAPSHOT, recorded, snapshot_if
+from chameleond.jobstate.job import Job
 from handlers.outcome import (
     DUPLICATE,
     DUPLICATE_OWED,
@@ -29,11 +30,10 @@ def handle_ack(job: Job, event: Ack, entry_id: str, now: float) -> Outcome:
     if event.worker in job.machine.plan_workers:  # a member's rebuilds, nobody else's
         job.observe_attempt(generation, event.attempt)
     acked, transitions = job.machine.ready(event.worker, generation, now)
-    job.record(transitions)
+    change = recorded(transitions)
     if not acked:
-        return DUPLICATE
-    job.dirty = True
-    return HANDLED
+        return DUPLICATE.having(change)
+    return HANDLED.having(change | SNAPSHOT)
 
 
 def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -> Outcome:
@@ -51,19 +51,17 @@ def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -
         if rec.stopped_generation >= generation:
             return DUPLICATE
         rec.stopped_generation = generation
-        job.dirty = True
-        return HANDLED
+        return HANDLED.having(SNAPSHOT)
     rec.stopped_generation = generation
     rec.ended = "left" if event.reason == "left" else "finished"
-    job.dirty = True
     if rec.ended == "finished":
-        return HANDLED  # its peers finish at the same step: nothing to decide
+        return HANDLED.having(SNAPSHOT)  # its peers finish at the same step: nothing to decide
     new, transitions = m.fault(event.worker, "left the job", now)
-    job.record(transitions)
+    change = SNAPSHOT | recorded(transitions)
     if new and job.pending(event.worker):
         job.owe(event.worker, entry_id)  # acknowledged with the plan that lets it go
-        return HANDLED_OWED
-    return HANDLED
+        return HANDLED_OWED.having(change)
+    return HANDLED.having(change)
 
 
 def _unrestorable(job: Job, event: Ack, entry_id: str, generation: int, now: float) -> Outcome:
@@ -71,12 +69,11 @@ def _unrestorable(job: Job, event: Ack, entry_id: str, generation: int, now: flo
     plan = job.plan
     if plan is None or plan.generation != generation or plan.restore_step != step:
         return DUPLICATE  # about a plan already replaced
-    if job.checkpoints.cannot_load(step, generation):
-        job.dirty = True
+    change = snapshot_if(job.checkpoints.cannot_load(step, generation))
     cause = event.cause or f"cannot load the checkpoint of step {step}"
     new, transitions = job.machine.unrestorable(event.worker, cause, now)
-    job.record(transitions)
+    change |= recorded(transitions)
     if new or job.pending(event.worker):  # answered by the next decision's commit
         job.owe(event.worker, entry_id)
-        return HANDLED_OWED if new else DUPLICATE_OWED
-    return DUPLICATE
+        return (HANDLED_OWED if new else DUPLICATE_OWED).having(change)
+    return DUPLICATE.having(change)

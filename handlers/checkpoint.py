@@ -7,8 +7,9 @@ deletes it (workers.checkpoint.restore)."""
 from __future__ import annotations
 
 from chameleond.events import Checkpoint
+from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.job import Job
 from chameleond.protocol import EventError
-from chameleond.state.job import Job
 from handlers.outcome import DUPLICATE, HANDLED, Outcome, reported_generation
 
 
@@ -20,5 +21,4 @@ def handle_checkpoint(job: Job, event: Checkpoint, entry_id: str, now: float) ->
         raise EventError(f"checkpoint of layer {max(layers)}: the job has layers 0-{n - 1}")
     if not job.checkpoints.add(event.step, layers, generation):
         return DUPLICATE
-    job.dirty = True
-    return HANDLED
+    return HANDLED.having(SNAPSHOT)

@@ -6,8 +6,9 @@ the plans again is about its earlier process, and changes nothing."""
 from __future__ import annotations
 
 from chameleond.events import Fault
+from chameleond.jobstate.change import recorded
+from chameleond.jobstate.job import Job
 from chameleond.protocol import EventError
-from chameleond.state.job import Job
 from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
 
 
@@ -23,12 +24,12 @@ def handle_fault(job: Job, event: Fault, entry_id: str, now: float) -> Outcome:
         job.owe(worker, entry_id)
         return DUPLICATE_OWED
     new, transitions = job.machine.fault(worker, cause, now)
-    job.record(transitions)
+    change = recorded(transitions)
     if not new:
-        return DUPLICATE
-    job.count_fault(worker, now)
-    job.dirty = True
+        return DUPLICATE.having(change)
+    change |= job.count_fault(worker, now)
     if job.pending(worker):
         job.owe(worker, entry_id)
-        return HANDLED_OWED
-    return HANDLED  # the worker ran nothing: marked failed in the snapshot committed with the ack
+        return HANDLED_OWED.having(change)
+    # The worker ran nothing: marked failed in the snapshot committed with the ack.
+    return HANDLED.having(change)

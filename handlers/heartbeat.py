@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chameleond.events import Heartbeat
-from chameleond.state.job import Job
+from chameleond.jobstate.job import Job
 from handlers.outcome import HANDLED, Outcome
 
 

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chameleond.events import Ack, Checkpoint, Step
+from chameleond.jobstate.change import UNCHANGED, Change
+from chameleond.jobstate.job import Job
 from chameleond.protocol import EventError
-from chameleond.state.job import Job
 
 
 @dataclass(frozen=True)
 class Outcome:
     label: str  # handled | duplicate (the chameleon_events_total outcome)
     owed: bool = False  # True: acknowledged by the commit of the decision it feeds
+    change: Change = UNCHANGED  # what the daemon must make durable (snapshot, records)
 
     @property
     def duplicate(self) -> bool:
         return self.label == "duplicate"
+
+    def having(self, change: Change) -> Outcome:
+        """This outcome, with `change` on top of what it changed already."""
+        return replace(self, change=self.change | change) if change else self
 
 
 HANDLED = Outcome("handled")

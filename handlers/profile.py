@@ -8,9 +8,10 @@ from __future__ import annotations
 from chameleond.core.machine import Phase
 from chameleond.core.spec import JobSpec, LayerProfile
 from chameleond.events import Profile
+from chameleond.jobstate.change import Change
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import fold_profile
 from chameleond.protocol import EventError
-from chameleond.state.job import Job
-from chameleond.state.jobspec import fold_profile
 from handlers.outcome import DUPLICATE, HANDLED, Outcome
 from handlers.register import admitted
 
@@ -23,26 +24,25 @@ def handle_profile(job: Job, event: Profile, entry_id: str, now: float) -> Outco
     if held is not None:
         # The profile a worker outside the spec sends after `register` confirms it (a bad one
         # raises and leaves the registration held).
-        job.confirm(event.worker)
+        change = job.confirm(event.worker)
         try:
             spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
         except (EventError, ValueError, KeyError, TypeError):
-            job.unconfirm(event.worker, held)
+            job.unconfirm(event.worker, held)  # as it was: nothing to persist
             raise
-        _fold(job, event.worker, spec, profile)
+        change |= _fold(job, event.worker, spec, profile)
         if job.machine.phase is Phase.WAITING:
-            return HANDLED
-        return admitted(job, event.worker, entry_id, now, changed=True)
+            return HANDLED.having(change)
+        return admitted(job, event.worker, entry_id, now, changed=True).having(change)
     # Held in the job's base spec: a measurement like the profiles, re-sent periodically, so a
     # restarted daemon has it again within one reporting period.
     spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
     if job.worker(event.worker).profile == profile and not has_host:
         return DUPLICATE
-    _fold(job, event.worker, spec, profile)
-    return HANDLED
+    return HANDLED.having(_fold(job, event.worker, spec, profile))
 
 
-def _fold(job: Job, worker: str, spec: JobSpec, profile: dict[int, LayerProfile]) -> None:
+def _fold(job: Job, worker: str, spec: JobSpec, profile: dict[int, LayerProfile]) -> Change:
     job.worker(worker).profile = profile
     job.base_spec = spec
-    job.spec_changed()
+    return job.spec_changed()

@@ -11,8 +11,10 @@ from __future__ import annotations
 from chameleond.core.machine import Phase
 from chameleond.core.spec import WorkerSpec
 from chameleond.events import Register
+from chameleond.jobstate.change import UNCHANGED
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.records import UNCONFIRMED_MAX, Registration
 from chameleond.protocol import EventError
-from chameleond.state.job import UNCONFIRMED_MAX, Job, Registration
 from handlers.outcome import DUPLICATE, HANDLED, Outcome
 from handlers.rejoin import join
 
@@ -20,12 +22,13 @@ from handlers.rejoin import join
 def handle_register(job: Job, event: Register, entry_id: str, now: float) -> Outcome:
     host, device, memory = event.host, event.device, event.memory_bytes
     if not job.knows(event.worker):
-        if not job.await_profile(event.worker, Registration(host, memory, device, now)):
+        held = job.await_profile(event.worker, Registration(host, memory, device, now))
+        if held is None:
             raise EventError(
                 f"register from {event.worker!r}, not a worker of the spec: "
                 f"{UNCONFIRMED_MAX} registrations already wait for their profile"
             )
-        return HANDLED
+        return HANDLED.having(held)
     rec = job.worker(event.worker)
     known = (rec.host, rec.device, rec.memory_bytes, rec.registered)
     changed = known != (host, device, memory, True)
@@ -35,11 +38,10 @@ def handle_register(job: Job, event: Register, entry_id: str, now: float) -> Out
     rec.last_heartbeat = now
     if event.worker in job.extra_workers and changed:
         job.extra_workers[event.worker] = WorkerSpec(event.worker, host, memory, device)
-    if changed or ended:
-        job.spec_changed()
+    change = job.spec_changed() if changed or ended else UNCHANGED
     if job.machine.phase is Phase.WAITING:
-        return HANDLED if changed else DUPLICATE
-    return admitted(job, event.worker, entry_id, now, changed)
+        return (HANDLED if changed else DUPLICATE).having(change)
+    return admitted(job, event.worker, entry_id, now, changed).having(change)
 
 
 def admitted(job: Job, worker: str, entry_id: str, now: float, changed: bool) -> Outcome:
@@ -47,4 +49,4 @@ def admitted(job: Job, worker: str, entry_id: str, now: float, changed: bool) ->
     is a join."""
     outcome = join(job, worker, entry_id, now)
     # The registration itself is new information even when the join is not.
-    return HANDLED if changed and outcome.duplicate else outcome
+    return HANDLED.having(outcome.change) if changed and outcome.duplicate else outcome

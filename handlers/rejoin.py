@@ -4,8 +4,9 @@ planner decides whether and how to take it back (decide(joined=...))."""
 from __future__ import annotations
 
 from chameleond.events import Rejoin
+from chameleond.jobstate.change import SNAPSHOT, recorded
+from chameleond.jobstate.job import Job
 from chameleond.protocol import EventError
-from chameleond.state.job import Job
 from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
 
 
@@ -14,17 +15,17 @@ def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
         job.owe(worker, entry_id)
         return DUPLICATE_OWED
     new, transitions = job.machine.join(worker, now)
-    job.record(transitions)
+    change = recorded(transitions)
     if not new:
-        return DUPLICATE
+        return DUPLICATE.having(change)
     # A new process: only a later generation can run it, so a fault seen up to this one is
     # about the process before it (handlers/fault.py).
     job.worker(worker).since_generation = job.machine.generation + 1
-    job.dirty = True
+    change |= SNAPSHOT
     if job.pending(worker):
         job.owe(worker, entry_id)
-        return HANDLED_OWED
-    return HANDLED
+        return HANDLED_OWED.having(change)
+    return HANDLED.having(change)
 
 
 def handle_rejoin(job: Job, event: Rejoin, entry_id: str, now: float) -> Outcome:

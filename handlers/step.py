@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chameleond.events import Step
-from chameleond.state.job import Job
+from chameleond.jobstate.job import Job
 from handlers.outcome import DUPLICATE, HANDLED, Outcome, reported_generation
 
 
@@ -12,7 +12,7 @@ def handle_step(job: Job, event: Step, entry_id: str, now: float) -> Outcome:
     job.heard(event.worker, now)  # a committed step is as good as a heartbeat
     if generation == job.machine.generation and event.worker not in job.machine.plan_workers:
         return DUPLICATE  # a fenced worker's last step: not part of the plan's throughput
-    fresh = job.observe_step(
+    fresh, change = job.observe_step(
         event.worker,
         generation,
         event.step,
@@ -21,4 +21,4 @@ def handle_step(job: Job, event: Step, entry_id: str, now: float) -> Outcome:
         event.loss,
         now,
     )
-    return HANDLED if fresh else DUPLICATE
+    return (HANDLED if fresh else DUPLICATE).having(change)

@@ -21,6 +21,7 @@ from chameleond.daemon.dispatch import dispatch
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.views import progress, refresh_gauges, status
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.job import Job
 from chameleond.protocol import (
     EVENT_TYPES,
     MAX_EVENT_BYTES,
@@ -28,7 +29,6 @@ from chameleond.protocol import (
     EventError,
     parse_event,
 )
-from chameleond.state.job import Job
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)
@@ -55,7 +55,7 @@ def training_job() -> Job:
     for w in WORKERS:
         ev = {"type": "register", "worker": w, "host": "localhost", "memory_bytes": str(2**31)}
         dispatch(j, parse_event(ev), "0-1", 1.0)
-    j.record(j.machine.initial(1, WORKERS, 1.0))
+    j.machine.initial(1, WORKERS, 1.0)
     for w in WORKERS:
         ev = {"type": "ack", "worker": w, "generation": "1", "phase": "ready"}
         dispatch(j, parse_event(ev), "0-2", 1.0)

@@ -14,10 +14,10 @@ import redis
 from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.jobspec import profile_to_json
+from chameleond.jobstate.records import UNCONFIRMED_MAX
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from chameleond.state.job import UNCONFIRMED_MAX
-from chameleond.state.jobspec import profile_to_json
 
 KEYS = Keys("default")
 PHANTOMS = 300

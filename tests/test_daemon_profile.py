@@ -16,9 +16,9 @@ from chameleond.daemon.config import Config
 from chameleond.daemon.dispatch import dispatch
 from chameleond.daemon.views import status
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import spec_document
 from chameleond.protocol import EventError, parse_event
-from chameleond.state.job import Job
-from chameleond.state.jobspec import spec_document
 from handlers.outcome import Outcome
 
 SPEC = load_default_spec()

@@ -16,9 +16,9 @@ from chameleond.daemon.lease import Lease
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.job import Job
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from chameleond.state.job import Job
 
 
 async def _commit_through_an_outage(server: RedisServer) -> None:

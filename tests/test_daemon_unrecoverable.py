@@ -11,8 +11,8 @@ import redis
 from daemon_harness import WORKERS, Daemon, Workers, signed, wait_for
 
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.jobspec import spec_document
 from chameleond.redis_server import RedisServer
-from chameleond.state.jobspec import spec_document
 
 EVENTS = "chameleon:default:events"
 

@@ -13,9 +13,10 @@ from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
 from chameleond.daemon.dispatch import HANDLERS, dispatch
 from chameleond.events import EVENT_CLASSES, Event
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.job import Job
 from chameleond.protocol import EVENT_TYPES, EventError, parse_event
-from chameleond.state.job import Job
-from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
+from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, Outcome
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)
@@ -33,7 +34,7 @@ def training_job() -> Job:
     j = job()
     for w in WORKERS:
         send(j, type="register", worker=w, host="localhost", memory_bytes=2**31)
-    j.record(j.machine.initial(1, WORKERS, 1.0))
+    j.machine.initial(1, WORKERS, 1.0)
     for w in WORKERS:
         send(j, type="ack", worker=w, generation=1, phase="ready")
     assert j.machine.phase is Phase.TRAINING
@@ -145,7 +146,7 @@ def test_ack_stopped_and_rejoin() -> None:
 
 def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worker() -> None:
     from chameleond.core.decide import decide, initial_plan
-    from chameleond.state.job import FollowUp
+    from chameleond.jobstate.records import FollowUp
 
     j = training_job()
     plan = initial_plan(SPEC)
@@ -157,20 +158,24 @@ def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worke
     k.restore(snap, plan, ready_timeout=30.0)
     assert k.follow_up == j.follow_up
     assert j.switch_due() is None  # acknowledged, no step yet
-    j.dirty = False
     for w in WORKERS:
-        send(j, type="step", worker=w, generation=1, step=0, samples=12, seconds=0.1, loss=5)
-    assert j.dirty  # the first steps are durable: they gate the switch
+        first = send(j, type="step", worker=w, generation=1, step=0, samples=12, seconds=0.1,
+                     loss=5)  # fmt: skip
+        assert first.change.snapshot  # the first steps are durable: they gate the switch
+    later = send(j, type="step", worker="w0", generation=1, step=1, samples=12, seconds=0.1, loss=5)
+    assert later.label == "handled" and not later.change  # soft state, saved with the progress
     assert j.switch_due() == j.follow_up
+    assert not j.drop_stale_follow_up()
     # A later plan (another fault) makes the prepared plan stale: dropped, not switched to.
     send(j, "9-0", type="fault", worker="w3", cause="x")
     request, _ = j.machine.next_request(2.0)
     assert request is not None
     j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
-    assert j.switch_due() is None and j.follow_up is None
+    assert j.switch_due() is None and j.follow_up is not None
+    assert j.drop_stale_follow_up().snapshot and j.follow_up is None
 
 
-def checkpoint(j: Job, worker: str, step: int, layers: str, generation: int = 1) -> object:
+def checkpoint(j: Job, worker: str, step: int, layers: str, generation: int = 1) -> Outcome:
     return send(
         j, type="checkpoint", worker=worker, step=step, layers=layers, generation=generation
     )
@@ -181,11 +186,11 @@ def test_checkpoints_count_once_their_files_cover_every_layer_and_survive_a_rest
     n = len(j.spec.layers)
     half = ",".join(map(str, range(n // 2)))
     rest = ",".join(map(str, range(n // 2, n)))
-    assert checkpoint(j, "w0", 9, half) == HANDLED
+    assert checkpoint(j, "w0", 9, half) == HANDLED.having(SNAPSHOT)
     assert j.checkpoints.newest(n) is None  # half the model is on storage: nothing to restore
-    assert checkpoint(j, "w2", 9, half) == DUPLICATE
-    assert checkpoint(j, "w1", 9, rest) == HANDLED
-    assert j.checkpoints.newest(n) == 9 and j.dirty
+    assert checkpoint(j, "w2", 9, half) == DUPLICATE  # nothing to save
+    assert checkpoint(j, "w1", 9, rest) == HANDLED.having(SNAPSHOT)
+    assert j.checkpoints.newest(n) == 9
     with pytest.raises(EventError, match="the job has layers"):
         checkpoint(j, "w1", 9, str(n))
     with pytest.raises(EventError, match="not a worker"):
@@ -199,14 +204,14 @@ def test_a_checkpoint_written_before_a_restore_of_an_earlier_step_is_stale() -> 
     j = training_job()
     n = len(j.spec.layers)
     every = ",".join(map(str, range(n)))
-    assert checkpoint(j, "w0", 9, every) == HANDLED
+    assert checkpoint(j, "w0", 9, every).label == "handled"
     j.machine.generation = 3  # the restore plan was published...
     j.checkpoints.restored(3, 9)  # ...and generation 3 trains again from step 9
     # Written under generation 2, reported late: its worker deletes the file in the restore.
     assert checkpoint(j, "w1", 14, every, generation=2) == DUPLICATE
-    assert checkpoint(j, "w1", 4, every, generation=2) == HANDLED  # still on disk
+    assert checkpoint(j, "w1", 4, every, generation=2).label == "handled"  # still on disk
     assert j.checkpoints.newest(n) == 9
-    assert checkpoint(j, "w1", 14, every, generation=3) == HANDLED  # trained again
+    assert checkpoint(j, "w1", 14, every, generation=3).label == "handled"  # trained again
     assert j.checkpoints.newest(n) == 14
     again = job()
     again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
@@ -231,7 +236,7 @@ def restoring_job() -> Job:
     return j
 
 
-def unrestorable(j: Job, entry: str, worker: str, generation: int = 2, step: int = 9) -> object:
+def unrestorable(j: Job, entry: str, worker: str, generation: int = 2, step: int = 9) -> Outcome:
     return send(j, entry, type="ack", worker=worker, generation=generation, phase="unrestorable",
                 step=step, cause="no readable file")  # fmt: skip
 
@@ -241,8 +246,10 @@ def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint()
     n = len(j.spec.layers)
     assert unrestorable(j, "7-0", "w1", step=4) == DUPLICATE  # not this plan's step
     assert unrestorable(j, "7-1", "w1", generation=1) == DUPLICATE
-    assert unrestorable(j, "8-0", "w1") == HANDLED_OWED
-    assert j.checkpoints.newest(n) == 4 and j.dirty
+    moved = unrestorable(j, "8-0", "w1")
+    assert (moved.label, moved.owed) == ("handled", True)
+    assert moved.change.snapshot and [r["to"] for r in moved.change.records] == ["fault_detected"]
+    assert j.checkpoints.newest(n) == 4
     assert unrestorable(j, "8-1", "w1") == DUPLICATE_OWED  # redelivered
     assert unrestorable(j, "8-2", "w2") == DUPLICATE  # the same redo answers it
     request, _ = j.machine.next_request(4.0)
@@ -257,7 +264,7 @@ def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint()
     again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
     assert again.checkpoints == j.checkpoints
     j.machine.generation = 3
-    assert checkpoint(j, "w1", 9, every, generation=3) == HANDLED
+    assert checkpoint(j, "w1", 9, every, generation=3) == HANDLED.having(SNAPSHOT)
     assert j.checkpoints.newest(n) == 9
 
 

@@ -16,7 +16,7 @@ PACKAGES = ("chameleond", "handlers", "workers")
 # What each layer must not import (by module prefix): data flows down, from the edges to the core.
 DAEMON, STATE, CLI, SIM = (
     "chameleond.daemon",
-    "chameleond.state",
+    "chameleond.jobstate",
     "chameleond.cli",
     "chameleond.sim",
 )
@@ -24,7 +24,7 @@ FORBIDDEN = {
     "chameleond.core": (DAEMON, STATE, CLI, SIM, "chameleond.local", "handlers", "workers"),
     "chameleond.events": (DAEMON, STATE, CLI, "handlers"),
     "chameleond.protocol": (DAEMON, STATE, CLI, "handlers"),
-    "chameleond.state": (DAEMON, CLI, SIM, "handlers", "workers"),
+    "chameleond.jobstate": (DAEMON, CLI, SIM, "handlers", "workers"),
     "handlers": (DAEMON, CLI, SIM, "workers"),
     "chameleond.sim": (DAEMON, CLI, "handlers"),
     DAEMON: (CLI, "workers"),
@@ -140,6 +140,6 @@ def test_the_walk_sees_the_imports() -> None:
     """The checks above are only as good as the graph: it holds the arrows we know are there."""
     g = graph()
     assert "chameleond.daemon.dispatch" in g["chameleond.daemon.ingest"]
-    assert {"chameleond.state.job", "chameleond.events"} <= g["handlers.fault"]
+    assert {"chameleond.jobstate.job", "chameleond.events"} <= g["handlers.fault"]
     assert "chameleond.events" in g["chameleond.protocol"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == {frozenset({"a", "b"})}

@@ -48,10 +48,10 @@ from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import JobSpec, LayerProfile, load_spec
 from chameleond.extras import require
+from chameleond.jobstate.jobspec import fold_profile, measured_layers
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.timeline import entry_seconds
-from chameleond.state.jobspec import fold_profile, measured_layers
 
 VICTIM = "w3"  # a stage-1 worker of the packaged 2 x 3 layout (the head: loss and largest state)
 MIN_STEPS = 5  # committed steps a plan needs for a measured step time

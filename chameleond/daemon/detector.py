@@ -109,7 +109,10 @@ class Detector:
                     fault = {"type": "fault", "worker": worker, "cause": cause}
                     fault["source"] = "detector"
                     await svc.lease.xadd(svc.keys.events, svc.signed(fault))
-                for w in svc.job.expire_unconfirmed(now):
+                expired, change = svc.job.expire_unconfirmed(now)
+                assert svc.decisions is not None
+                svc.decisions.committer.note(change)  # the next commit drops them from Redis
+                for w in expired:
                     log.info("registration of %s expired: no profile followed it", w)
                 states = svc.job.worker_states(now, svc.cfg.heartbeat_timeout_seconds)
                 fenced = sorted(w for w, s in states.items() if s == "fenced")

@@ -17,8 +17,8 @@ from chameleond.events import (
     Rejoin,
     Step,
 )
+from chameleond.jobstate.job import Job
 from chameleond.protocol import EventError
-from chameleond.state.job import Job
 from handlers.ack import handle_ack
 from handlers.checkpoint import handle_checkpoint
 from handlers.fault import handle_fault

@@ -25,8 +25,9 @@ from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.redis_errors import ErrorCode, has_code
 from chameleond.events import Event
+from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.job import Job
 from chameleond.protocol import EVENT_TYPES, EventError, check_size, parse_event, shorten
-from chameleond.state.job import Job
 
 log = logging.getLogger("chameleond")
 
@@ -103,7 +104,7 @@ class Ingest:
             self.reachability.failed(e)
             await asyncio.sleep(0.5)
             return
-        self.job.dirty = True  # the snapshot went with the rest
+        self.committer.note(SNAPSHOT)  # the snapshot went with the rest
         await self.committer.batch([], [], force_progress=True)
 
     async def claim_and_trim(self) -> None:
@@ -157,6 +158,7 @@ class Ingest:
                 log.exception("handler for entry %s failed; it stays pending", e.id)
                 continue
             m.count_event(event.type, outcome.label)
+            self.committer.note(outcome.change)
             if not outcome.owed:
                 acks.append(e.id)
             if self.observer is not None:

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from chameleond.core.machine import Phase
 from chameleond.core.policy import Policy
+from chameleond.jobstate.records import WORKER_STATES
 from chameleond.protocol import EVENT_TYPES
-from chameleond.state.job import WORKER_STATES
 
 OUTCOMES = ("handled", "invalid", "duplicate")
 POLICY_LABELS = (Policy.REROUTE, Policy.DYNAMIC, Policy.INITIAL, Policy.RESTORE)

@@ -39,10 +39,10 @@ from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import spec_document
 from chameleond.protocol import Keys, redact_url
 from chameleond.sdnotify import Notifier
-from chameleond.state.job import Job
-from chameleond.state.jobspec import spec_document
 
 log = logging.getLogger("chameleond")
 

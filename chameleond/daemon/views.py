@@ -11,7 +11,7 @@ from typing import Any
 
 from chameleond.daemon.config import Config
 from chameleond.daemon.metrics import Metrics
-from chameleond.state.job import Job
+from chameleond.jobstate.job import Job
 
 
 def progress(job: Job) -> dict[str, Any]:
