@@ -22,6 +22,7 @@ from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.views import progress, refresh_gauges, status
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.job import Job
+from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import (
     EVENT_TYPES,
     MAX_EVENT_BYTES,
@@ -75,10 +76,10 @@ def exercise(j: Job, fields: dict[str, Any], now: float = 2.0) -> str | None:
     refresh_gauges(j, METRICS, CFG)
     json.dumps(status(j, CFG))
     json.dumps(progress(j))
-    snap = json.dumps(j.snapshot(), separators=(",", ":"))
+    snap = json.dumps(snapshot(j), separators=(",", ":"))
     # ... and a restart from it.
     again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
-    again.restore(json.loads(snap), j.plan, ready_timeout=30.0)
+    restore(again, json.loads(snap), j.plan, ready_timeout=30.0)
     refresh_gauges(again, METRICS, CFG)
     json.dumps(status(again, CFG))
     return reason

@@ -15,6 +15,7 @@ from chameleond.jobstate.change import UNCHANGED
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import profile_to_json
 from chameleond.jobstate.records import UNCONFIRMED_MAX
+from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EventError, parse_event
 from handlers.outcome import Outcome
 
@@ -48,7 +49,7 @@ def test_a_worker_that_finished_is_finished_not_failed() -> None:
     assert send(j, type="ack", worker="w2", generation=1, phase="stopped").duplicate
     # The state survives a restart of the daemon.
     again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.worker_state(again.workers["w2"], 1000.0, 3.0) == "finished"
 
 

@@ -15,6 +15,7 @@ from chameleond.events import EVENT_CLASSES, Event
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.change import SNAPSHOT
 from chameleond.jobstate.job import Job
+from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EVENT_TYPES, EventError, parse_event
 from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, Outcome
 
@@ -153,9 +154,9 @@ def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worke
     prepared = decide(SPEC, plan, ["w1"], mtbf_seconds=1e6, generation=2, force="dynamic").plan
     assert prepared is not None
     j.follow_up = FollowUp(1, prepared, 12.5)
-    snap = json.loads(json.dumps(j.snapshot()))
+    snap = json.loads(json.dumps(snapshot(j)))
     k = job()
-    k.restore(snap, plan, ready_timeout=30.0)
+    restore(k, snap, plan, ready_timeout=30.0)
     assert k.follow_up == j.follow_up
     assert j.switch_due() is None  # acknowledged, no step yet
     for w in WORKERS:
@@ -196,7 +197,7 @@ def test_checkpoints_count_once_their_files_cover_every_layer_and_survive_a_rest
     with pytest.raises(EventError, match="not a worker"):
         checkpoint(j, "w99", 9, half)
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.checkpoints.newest(n) == 9
 
 
@@ -214,7 +215,7 @@ def test_a_checkpoint_written_before_a_restore_of_an_earlier_step_is_stale() -> 
     assert checkpoint(j, "w1", 14, every, generation=3).label == "handled"  # trained again
     assert j.checkpoints.newest(n) == 14
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.checkpoints == j.checkpoints
 
 
@@ -261,7 +262,7 @@ def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint()
     every = ",".join(map(str, range(n)))
     assert checkpoint(j, "w1", 9, every, generation=1) == DUPLICATE
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.checkpoints == j.checkpoints
     j.machine.generation = 3
     assert checkpoint(j, "w1", 9, every, generation=3) == HANDLED.having(SNAPSHOT)
@@ -292,7 +293,7 @@ def test_a_fault_seen_before_the_worker_came_back_is_about_its_earlier_process()
     j.machine.decided(request, DecisionResult(3, "dynamic", WORKERS), 5.0)
     j.plan = j.adopt(initial_plan(SPEC, 3, mtbf_seconds=3600.0), set())
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), j.plan, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), j.plan, ready_timeout=30.0)
     for k in (j, again):
         assert send(k, "8-0", type="fault", worker="w3", generation=2).duplicate
         assert send(k, "9-0", type="fault", worker="w3", generation=3).label == "handled"

@@ -33,6 +33,7 @@ from chameleond.daemon.views import progress
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, Record
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
+from chameleond.jobstate.snapshot import snapshot
 from chameleond.protocol import Keys
 
 log = logging.getLogger("chameleond")
@@ -229,7 +230,7 @@ class Committer:
     def _snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
         """The job's snapshot as persisted (with `plan`, the one about to be published): signed,
         so a restarted daemon trusts only its own."""
-        snap = self.job.snapshot(plan=plan)
+        snap = snapshot(self.job, plan=plan)
         return self.keyring.sign_doc("state", self.job.name, snap) if self.keyring else snap
 
     def _signed(self, kind: str, doc: dict[str, Any]) -> str:

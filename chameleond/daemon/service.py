@@ -41,6 +41,7 @@ from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
+from chameleond.jobstate.snapshot import restore
 from chameleond.protocol import Keys, redact_url
 from chameleond.sdnotify import Notifier
 
@@ -252,7 +253,7 @@ class Service:
         if snap is not None:
             snapshot = self._trusted(snap, "state", f"{k.state} snapshot")
             plan = await self._restore_plan(client, snapshot.get("plan"))
-            job.restore(snapshot, plan, ready_timeout=self.cfg.ready_timeout_seconds)
+            restore(job, snapshot, plan, ready_timeout=self.cfg.ready_timeout_seconds)
             stored = int(state.get(b"generation", b"0"))
             if stored != job.machine.generation:
                 raise RuntimeError(

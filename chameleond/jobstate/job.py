@@ -8,15 +8,14 @@ only once the effect they caused is in Redis (`owed` holds the entries a pending
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from typing import Any
 
 from chameleond.core import selector
 from chameleond.core.estimator import Estimator
-from chameleond.core.holdings import Checkpoints, of_plan
+from chameleond.core.holdings import Checkpoints
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine
-from chameleond.core.plan import Plan, plan_to_dict
+from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
 from chameleond.core.spec import JobSpec, WorkerSpec
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
@@ -118,9 +117,13 @@ class Job:
         return self._model_cache[1]
 
     def spec_changed(self) -> Change:
-        self._spec_cache = None
+        self.invalidate_spec()
         self.spec_version += 1
         return SNAPSHOT
+
+    def invalidate_spec(self) -> None:
+        """The spec's parts changed behind `spec`'s back (a restore): derive it again."""
+        self._spec_cache = None
 
     def knows(self, worker: str) -> bool:
         return worker in self.workers
@@ -284,29 +287,7 @@ class Job:
         self.unconfirmed[worker] = registration
         return self.spec_changed()
 
-    # ---- persistence ---------------------------------------------------------------------------
-
-    def snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
-        """The job's durable state. It holds the current plan (`plan`: the one a commit is about
-        to publish) as well: the plan key is what workers read, and anyone who can write to Redis
-        can write there, so a restarted daemon resumes from this copy (daemon/service.py)."""
-        current = plan or self.plan
-        return {
-            "plan": plan_to_dict(current) if current is not None else None,
-            "machine": self.machine.snapshot(),
-            "started": self.started,
-            "fault_times": self.decided_fault_times()[-1000:],
-            "last_decision": self.last_decision,
-            "waiting_faults": self.waiting_faults(),  # shown by status, never restored
-            "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
-            "checkpoints": self.checkpoints.to_json(),
-            "unconfirmed": {w: r.to_json() for w, r in self.unconfirmed.items()},
-            "extra_workers": [
-                {"id": w.id, "host": w.host, "memory_bytes": w.memory_bytes, "device": w.device}
-                for w in self.extra_workers.values()
-            ],
-            "workers": {w.id: w.to_json() for w in self.workers.values()},
-        }
+    # ---- faults and their waiting -------------------------------------------------------------
 
     def count_fault(self, worker: str, now: float) -> Change:
         """One more fault for the failure rate (selector.estimate_mtbf)."""
@@ -344,35 +325,6 @@ class Job:
         """The fault times a restart keeps: those of faults a committed decision answered."""
         undecided = {t for w, t in self.undecided_faults.items() if self.pending(w)}
         return [t for t in self.fault_times if t not in undecided]
-
-    def restore(self, snap: dict[str, Any], plan: Plan | None, *, ready_timeout: float) -> None:
-        self.machine = PolicyMachine.restore(snap["machine"], ready_timeout_seconds=ready_timeout)
-        if "holdings" not in snap["machine"] and plan is not None:
-            # A snapshot from before holdings were kept: the current plan's owners hold its layers.
-            self.machine.holdings.initial(plan.generation, of_plan(plan))
-        self.plan = plan
-        self.started = float(snap.get("started", 0.0))
-        self.fault_times = [float(t) for t in snap.get("fault_times", [])]
-        self.last_decision = snap.get("last_decision")
-        fu = snap.get("follow_up")
-        self.follow_up = FollowUp.from_json(fu) if fu else None
-        self.checkpoints = Checkpoints.from_json(snap.get("checkpoints", {}))
-        self.unconfirmed = {
-            str(w): Registration.from_json(r) for w, r in snap.get("unconfirmed", {}).items()
-        }
-        for w in snap.get("extra_workers", []):
-            self.extra_workers[w["id"]] = WorkerSpec(
-                str(w["id"]), str(w["host"]), int(w["memory_bytes"]), str(w["device"])
-            )
-        for wid, d in snap.get("workers", {}).items():
-            self.worker(wid).load(d)
-        now = time.time()
-        # Nobody could acknowledge or heartbeat to a daemon that was down: start the clocks again.
-        m = self.machine
-        m.ready_deadline = max(m.ready_deadline, now + ready_timeout)
-        for rec in self.workers.values():
-            rec.last_heartbeat = now
-        self._spec_cache = None
 
     # ---- views ---------------------------------------------------------------------------------
 
