@@ -4,7 +4,7 @@ the protocol's event types (tests/test_handlers.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from chameleond.events import (
     Ack,
@@ -31,17 +31,28 @@ from handlers.step import handle_step
 
 # Each handler takes its own event type; `dispatch` only ever pairs them by that type.
 Handler = Callable[[Job, Any, str, float], Outcome]
+E = TypeVar("E", bound=Event)
 
-HANDLERS: Mapping[type[Event], Handler] = {
-    Fault: handle_fault,
-    Rejoin: handle_rejoin,
-    Register: handle_register,
-    Heartbeat: handle_heartbeat,
-    Profile: handle_profile,
-    Step: handle_step,
-    Ack: handle_ack,
-    Checkpoint: handle_checkpoint,
-}
+
+def _pair(
+    kind: type[E], handler: Callable[[Job, E, str, float], Outcome]
+) -> tuple[type[Event], Handler]:
+    """One row of the table; the type checker holds the handler to the event type it names."""
+    return cast("type[Event]", kind), handler
+
+
+HANDLERS: Mapping[type[Event], Handler] = dict(
+    [
+        _pair(Fault, handle_fault),
+        _pair(Rejoin, handle_rejoin),
+        _pair(Register, handle_register),
+        _pair(Heartbeat, handle_heartbeat),
+        _pair(Profile, handle_profile),
+        _pair(Step, handle_step),
+        _pair(Ack, handle_ack),
+        _pair(Checkpoint, handle_checkpoint),
+    ]
+)
 
 
 def dispatch(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
