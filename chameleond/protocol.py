@@ -10,14 +10,27 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
+from chameleond.events import (
+    Ack,
+    AckPhase,
+    Checkpoint,
+    Event,
+    Fault,
+    Heartbeat,
+    Profile,
+    Register,
+    Rejoin,
+    Step,
+)
+
 CONSUMER_GROUP = "chameleond"
 EVENT_TYPES = ("fault", "rejoin", "register", "heartbeat", "profile", "step", "ack", "checkpoint")
-ACK_PHASES = ("ready", "stopped", "unrestorable")
+ACK_PHASES = tuple(p.value for p in AckPhase)
 MAX_ID_LEN = 128
 # Bounds of every event (docs/protocol.md, Bounds). Each number a client writes is checked at parse
 # time, so nothing later (the step meter, a gauge, the persisted snapshot) sees a value it cannot
@@ -155,16 +168,6 @@ class EventError(ValueError):
     """An event is malformed; the message is the dead-letter reason."""
 
 
-@dataclass(frozen=True)
-class Event:
-    type: str
-    worker: str
-    fields: Mapping[str, str]  # the raw fields, as received
-
-    def get(self, key: str, default: str = "") -> str:
-        return self.fields.get(key, default)
-
-
 def shorten(text: str, limit: int = MAX_REASON_LEN) -> str:
     """`text` cut to `limit` characters, marked when cut (dead-letter reasons, logs)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -242,9 +245,11 @@ def _float(
     return v
 
 
-def _text(f: Mapping[str, str], key: str, limit: int = MAX_TEXT_LEN) -> None:
-    if len(f.get(key, "")) > limit:
+def _text(f: Mapping[str, str], key: str, limit: int = MAX_TEXT_LEN) -> str:
+    v = f.get(key, "")
+    if len(v) > limit:
         raise EventError(f"field {key!r} is longer than {limit} characters")
+    return v
 
 
 def _ident(f: Mapping[str, str], key: str) -> str:
@@ -274,56 +279,109 @@ def checkpoint_layers(text: str) -> list[int]:
 
 
 def parse_event(raw: Mapping[Any, Any]) -> Event:
-    """Validate one stream entry's fields. Raises EventError(reason)."""
+    """Validate one stream entry's fields into its typed event. Raises EventError(reason)."""
     f = _decode(raw)
     kind = f.get("type", "")
     if not kind:
         raise EventError("missing field 'type'")
-    if kind not in EVENT_TYPES:
+    parse = _PARSERS.get(kind)
+    if parse is None:
         raise EventError(f"unknown type {_show(kind)}; expected one of {', '.join(EVENT_TYPES)}")
-    if kind == "fault":
-        if "worker" not in f and "node" not in f:
-            raise EventError("a fault needs 'worker' or 'node'")
-        worker = _ident(f, "worker") if "worker" in f else _ident(f, "node")
-        if "generation" in f:
-            _int(f, "generation", minimum=1)
-        _text(f, "cause")
-        return Event(kind, worker, f)
+    return parse(f)
+
+
+def _fault(f: Mapping[str, str]) -> Fault:
+    if "worker" not in f and "node" not in f:
+        raise EventError("a fault needs 'worker' or 'node'")
+    worker = _ident(f, "worker") if "worker" in f else _ident(f, "node")
+    generation = _int(f, "generation", minimum=1) if "generation" in f else None
+    return Fault(worker, cause=_text(f, "cause"), generation=generation)
+
+
+def _rejoin(f: Mapping[str, str]) -> Rejoin:
+    return Rejoin(_ident(f, "worker"))
+
+
+def _heartbeat(f: Mapping[str, str]) -> Heartbeat:
+    return Heartbeat(_ident(f, "worker"))
+
+
+def _register(f: Mapping[str, str]) -> Register:
     worker = _ident(f, "worker")
-    if kind == "register":
-        _ident(f, "host")
-        _int(f, "memory_bytes", minimum=1, maximum=MAX_BYTES)
-        if f.get("device"):
-            _ident(f, "device")
-    elif kind == "profile":
-        try:
-            data = json.loads(f.get("data", ""))
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, a 5000-digit int, nesting
-            raise EventError(f"field 'data' is not JSON: {str(e)[:200]}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
-            raise EventError("field 'data' must be a JSON object with a 'layers' list")
-    elif kind == "step":
-        _int(f, "generation", minimum=1)
-        _int(f, "step")
-        _int(f, "samples", maximum=MAX_SAMPLES)
-        _float(f, "seconds")
-        _float(f, "loss", maximum=MAX_LOSS)
-        if "vote_seconds" in f:
-            _float(f, "vote_seconds")
-    elif kind == "checkpoint":
-        _int(f, "step")
-        _int(f, "generation", minimum=1)
-        checkpoint_layers(f.get("layers", ""))
-        for key in CHECKPOINT_COSTS:
-            if key in f:
-                _float(f, key, maximum=float(MAX_BYTES) if key == "bytes" else MAX_SECONDS)
-    elif kind == "ack":
-        _int(f, "generation", minimum=1)
-        if f.get("phase") not in ACK_PHASES:
-            raise EventError(f"field 'phase' must be one of {', '.join(ACK_PHASES)}")
-        if "attempt" in f:
-            _int(f, "attempt", minimum=1, maximum=MAX_ATTEMPT)
-        if f["phase"] == "unrestorable":
-            _int(f, "step")
-            _text(f, "cause")
-    return Event(kind, worker, f)
+    host = _ident(f, "host")
+    memory = _int(f, "memory_bytes", minimum=1, maximum=MAX_BYTES)
+    device = _ident(f, "device") if f.get("device") else "cpu"
+    return Register(worker, host, memory, device)
+
+
+def _profile(f: Mapping[str, str]) -> Profile:
+    worker = _ident(f, "worker")
+    try:
+        data = json.loads(f.get("data", ""))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, a 5000-digit int, nesting
+        raise EventError(f"field 'data' is not JSON: {str(e)[:200]}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), list):
+        raise EventError("field 'data' must be a JSON object with a 'layers' list")
+    return Profile(worker, data)
+
+
+def _step(f: Mapping[str, str]) -> Step:
+    worker = _ident(f, "worker")
+    return Step(
+        worker,
+        generation=_int(f, "generation", minimum=1),
+        step=_int(f, "step"),
+        samples=_int(f, "samples", maximum=MAX_SAMPLES),
+        seconds=_float(f, "seconds"),
+        loss=_float(f, "loss", maximum=MAX_LOSS),
+        vote_seconds=_float(f, "vote_seconds") if "vote_seconds" in f else None,
+    )
+
+
+def _checkpoint(f: Mapping[str, str]) -> Checkpoint:
+    worker = _ident(f, "worker")
+    step = _int(f, "step")
+    generation = _int(f, "generation", minimum=1)
+    layers = tuple(checkpoint_layers(f.get("layers", "")))
+    costs = {
+        key: _float(f, key, maximum=float(MAX_BYTES) if key == "bytes" else MAX_SECONDS)
+        for key in CHECKPOINT_COSTS
+        if key in f
+    }
+    return Checkpoint(
+        worker,
+        generation=generation,
+        step=step,
+        layers=layers,
+        size_bytes=costs.get("bytes"),
+        bubble_seconds=costs.get("bubble_seconds"),
+        stall_seconds=costs.get("stall_seconds"),
+    )
+
+
+def _ack(f: Mapping[str, str]) -> Ack:
+    worker = _ident(f, "worker")
+    generation = _int(f, "generation", minimum=1)
+    if f.get("phase") not in ACK_PHASES:
+        raise EventError(f"field 'phase' must be one of {', '.join(ACK_PHASES)}")
+    phase = AckPhase(f["phase"])
+    attempt = _int(f, "attempt", minimum=1, maximum=MAX_ATTEMPT) if "attempt" in f else 1
+    step, cause = 0, ""
+    if phase is AckPhase.UNRESTORABLE:
+        step = _int(f, "step")
+        cause = _text(f, "cause")
+    return Ack(
+        worker, generation, phase, attempt, reason=f.get("reason", ""), step=step, cause=cause
+    )
+
+
+_PARSERS: dict[str, Callable[[Mapping[str, str]], Event]] = {
+    Fault.type: _fault,
+    Rejoin.type: _rejoin,
+    Register.type: _register,
+    Heartbeat.type: _heartbeat,
+    Profile.type: _profile,
+    Step.type: _step,
+    Ack.type: _ack,
+    Checkpoint.type: _checkpoint,
+}

@@ -28,9 +28,9 @@ from workers.api import (
     TrainingOf,
     default_collate,
     default_inputs,
-    run,
     split,
 )
+from workers.main import run
 
 __all__ = [
     "Batch",

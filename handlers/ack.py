@@ -7,43 +7,36 @@ from an older checkpoint, and the entry is acknowledged with that decision."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from chameleond.protocol import Event
-from handlers import (
+from chameleond.events import Ack, AckPhase
+from chameleond.jobstate.change import SNAPSHOT, recorded, snapshot_if
+from chameleond.jobstate.job import Job
+from handlers.outcome import (
     DUPLICATE,
     DUPLICATE_OWED,
     HANDLED,
     HANDLED_OWED,
     Outcome,
-    handles,
     reported_generation,
 )
 
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
 
-
-@handles("ack")
-def handle_ack(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_ack(job: Job, event: Ack, entry_id: str, now: float) -> Outcome:
     generation = reported_generation(job, event)
     job.heard(event.worker, now)
-    phase = event.get("phase")
-    if phase == "stopped":
+    if event.phase is AckPhase.STOPPED:
         return _stopped(job, event, entry_id, generation, now)
-    if phase == "unrestorable":
+    if event.phase is AckPhase.UNRESTORABLE:
         return _unrestorable(job, event, entry_id, generation, now)
     if event.worker in job.machine.plan_workers:  # a member's rebuilds, nobody else's
-        job.observe_attempt(generation, int(event.get("attempt", "1")))  # validated
+        job.observe_attempt(generation, event.attempt)
     acked, transitions = job.machine.ready(event.worker, generation, now)
-    job.record(transitions)
+    change = recorded(transitions)
     if not acked:
-        return DUPLICATE
-    job.dirty = True
-    return HANDLED
+        return DUPLICATE.having(change)
+    return HANDLED.having(change | SNAPSHOT)
 
 
-def _stopped(job: Job, event: Event, entry_id: str, generation: int, now: float) -> Outcome:
+def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -> Outcome:
     """A worker stopped. Fenced (outside the plan it names): it obeyed. A member of the current
     plan stopping on its own finished its steps, or left (`reason=left`): it is never declared
     failed, and one that left is taken out of the plans like a fault, without counting one."""
@@ -54,37 +47,33 @@ def _stopped(job: Job, event: Event, entry_id: str, generation: int, now: float)
         and event.worker in m.plan_workers
         and not job.declared_failed(event.worker)
     )
-    reason = event.get("reason", "")
     if not member or (rec.ended and rec.stopped_generation >= generation):
         if rec.stopped_generation >= generation:
             return DUPLICATE
         rec.stopped_generation = generation
-        job.dirty = True
-        return HANDLED
+        return HANDLED.having(SNAPSHOT)
     rec.stopped_generation = generation
-    rec.ended = "left" if reason == "left" else "finished"
-    job.dirty = True
+    rec.ended = "left" if event.reason == "left" else "finished"
     if rec.ended == "finished":
-        return HANDLED  # its peers finish at the same step: nothing to decide
+        return HANDLED.having(SNAPSHOT)  # its peers finish at the same step: nothing to decide
     new, transitions = m.fault(event.worker, "left the job", now)
-    job.record(transitions)
+    change = SNAPSHOT | recorded(transitions)
     if new and job.pending(event.worker):
         job.owe(event.worker, entry_id)  # acknowledged with the plan that lets it go
-        return HANDLED_OWED
-    return HANDLED
+        return HANDLED_OWED.having(change)
+    return HANDLED.having(change)
 
 
-def _unrestorable(job: Job, event: Event, entry_id: str, generation: int, now: float) -> Outcome:
-    step = int(event.get("step"))  # validated
+def _unrestorable(job: Job, event: Ack, entry_id: str, generation: int, now: float) -> Outcome:
+    step = event.step
     plan = job.plan
     if plan is None or plan.generation != generation or plan.restore_step != step:
         return DUPLICATE  # about a plan already replaced
-    if job.checkpoints.cannot_load(step, generation):
-        job.dirty = True
-    cause = event.get("cause") or f"cannot load the checkpoint of step {step}"
+    change = snapshot_if(job.checkpoints.cannot_load(step, generation))
+    cause = event.cause or f"cannot load the checkpoint of step {step}"
     new, transitions = job.machine.unrestorable(event.worker, cause, now)
-    job.record(transitions)
+    change |= recorded(transitions)
     if new or job.pending(event.worker):  # answered by the next decision's commit
         job.owe(event.worker, entry_id)
-        return HANDLED_OWED if new else DUPLICATE_OWED
-    return DUPLICATE
+        return (HANDLED_OWED if new else DUPLICATE_OWED).having(change)
+    return DUPLICATE.having(change)

@@ -6,24 +6,19 @@ deletes it (workers.checkpoint.restore)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from chameleond.protocol import Event, EventError, checkpoint_layers
-from handlers import DUPLICATE, HANDLED, Outcome, handles, reported_generation
-
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
+from chameleond.events import Checkpoint
+from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.job import Job
+from chameleond.protocol import EventError
+from handlers.outcome import DUPLICATE, HANDLED, Outcome, reported_generation
 
 
-@handles("checkpoint")
-def handle_checkpoint(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_checkpoint(job: Job, event: Checkpoint, entry_id: str, now: float) -> Outcome:
     generation = reported_generation(job, event)
-    layers = checkpoint_layers(event.get("layers"))  # validated by parse_event
+    layers = list(event.layers)
     n = len(job.spec.layers)
     if max(layers) >= n:
         raise EventError(f"checkpoint of layer {max(layers)}: the job has layers 0-{n - 1}")
-    step = int(event.get("step"))
-    if not job.checkpoints.add(step, layers, generation):
+    if not job.checkpoints.add(event.step, layers, generation):
         return DUPLICATE
-    job.dirty = True
-    return HANDLED
+    return HANDLED.having(SNAPSHOT)

@@ -5,35 +5,31 @@ the plans again is about its earlier process, and changes nothing."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from chameleond.protocol import Event, EventError
-from handlers import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome, handles
-
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
+from chameleond.events import Fault
+from chameleond.jobstate.change import recorded
+from chameleond.jobstate.job import Job
+from chameleond.protocol import EventError
+from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
 
 
-@handles("fault")
-def handle_fault(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_fault(job: Job, event: Fault, entry_id: str, now: float) -> Outcome:
     worker = event.worker
     if not job.knows(worker):
         raise EventError(f"fault names {worker!r}, which is not a worker of job {job.name!r}")
-    cause = event.get("cause") or "reported failed"
-    seen_in = event.get("generation")  # validated by parse_event
-    if seen_in and job.stale_fault(worker, int(seen_in)):
+    cause = event.cause or "reported failed"
+    if event.generation is not None and job.stale_fault(worker, event.generation):
         return DUPLICATE
     if job.pending(worker):
         # Already part of the next decision: ack with it, never earlier.
         job.owe(worker, entry_id)
         return DUPLICATE_OWED
     new, transitions = job.machine.fault(worker, cause, now)
-    job.record(transitions)
+    change = recorded(transitions)
     if not new:
-        return DUPLICATE
-    job.count_fault(worker, now)
-    job.dirty = True
+        return DUPLICATE.having(change)
+    change |= job.count_fault(worker, now)
     if job.pending(worker):
         job.owe(worker, entry_id)
-        return HANDLED_OWED
-    return HANDLED  # the worker ran nothing: marked failed in the snapshot committed with the ack
+        return HANDLED_OWED.having(change)
+    # The worker ran nothing: marked failed in the snapshot committed with the ack.
+    return HANDLED.having(change)

@@ -8,30 +8,27 @@ once, so registrations nobody follows up can neither pile up nor be planned in."
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from chameleond.core.machine import Phase
 from chameleond.core.spec import WorkerSpec
-from chameleond.daemon.job import UNCONFIRMED_MAX, Registration
-from chameleond.protocol import Event, EventError
-from handlers import DUPLICATE, HANDLED, Outcome, handles
+from chameleond.events import Register
+from chameleond.jobstate.change import UNCHANGED
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.records import UNCONFIRMED_MAX, Registration
+from chameleond.protocol import EventError
+from handlers.outcome import DUPLICATE, HANDLED, Outcome
 from handlers.rejoin import join
 
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
 
-
-@handles("register")
-def handle_register(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
-    host, device = event.get("host"), event.get("device", "cpu") or "cpu"
-    memory = int(event.get("memory_bytes"))
+def handle_register(job: Job, event: Register, entry_id: str, now: float) -> Outcome:
+    host, device, memory = event.host, event.device, event.memory_bytes
     if not job.knows(event.worker):
-        if not job.await_profile(event.worker, Registration(host, memory, device, now)):
+        held = job.await_profile(event.worker, Registration(host, memory, device, now))
+        if held is None:
             raise EventError(
                 f"register from {event.worker!r}, not a worker of the spec: "
                 f"{UNCONFIRMED_MAX} registrations already wait for their profile"
             )
-        return HANDLED
+        return HANDLED.having(held)
     rec = job.worker(event.worker)
     known = (rec.host, rec.device, rec.memory_bytes, rec.registered)
     changed = known != (host, device, memory, True)
@@ -41,11 +38,10 @@ def handle_register(job: Job, event: Event, entry_id: str, now: float) -> Outcom
     rec.last_heartbeat = now
     if event.worker in job.extra_workers and changed:
         job.extra_workers[event.worker] = WorkerSpec(event.worker, host, memory, device)
-    if changed or ended:
-        job.spec_changed()
+    change = job.spec_changed() if changed or ended else UNCHANGED
     if job.machine.phase is Phase.WAITING:
-        return HANDLED if changed else DUPLICATE
-    return admitted(job, event.worker, entry_id, now, changed)
+        return (HANDLED if changed else DUPLICATE).having(change)
+    return admitted(job, event.worker, entry_id, now, changed).having(change)
 
 
 def admitted(job: Job, worker: str, entry_id: str, now: float, changed: bool) -> Outcome:
@@ -53,4 +49,4 @@ def admitted(job: Job, worker: str, entry_id: str, now: float, changed: bool) ->
     is a join."""
     outcome = join(job, worker, entry_id, now)
     # The registration itself is new information even when the join is not.
-    return HANDLED if changed and outcome.duplicate else outcome
+    return HANDLED.having(outcome.change) if changed and outcome.duplicate else outcome

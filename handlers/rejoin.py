@@ -3,13 +3,11 @@ planner decides whether and how to take it back (decide(joined=...))."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from chameleond.protocol import Event, EventError
-from handlers import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome, handles
-
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
+from chameleond.events import Rejoin
+from chameleond.jobstate.change import SNAPSHOT, recorded
+from chameleond.jobstate.job import Job
+from chameleond.protocol import EventError
+from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
 
 
 def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
@@ -17,21 +15,20 @@ def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
         job.owe(worker, entry_id)
         return DUPLICATE_OWED
     new, transitions = job.machine.join(worker, now)
-    job.record(transitions)
+    change = recorded(transitions)
     if not new:
-        return DUPLICATE
+        return DUPLICATE.having(change)
     # A new process: only a later generation can run it, so a fault seen up to this one is
     # about the process before it (handlers/fault.py).
     job.worker(worker).since_generation = job.machine.generation + 1
-    job.dirty = True
+    change |= SNAPSHOT
     if job.pending(worker):
         job.owe(worker, entry_id)
-        return HANDLED_OWED
-    return HANDLED
+        return HANDLED_OWED.having(change)
+    return HANDLED.having(change)
 
 
-@handles("rejoin")
-def handle_rejoin(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_rejoin(job: Job, event: Rejoin, entry_id: str, now: float) -> Outcome:
     if not job.knows(event.worker) or not job.workers[event.worker].registered:
         raise EventError(f"rejoin from {event.worker!r}, which never registered: send register")
     job.new_process(event.worker)

@@ -2,28 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from chameleond.protocol import Event
-from handlers import DUPLICATE, HANDLED, Outcome, handles, reported_generation
-
-if TYPE_CHECKING:
-    from chameleond.daemon.job import Job
+from chameleond.events import Step
+from chameleond.jobstate.job import Job
+from handlers.outcome import DUPLICATE, HANDLED, Outcome, reported_generation
 
 
-@handles("step")
-def handle_step(job: Job, event: Event, entry_id: str, now: float) -> Outcome:
+def handle_step(job: Job, event: Step, entry_id: str, now: float) -> Outcome:
     generation = reported_generation(job, event)
     job.heard(event.worker, now)  # a committed step is as good as a heartbeat
     if generation == job.machine.generation and event.worker not in job.machine.plan_workers:
         return DUPLICATE  # a fenced worker's last step: not part of the plan's throughput
-    fresh = job.observe_step(
+    fresh, change = job.observe_step(
         event.worker,
         generation,
-        int(event.get("step")),
-        int(event.get("samples")),
-        float(event.get("seconds")),
-        float(event.get("loss")),
+        event.step,
+        event.samples,
+        event.seconds,
+        event.loss,
         now,
     )
-    return HANDLED if fresh else DUPLICATE
+    return (HANDLED if fresh else DUPLICATE).having(change)

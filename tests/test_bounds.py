@@ -15,13 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import handlers
 from chameleond.core.machine import Phase, PolicyMachine
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import Job
+from chameleond.daemon.dispatch import dispatch
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.views import progress, refresh_gauges, status
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import (
     EVENT_TYPES,
     MAX_EVENT_BYTES,
@@ -54,11 +55,11 @@ def training_job() -> Job:
     j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
     for w in WORKERS:
         ev = {"type": "register", "worker": w, "host": "localhost", "memory_bytes": str(2**31)}
-        handlers.dispatch(j, parse_event(ev), "0-1", 1.0)
-    j.record(j.machine.initial(1, WORKERS, 1.0))
+        dispatch(j, parse_event(ev), "0-1", 1.0)
+    j.machine.initial(1, WORKERS, 1.0)
     for w in WORKERS:
         ev = {"type": "ack", "worker": w, "generation": "1", "phase": "ready"}
-        handlers.dispatch(j, parse_event(ev), "0-2", 1.0)
+        dispatch(j, parse_event(ev), "0-2", 1.0)
     assert j.machine.phase is Phase.TRAINING
     return j
 
@@ -67,7 +68,7 @@ def exercise(j: Job, fields: dict[str, Any], now: float = 2.0) -> str | None:
     """What the daemon does with one entry and after it; the dead-letter reason, or None."""
     try:
         event = parse_event(fields)
-        handlers.dispatch(j, event, "1-0", now)
+        dispatch(j, event, "1-0", now)
         reason = None
     except EventError as e:
         reason = str(e)
@@ -75,10 +76,10 @@ def exercise(j: Job, fields: dict[str, Any], now: float = 2.0) -> str | None:
     refresh_gauges(j, METRICS, CFG)
     json.dumps(status(j, CFG))
     json.dumps(progress(j))
-    snap = json.dumps(j.snapshot(), separators=(",", ":"))
+    snap = json.dumps(snapshot(j), separators=(",", ":"))
     # ... and a restart from it.
     again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
-    again.restore(json.loads(snap), j.plan, ready_timeout=30.0)
+    restore(again, json.loads(snap), j.plan, ready_timeout=30.0)
     refresh_gauges(again, METRICS, CFG)
     json.dumps(status(again, CFG))
     return reason

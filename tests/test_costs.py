@@ -14,7 +14,7 @@ from chameleond.core.plan import Pipeline, Stage
 from chameleond.core.restorer import nic_bound_seconds, sync_groups
 from chameleond.core.search import search
 from chameleond.core.spec import CostSpec, JobSpec, SpecError, parse_spec
-from chameleond.daemon.jobspec import spec_document
+from chameleond.jobstate.jobspec import spec_document
 
 
 def two_hosts(costs: dict[str, Any] | None = None, **training: Any) -> JobSpec:

@@ -18,11 +18,12 @@ from chameleond.core.holdings import of_plan
 from chameleond.core.machine import PolicyMachine
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import Job
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.job import Job
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
 
@@ -68,7 +69,7 @@ def test_a_change_made_while_a_commit_waits_goes_into_the_next_commit(
 ) -> None:
     async def body(client: aioredis.Redis) -> None:
         c = _committer(client)
-        c.job.dirty = True
+        c.note(SNAPSHOT)
         redis_client.execute_command("CLIENT", "PAUSE", "600", "WRITE")  # Redis is slow to answer
         commit = asyncio.create_task(c.batch([], []))
         await asyncio.sleep(0.2)
@@ -76,9 +77,9 @@ def test_a_change_made_while_a_commit_waits_goes_into_the_next_commit(
         # A handler runs meanwhile: a checkpoint of every layer at step 7.
         layers = list(range(len(c.job.spec.layers)))
         assert c.job.checkpoints.add(7, layers, 1)
-        c.job.dirty = True
+        c.note(SNAPSHOT)
         await commit
-        assert c.job.dirty  # the handler's change is still to be committed...
+        assert c.unsaved.snapshot  # the handler's change is still to be committed...
         assert "7" not in json.dumps(_snapshot(redis_client)["checkpoints"])
         await c.batch([], [])  # ...and the next commit carries it
         assert _snapshot(redis_client)["checkpoints"] == c.job.checkpoints.to_json()
@@ -94,7 +95,7 @@ def test_a_daemon_without_the_lease_cannot_commit(
         assert await leader.lease.acquire(asyncio.Event(), lambda holder: None)
         await _publish_initial(leader)
         before = redis_client.hgetall(KEYS.state)
-        other.job.dirty = True
+        other.note(SNAPSHOT)
         with pytest.raises(LeaseLost, match="lease lost: a "):
             await other.batch(["0-1"], [], force_progress=True)
         assert redis_client.hgetall(KEYS.state) == before  # nothing of it was written
@@ -120,7 +121,7 @@ def test_a_redis_that_came_back_empty_gets_the_state_written_again(
         await _publish_initial(c)
         plan = redis_client.get(KEYS.plan)
         redis_client.flushall()  # a restart without persistence, or a failover that lost it
-        c.job.dirty = True
+        c.note(SNAPSHOT)
         await c.batch([], [], force_progress=True)
         assert redis_client.hget(KEYS.state, "generation") == "1"
         assert redis_client.get(KEYS.plan) == plan

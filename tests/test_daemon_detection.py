@@ -12,9 +12,9 @@ import time
 import redis
 from daemon_harness import WORKERS, RunningJob, signed, wait_for
 
-from chameleond.daemon.job import UNCONFIRMED_MAX
-from chameleond.daemon.jobspec import profile_to_json
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.jobspec import profile_to_json
+from chameleond.jobstate.records import UNCONFIRMED_MAX
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
 

@@ -8,25 +8,26 @@ from dataclasses import asdict
 
 import pytest
 
-import handlers
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.estimator import Estimator
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.spec import parse_spec
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import Job
-from chameleond.daemon.jobspec import spec_document
+from chameleond.daemon.dispatch import dispatch
 from chameleond.daemon.views import status
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import spec_document
 from chameleond.protocol import EventError, parse_event
+from handlers.outcome import Outcome
 
 SPEC = load_default_spec()
 LAYERS = [asdict(layer) for layer in SPEC.layers]
 
 
-def send(j: Job, data: object, worker: str = "w0") -> handlers.Outcome:
+def send(j: Job, data: object, worker: str = "w0") -> Outcome:
     fields = {"type": "profile", "worker": worker, "data": json.dumps(data)}
-    return handlers.dispatch(j, parse_event(fields), "1-0", 1.0)
+    return dispatch(j, parse_event(fields), "1-0", 1.0)
 
 
 def test_host_reports_move_the_cores_and_step_cpu_toward_the_measurements() -> None:

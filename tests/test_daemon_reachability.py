@@ -12,11 +12,11 @@ import redis.asyncio as aioredis
 from chameleond.core.machine import PolicyMachine
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import Job
 from chameleond.daemon.lease import Lease
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.job import Job
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import redis
 from daemon_harness import Daemon, RunningJob, Workers, signed, wait_for
 
-from chameleond.daemon.jobspec import spec_document
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.jobspec import spec_document
 
 EVENTS = "chameleon:default:events"
 

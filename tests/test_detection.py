@@ -8,27 +8,31 @@ import json
 
 import pytest
 
-import handlers
 from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
-from chameleond.daemon.job import UNCONFIRMED_MAX, Job
-from chameleond.daemon.jobspec import profile_to_json
+from chameleond.daemon.dispatch import dispatch
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.change import UNCHANGED
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import profile_to_json
+from chameleond.jobstate.records import UNCONFIRMED_MAX
+from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EventError, parse_event
+from handlers.outcome import Outcome
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)
 PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(SPEC.layers)))})
 
 
-def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> handlers.Outcome:
-    return handlers.dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
+def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> Outcome:
+    return dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
 
 
 def training_job(ttl: float = 60.0) -> Job:
     j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine(), registration_ttl_seconds=ttl)
     for w in WORKERS:
         send(j, type="register", worker=w, host="localhost", memory_bytes=2**31)
-    j.record(j.machine.initial(1, WORKERS, 1.0))
+    j.machine.initial(1, WORKERS, 1.0)
     for w in WORKERS:
         send(j, type="ack", worker=w, generation=1, phase="ready")
     assert j.machine.phase is Phase.TRAINING
@@ -45,7 +49,7 @@ def test_a_worker_that_finished_is_finished_not_failed() -> None:
     assert send(j, type="ack", worker="w2", generation=1, phase="stopped").duplicate
     # The state survives a restart of the daemon.
     again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.worker_state(again.workers["w2"], 1000.0, 3.0) == "finished"
 
 
@@ -92,7 +96,9 @@ def test_unconfirmed_registrations_expire_and_are_bounded() -> None:
     with pytest.raises(EventError, match="registrations already wait"):
         send(j, now=3.0, type="register", worker="one-too-many", host="h", memory_bytes=1)
     assert len(j.unconfirmed) == UNCONFIRMED_MAX
-    assert len(j.expire_unconfirmed(8.0)) == UNCONFIRMED_MAX and not j.unconfirmed
+    expired, change = j.expire_unconfirmed(8.0)
+    assert len(expired) == UNCONFIRMED_MAX and not j.unconfirmed and change.snapshot
+    assert j.expire_unconfirmed(8.0) == ([], UNCHANGED)  # nothing left to drop: nothing to save
     send(j, now=9.0, type="register", worker="late", host="h", memory_bytes=2**31)
     assert list(j.unconfirmed) == ["late"]
     # Expired: a profile that comes afterwards is from nobody the job knows.

@@ -18,7 +18,7 @@ from chameleond.core.estimator import (
 )
 from chameleond.core.plan import Pipeline, Stage, SyncGroup
 from chameleond.core.spec import JobSpec, LinkSpec, parse_spec
-from chameleond.daemon.jobspec import spec_document
+from chameleond.jobstate.jobspec import spec_document
 
 
 def spec_of(

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, replace
+from typing import get_args
 
 import pytest
 
-import handlers
 from chameleond.core.decide import initial_plan
 from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
-from chameleond.daemon.job import Job
+from chameleond.daemon.dispatch import HANDLERS, dispatch
+from chameleond.events import EVENT_CLASSES, Event
 from chameleond.jobs import load_default_spec
+from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EVENT_TYPES, EventError, parse_event
+from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, Outcome
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)
@@ -22,15 +27,15 @@ def job() -> Job:
     return Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
 
 
-def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> handlers.Outcome:
-    return handlers.dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
+def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> Outcome:
+    return dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
 
 
 def training_job() -> Job:
     j = job()
     for w in WORKERS:
         send(j, type="register", worker=w, host="localhost", memory_bytes=2**31)
-    j.record(j.machine.initial(1, WORKERS, 1.0))
+    j.machine.initial(1, WORKERS, 1.0)
     for w in WORKERS:
         send(j, type="ack", worker=w, generation=1, phase="ready")
     assert j.machine.phase is Phase.TRAINING
@@ -38,7 +43,9 @@ def training_job() -> Job:
 
 
 def test_one_handler_per_event_type() -> None:
-    assert set(handlers.HANDLERS) == set(EVENT_TYPES)
+    """The daemon's table names a handler for every event the protocol parses, and nothing else."""
+    assert set(HANDLERS) == set(EVENT_CLASSES) == set(get_args(Event))
+    assert sorted(c.type for c in EVENT_CLASSES) == sorted(EVENT_TYPES)
 
 
 def test_registration_counts_towards_the_initial_plan() -> None:
@@ -140,32 +147,36 @@ def test_ack_stopped_and_rejoin() -> None:
 
 def test_a_prepared_follow_up_is_persisted_and_waits_for_a_step_from_every_worker() -> None:
     from chameleond.core.decide import decide, initial_plan
-    from chameleond.daemon.job import FollowUp
+    from chameleond.jobstate.records import FollowUp
 
     j = training_job()
     plan = initial_plan(SPEC)
     prepared = decide(SPEC, plan, ["w1"], mtbf_seconds=1e6, generation=2, force="dynamic").plan
     assert prepared is not None
     j.follow_up = FollowUp(1, prepared, 12.5)
-    snap = json.loads(json.dumps(j.snapshot()))
+    snap = json.loads(json.dumps(snapshot(j)))
     k = job()
-    k.restore(snap, plan, ready_timeout=30.0)
+    restore(k, snap, plan, ready_timeout=30.0)
     assert k.follow_up == j.follow_up
     assert j.switch_due() is None  # acknowledged, no step yet
-    j.dirty = False
     for w in WORKERS:
-        send(j, type="step", worker=w, generation=1, step=0, samples=12, seconds=0.1, loss=5)
-    assert j.dirty  # the first steps are durable: they gate the switch
+        first = send(j, type="step", worker=w, generation=1, step=0, samples=12, seconds=0.1,
+                     loss=5)  # fmt: skip
+        assert first.change.snapshot  # the first steps are durable: they gate the switch
+    later = send(j, type="step", worker="w0", generation=1, step=1, samples=12, seconds=0.1, loss=5)
+    assert later.label == "handled" and not later.change  # soft state, saved with the progress
     assert j.switch_due() == j.follow_up
+    assert not j.drop_stale_follow_up()
     # A later plan (another fault) makes the prepared plan stale: dropped, not switched to.
     send(j, "9-0", type="fault", worker="w3", cause="x")
     request, _ = j.machine.next_request(2.0)
     assert request is not None
     j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
-    assert j.switch_due() is None and j.follow_up is None
+    assert j.switch_due() is None and j.follow_up is not None
+    assert j.drop_stale_follow_up().snapshot and j.follow_up is None
 
 
-def checkpoint(j: Job, worker: str, step: int, layers: str, generation: int = 1) -> object:
+def checkpoint(j: Job, worker: str, step: int, layers: str, generation: int = 1) -> Outcome:
     return send(
         j, type="checkpoint", worker=worker, step=step, layers=layers, generation=generation
     )
@@ -176,17 +187,17 @@ def test_checkpoints_count_once_their_files_cover_every_layer_and_survive_a_rest
     n = len(j.spec.layers)
     half = ",".join(map(str, range(n // 2)))
     rest = ",".join(map(str, range(n // 2, n)))
-    assert checkpoint(j, "w0", 9, half) == handlers.HANDLED
+    assert checkpoint(j, "w0", 9, half) == HANDLED.having(SNAPSHOT)
     assert j.checkpoints.newest(n) is None  # half the model is on storage: nothing to restore
-    assert checkpoint(j, "w2", 9, half) == handlers.DUPLICATE
-    assert checkpoint(j, "w1", 9, rest) == handlers.HANDLED
-    assert j.checkpoints.newest(n) == 9 and j.dirty
+    assert checkpoint(j, "w2", 9, half) == DUPLICATE  # nothing to save
+    assert checkpoint(j, "w1", 9, rest) == HANDLED.having(SNAPSHOT)
+    assert j.checkpoints.newest(n) == 9
     with pytest.raises(EventError, match="the job has layers"):
         checkpoint(j, "w1", 9, str(n))
     with pytest.raises(EventError, match="not a worker"):
         checkpoint(j, "w99", 9, half)
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.checkpoints.newest(n) == 9
 
 
@@ -194,17 +205,17 @@ def test_a_checkpoint_written_before_a_restore_of_an_earlier_step_is_stale() -> 
     j = training_job()
     n = len(j.spec.layers)
     every = ",".join(map(str, range(n)))
-    assert checkpoint(j, "w0", 9, every) == handlers.HANDLED
+    assert checkpoint(j, "w0", 9, every).label == "handled"
     j.machine.generation = 3  # the restore plan was published...
     j.checkpoints.restored(3, 9)  # ...and generation 3 trains again from step 9
     # Written under generation 2, reported late: its worker deletes the file in the restore.
-    assert checkpoint(j, "w1", 14, every, generation=2) == handlers.DUPLICATE
-    assert checkpoint(j, "w1", 4, every, generation=2) == handlers.HANDLED  # still on disk
+    assert checkpoint(j, "w1", 14, every, generation=2) == DUPLICATE
+    assert checkpoint(j, "w1", 4, every, generation=2).label == "handled"  # still on disk
     assert j.checkpoints.newest(n) == 9
-    assert checkpoint(j, "w1", 14, every, generation=3) == handlers.HANDLED  # trained again
+    assert checkpoint(j, "w1", 14, every, generation=3).label == "handled"  # trained again
     assert j.checkpoints.newest(n) == 14
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.checkpoints == j.checkpoints
 
 
@@ -226,7 +237,7 @@ def restoring_job() -> Job:
     return j
 
 
-def unrestorable(j: Job, entry: str, worker: str, generation: int = 2, step: int = 9) -> object:
+def unrestorable(j: Job, entry: str, worker: str, generation: int = 2, step: int = 9) -> Outcome:
     return send(j, entry, type="ack", worker=worker, generation=generation, phase="unrestorable",
                 step=step, cause="no readable file")  # fmt: skip
 
@@ -234,12 +245,14 @@ def unrestorable(j: Job, entry: str, worker: str, generation: int = 2, step: int
 def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint() -> None:
     j = restoring_job()
     n = len(j.spec.layers)
-    assert unrestorable(j, "7-0", "w1", step=4) == handlers.DUPLICATE  # not this plan's step
-    assert unrestorable(j, "7-1", "w1", generation=1) == handlers.DUPLICATE
-    assert unrestorable(j, "8-0", "w1") == handlers.HANDLED_OWED
-    assert j.checkpoints.newest(n) == 4 and j.dirty
-    assert unrestorable(j, "8-1", "w1") == handlers.DUPLICATE_OWED  # redelivered
-    assert unrestorable(j, "8-2", "w2") == handlers.DUPLICATE  # the same redo answers it
+    assert unrestorable(j, "7-0", "w1", step=4) == DUPLICATE  # not this plan's step
+    assert unrestorable(j, "7-1", "w1", generation=1) == DUPLICATE
+    moved = unrestorable(j, "8-0", "w1")
+    assert (moved.label, moved.owed) == ("handled", True)
+    assert moved.change.snapshot and [r["to"] for r in moved.change.records] == ["fault_detected"]
+    assert j.checkpoints.newest(n) == 4
+    assert unrestorable(j, "8-1", "w1") == DUPLICATE_OWED  # redelivered
+    assert unrestorable(j, "8-2", "w2") == DUPLICATE  # the same redo answers it
     request, _ = j.machine.next_request(4.0)
     assert request is not None and set(request.unrestorable) == {"w1"}
     # The report is acknowledged only with the decision that answers it.
@@ -247,12 +260,12 @@ def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint()
     # Files of step 9 reported late, from before the failed restore, are never offered again;
     # the step trained again and written anew is.
     every = ",".join(map(str, range(n)))
-    assert checkpoint(j, "w1", 9, every, generation=1) == handlers.DUPLICATE
+    assert checkpoint(j, "w1", 9, every, generation=1) == DUPLICATE
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), None, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.checkpoints == j.checkpoints
     j.machine.generation = 3
-    assert checkpoint(j, "w1", 9, every, generation=3) == handlers.HANDLED
+    assert checkpoint(j, "w1", 9, every, generation=3) == HANDLED.having(SNAPSHOT)
     assert j.checkpoints.newest(n) == 9
 
 
@@ -280,7 +293,7 @@ def test_a_fault_seen_before_the_worker_came_back_is_about_its_earlier_process()
     j.machine.decided(request, DecisionResult(3, "dynamic", WORKERS), 5.0)
     j.plan = j.adopt(initial_plan(SPEC, 3, mtbf_seconds=3600.0), set())
     again = job()
-    again.restore(json.loads(json.dumps(j.snapshot())), j.plan, ready_timeout=30.0)
+    restore(again, json.loads(json.dumps(snapshot(j))), j.plan, ready_timeout=30.0)
     for k in (j, again):
         assert send(k, "8-0", type="fault", worker="w3", generation=2).duplicate
         assert send(k, "9-0", type="fault", worker="w3", generation=3).label == "handled"

@@ -82,4 +82,4 @@ def test_fault_event_is_what_redis_cli_sends(
     [(eid, fields)] = redis_client.xrange(Keys("default").events)
     assert eid == entry
     event = parse_event(fields)
-    assert (event.type, event.worker, event.get("cause")) == ("fault", "w3", "ECC error")
+    assert (event.type, event.worker, event.cause) == ("fault", "w3", "ECC error")

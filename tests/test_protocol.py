@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from chameleond.events import EVENT_CLASSES, Ack, AckPhase, Checkpoint, Fault, Register, Step
 from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event, redact_url, url_error
 
 
@@ -69,6 +70,35 @@ def test_valid_events_parse(fields: dict[str, str]) -> None:
     raw = {k.encode(): v.encode() for k, v in fields.items()}
     event = parse_event(raw)
     assert event.type == fields["type"] and event.worker == "w3"
+    assert isinstance(event, EVENT_CLASSES) and type(event).type == fields["type"]
+
+
+def test_events_arrive_typed_with_their_defaults() -> None:
+    """Each type parses once into its own dataclass: numbers as numbers, options filled in."""
+    step = parse_event(
+        {"type": "step", "worker": "w1", "generation": "2", "step": "7", "samples": "12",
+         "seconds": "0.5", "loss": "5.5"}
+    )  # fmt: skip
+    assert step == Step("w1", generation=2, step=7, samples=12, seconds=0.5, loss=5.5)
+    assert parse_event({"type": "fault", "node": "n3"}) == Fault("n3", cause="", generation=None)
+    assert parse_event({"type": "fault", "worker": "w3", "generation": "4", "cause": "ECC"}) == (
+        Fault("w3", cause="ECC", generation=4)
+    )
+    ack = parse_event({"type": "ack", "worker": "w1", "generation": "3", "phase": "ready"})
+    assert ack == Ack("w1", 3, AckPhase.READY, attempt=1)
+    gone = parse_event(
+        {"type": "ack", "worker": "w1", "generation": "3", "phase": "unrestorable", "step": "9"}
+    )
+    assert isinstance(gone, Ack) and (gone.phase, gone.step, gone.cause) == (
+        AckPhase.UNRESTORABLE, 9, ""
+    )  # fmt: skip
+    reg = parse_event({"type": "register", "worker": "w1", "host": "h", "memory_bytes": "8"})
+    assert reg == Register("w1", "h", 8, device="cpu")
+    cp = parse_event(
+        {"type": "checkpoint", "worker": "w1", "step": "4", "generation": "2", "layers": "2,0",
+         "bytes": "4096"}
+    )  # fmt: skip
+    assert cp == Checkpoint("w1", 2, 4, (2, 0), size_bytes=4096.0)
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from chameleond.core.decide import decide, initial_plan
 from chameleond.core.holdings import of_plan
 from chameleond.core.selector import estimate_mtbf
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
-from chameleond.daemon.jobspec import spec_document
+from chameleond.jobstate.jobspec import spec_document
 from chameleond.local.trace import TraceEvent, parse_trace
 from chameleond.sim.engine import compare, simulate
 from chameleond.sim.policies import POLICIES, Choose, DropReplica, SimConfig, rejoin_seconds

@@ -8,7 +8,7 @@ import pytest
 import torch
 from worker_harness import builtin_model
 
-from chameleond.daemon.jobspec import parse_host_report, parse_profile
+from chameleond.jobstate.jobspec import parse_host_report, parse_profile
 from workers import profile
 from workers.model import Arch
 from workers.profile import TrainingMeter, profile_model

@@ -158,16 +158,3 @@ class Job:
 # A training that depends on the job: called once the spec is known (the built-in model reads its
 # architecture from [model.arch]).
 TrainingOf = Callable[[Job], Training]
-
-
-def run(training: Training | TrainingOf, argv: Sequence[str] | None = None) -> int:
-    """Train as one worker of a chameleond job until fenced, finished or stopped; the exit code.
-
-    The worker's identity and the job come from `argv` (default: the command line, the flags of
-    `chameleon-worker`), else from the environment: CHAMELEON_REDIS_URL, CHAMELEON_JOB,
-    CHAMELEON_WORKER_ID, or a launcher's RANK / SLURM_PROCID (worker id `w{RANK}`) and LOCAL_RANK
-    (device cuda:LOCAL_RANK when CUDA is present). Typical use: `sys.exit(run(Training(...)))`.
-    """
-    from workers.main import launch
-
-    return launch(training, argv)

@@ -1,6 +1,6 @@
-"""`chameleon-worker`: one training process on one device, following the job's plans. `launch` is
-the worker library's entry point (workers.api.run): the same flags for any user's training; `main`
-launches the built-in one (workers.builtin).
+"""`chameleon-worker`: one training process on one device, following the job's plans. `run` is
+the worker library's entry point: the same flags for any user's training; `main` launches the
+built-in one (workers.builtin).
 
 Exit codes (docs/worker.md):
   0  fenced by a plan or finished --max-steps (acked `stopped`), or stopped by SIGTERM/SIGINT
@@ -369,6 +369,17 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
         return EXIT_MODEL
     finally:
         client.close()
+
+
+def run(training: Training | TrainingOf, argv: Sequence[str] | None = None) -> int:
+    """Train as one worker of a chameleond job until fenced, finished or stopped; the exit code.
+
+    The worker's identity and the job come from `argv` (default: the command line, the flags of
+    `chameleon-worker`), else from the environment: CHAMELEON_REDIS_URL, CHAMELEON_JOB,
+    CHAMELEON_WORKER_ID, or a launcher's RANK / SLURM_PROCID (worker id `w{RANK}`) and LOCAL_RANK
+    (device cuda:LOCAL_RANK when CUDA is present). Typical use: `sys.exit(run(Training(...)))`.
+    """
+    return launch(training, argv)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,11 @@ import redis.asyncio as aioredis
 import uvloop
 
 from chameleond.daemon.config import Config
+from chameleond.daemon.consumer import Entry
 from chameleond.daemon.service import Service
+from chameleond.events import Event
 from chameleond.jobs import load_default_spec
-from chameleond.protocol import Event, Keys
+from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
 
 WORKERS = tuple(w.id for w in load_default_spec().workers)
@@ -108,8 +110,8 @@ async def through_daemon(url: str, n: int, rate: float) -> tuple[float, list[flo
     first, last = [float("inf")], [0.0]
     done = asyncio.Event()
 
-    def observe(event: Event, now: float) -> None:
-        sent = event.fields.get("sent")
+    def observe(entry: Entry, event: Event, now: float) -> None:
+        sent = (entry.fields or {}).get(b"sent")
         if sent is None:
             return
         stamp = float(sent)

@@ -47,8 +47,8 @@ from chameleond.cli.bench_cluster import spec_file, wait_steps, warmed_up, worke
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import JobSpec, LayerProfile, load_spec
-from chameleond.daemon.jobspec import fold_profile, measured_layers
 from chameleond.extras import require
+from chameleond.jobstate.jobspec import fold_profile, measured_layers
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.timeline import entry_seconds

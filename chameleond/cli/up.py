@@ -128,7 +128,7 @@ def build_spec_document(
     mtbf_prior_seconds: float | None,
 ) -> dict[str, Any]:
     """The spec the daemon runs: the base job, laid out for --workers/--pp, a host per address."""
-    from chameleond.daemon.jobspec import spec_document
+    from chameleond.jobstate.jobspec import spec_document
 
     doc = spec_document(base)
     doc["job"]["name"] = job

@@ -1,10 +1,11 @@
 """What goes into each durable commit of the job, and retrying it until Redis takes it.
 
-Every commit is one atomic script (daemon/broadcast.py). A batch commit carries the job's
-snapshot when it changed, the buffered transition records, dead letters, the XACK of the batch's
-entries and, every `persist_interval_seconds`, the progress. A decision commit adds its decision
-record and the entries it answers, and a plan commit adds the plan, the generation and the
-PUBLISH. `lock` orders them: the decision flow holds it from the moment it moves the machine's
+Every commit is one atomic script (daemon/broadcast.py). What the job's transitions changed is
+noted here (`note`, a `Change` each) until a commit carries it. A batch commit carries the job's
+snapshot when a change named it, the noted transition records, dead letters, the XACK of the
+batch's entries and, every `persist_interval_seconds`, the progress. A decision commit adds its
+decision record and the entries it answers, and a plan commit adds the plan, the generation and
+the PUBLISH. `lock` orders them: the decision flow holds it from the moment it moves the machine's
 generation until the plan is committed, so no snapshot ever gets ahead of the published plan.
 """
 
@@ -13,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -22,22 +24,22 @@ from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, Respon
 from chameleond.auth import Keyring, signed_json
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.daemon.broadcast import Broadcaster, Commit
-from chameleond.daemon.job import Job
-from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.lease import lost as lease_lost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.redis_errors import ErrorCode, error_message, has_code
 from chameleond.daemon.views import progress
+from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, Record
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import spec_document
+from chameleond.jobstate.snapshot import snapshot
 from chameleond.protocol import Keys
 
 log = logging.getLogger("chameleond")
 # Refusals that end by themselves: a replica until failover completes, memory until freed.
 TRANSIENT = (ReadOnlyError, OutOfMemoryError)
 decisions_log = logging.getLogger("chameleond.decisions")
-
-Record = Mapping[str, Any]
 
 
 class Committer:
@@ -66,6 +68,12 @@ class Committer:
         self.spec_written = job.spec_version  # the version stored under chameleon:{job}:spec
         self._last_progress = 0.0
         self.last_attempt = time.monotonic()  # a commit retrying through an outage is alive
+        self.unsaved = UNCHANGED  # what the job's transitions changed that no commit carried yet
+
+    def note(self, change: Change) -> None:
+        """What a handler or a decision changed: the next commit carries it."""
+        if change:
+            self.unsaved |= change
 
     async def batch(
         self, acks: Sequence[str], dead: list[list[str | bytes]], *, force_progress: bool = False
@@ -90,7 +98,8 @@ class Committer:
                 log.warning("spec not written (%s); the next batch writes it", e)
             else:
                 self.spec_written = version
-        for r in _drain(job.recoveries):
+        recoveries, self.unsaved = self.unsaved.recoveries, replace(self.unsaved, recoveries=())
+        for r in recoveries:
             self.metrics.recovered(r.policy, r.seconds)
             decisions_log.info("recovered generation=%d policy=%s seconds=%.3f",
                                r.generation, r.policy, r.seconds)  # fmt: skip
@@ -113,7 +122,7 @@ class Committer:
             generation=published.generation,
             plan_json=self._signed("plan", plan_to_dict(published)),
             snapshot=self._snapshot(plan=published),
-            records=[*_drain(job.records), record],
+            records=[*self._take_records(), record],
             acks=acks,
         )
         await self._retry_clean(c)
@@ -132,9 +141,9 @@ class Committer:
         c = Commit(
             expected_generation=job.machine.generation,
             generation=job.machine.generation,
-            snapshot=self._snapshot() if job.dirty else None,
+            snapshot=self._snapshot() if self.unsaved.snapshot else None,
             progress=progress,
-            records=[*_drain(job.records), *records],
+            records=[*self._take_records(), *records],
             dead_letters=dead or [],
             acks=acks,
         )
@@ -142,18 +151,22 @@ class Committer:
             return
         await self._retry_clean(c)
 
+    def _take_records(self) -> tuple[Record, ...]:
+        records, self.unsaved = self.unsaved.records, replace(self.unsaved, records=())
+        return records
+
     async def _retry_clean(self, c: Commit) -> None:
-        """Commit a snapshot taken now. The job is clean from the moment it is taken: a handler
-        that runs while the commit waits on Redis marks it dirty again, so its change goes into
-        the next commit, never lost behind a flag cleared after the await."""
+        """Commit a snapshot taken now. The job is saved from the moment it is taken: a handler
+        that runs while the commit waits on Redis notes its change again, so it goes into the
+        next commit, never lost behind a flag cleared after the await."""
         taken = c.snapshot is not None
         if taken:
-            self.job.dirty = False
+            self.unsaved = replace(self.unsaved, snapshot=False)
         try:
             await self._retry(c)
         except BaseException:
             if taken:
-                self.job.dirty = True
+                self.note(SNAPSHOT)
             raise
 
     async def _retry(self, c: Commit) -> None:
@@ -217,7 +230,7 @@ class Committer:
     def _snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
         """The job's snapshot as persisted (with `plan`, the one about to be published): signed,
         so a restarted daemon trusts only its own."""
-        snap = self.job.snapshot(plan=plan)
+        snap = snapshot(self.job, plan=plan)
         return self.keyring.sign_doc("state", self.job.name, snap) if self.keyring else snap
 
     def _signed(self, kind: str, doc: dict[str, Any]) -> str:
@@ -229,9 +242,3 @@ class Committer:
         stored = await self.client.hget(self.keys.state, "generation")
         plan = await self.client.get(self.keys.plan)
         return stored is not None and int(stored) == c.generation and plan == c.plan_json.encode()
-
-
-def _drain(items: list[Any]) -> list[Any]:
-    out = list(items)
-    items.clear()
-    return out

@@ -24,9 +24,11 @@ from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import FollowUp, Job
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.views import refresh_gauges
+from chameleond.jobstate.change import SNAPSHOT, recorded
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.records import FollowUp
 
 log = logging.getLogger("chameleond")
 decisions_log = logging.getLogger("chameleond.decisions")
@@ -54,10 +56,11 @@ class Decisions:
             self.task = asyncio.create_task(self._initial(), name="initial")
             return
         request, transitions = job.machine.next_request(time.time())
-        job.record(transitions)
+        self.committer.note(recorded(transitions))
         if request is not None:
             self.task = asyncio.create_task(self._decide(request), name="decide")
             return
+        self.committer.note(job.drop_stale_follow_up())
         follow_up = job.switch_due()
         if follow_up is not None:
             self.task = asyncio.create_task(self._switch(follow_up), name="switch")
@@ -95,14 +98,15 @@ class Decisions:
             now = time.time()
             job.started = now
             job.follow_up = None
-            job.record(job.machine.initial(generation, plan.workers, now, of_plan(plan)))
+            note = self.committer.note
+            note(recorded(job.machine.initial(generation, plan.workers, now, of_plan(plan))))
             waits = job.act_from(now)
             for w in spec.workers:
                 if w.id in plan.workers and not job.workers[w.id].registered:
                     cause = "not registered when the initial plan was made"
-                    job.record(job.machine.fault(w.id, cause, now)[1])
+                    note(recorded(job.machine.fault(w.id, cause, now)[1]))
                 elif w.id not in plan.workers and job.workers[w.id].registered:
-                    job.record(job.machine.join(w.id, now)[1])
+                    note(recorded(job.machine.join(w.id, now)[1]))
             record = _record(generation, Policy.INITIAL, "initial plan", now)
             published = await self.committer.publish(plan, record, [])
         for seconds in waits.values():
@@ -116,10 +120,10 @@ class Decisions:
         log.error("%s", reason)
         async with self.committer.lock:
             now = time.time()
-            job.record(job.machine.unrecoverable(reason, now))
+            self.committer.note(recorded(job.machine.unrecoverable(reason, now)))
             job.last_decision = {"cause": "initial plan", "at": now, "unrecoverable": reason,
                                  "selected": None, "candidates": []}  # fmt: skip
-            job.dirty = True
+            self.committer.note(SNAPSHOT)
             record = _record(0, "", "initial plan", now, unrecoverable=reason)
             await self.committer.record([record], job.acks_for(None))
 
@@ -166,7 +170,7 @@ class Decisions:
                 layers=of_plan(plan) if plan is not None else {},
             )
             commit, transitions = job.machine.decided(request, result, now)
-            job.record(transitions)
+            self.committer.note(recorded(transitions))
             if not commit:
                 decisions_log.info("superseded generation=%d cause=%s", request.generation,
                                    request.cause)  # fmt: skip
@@ -176,7 +180,7 @@ class Decisions:
                 if plan is None:
                     if result.unrecoverable is not None:
                         job.follow_up = None
-                    job.dirty = True
+                    self.committer.note(SNAPSHOT)  # the last decision, at least
                     await self.committer.record([record], acks)
                     decisions_log.warning("no new plan cause=%s reason=%s", request.cause,
                                           result.unrecoverable or "current plan kept")  # fmt: skip
@@ -244,7 +248,7 @@ class Decisions:
             now = time.time()
             mtbf = job.mtbf(now)
             job.follow_up = None
-            job.dirty = True
+            self.committer.note(SNAPSHOT)
             if mtbf <= follow_up.after_seconds:
                 cause = (
                     f"switch to the prepared {follow_up.plan.policy} plan dropped: "
@@ -258,7 +262,9 @@ class Decisions:
             why = f"switch pays after {follow_up.after_seconds:.1f} s (D {mtbf:.0f} s)"
             plan = replace(follow_up.plan, generation=generation,
                            cause=f"switch to the prepared plan: {why}")  # fmt: skip
-            job.record(m.switch(generation, plan.workers, now, plan.cause, of_plan(plan)))
+            self.committer.note(
+                recorded(m.switch(generation, plan.workers, now, plan.cause, of_plan(plan)))
+            )
             record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{mtbf:.3f}")
             published = await self.committer.publish(plan, record, [])
         self._published(published, published.cause, None)

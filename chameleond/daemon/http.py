@@ -18,8 +18,8 @@ from chameleond.core.plan import plan_to_dict
 from chameleond.daemon import page, views
 from chameleond.daemon.config import Config
 from chameleond.daemon.health import Health
-from chameleond.daemon.job import Job
 from chameleond.daemon.metrics import Metrics
+from chameleond.jobstate.job import Job
 from chameleond.local.timeline import is_decision, parse_decision
 from chameleond.protocol import Keys
 

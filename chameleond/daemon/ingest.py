@@ -16,21 +16,24 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-import handlers
 from chameleond.auth import AuthError, Keyring
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.consumer import Entry, StreamConsumer
 from chameleond.daemon.decisions import Decisions
-from chameleond.daemon.job import Job
+from chameleond.daemon.dispatch import dispatch
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.redis_errors import ErrorCode, has_code
-from chameleond.protocol import EVENT_TYPES, Event, EventError, check_size, parse_event, shorten
+from chameleond.events import Event
+from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.job import Job
+from chameleond.protocol import EVENT_TYPES, EventError, check_size, parse_event, shorten
 
 log = logging.getLogger("chameleond")
 
-# Called with each handled event and the time its handling finished (benchmarks measure latency).
-EventObserver = Callable[[Event, float], None]
+# Called with each handled entry, its event and the time its handling finished (benchmarks measure
+# latency from a field of the raw entry).
+EventObserver = Callable[[Entry, Event, float], None]
 
 
 class Ingest:
@@ -101,7 +104,7 @@ class Ingest:
             self.reachability.failed(e)
             await asyncio.sleep(0.5)
             return
-        self.job.dirty = True  # the snapshot went with the rest
+        self.committer.note(SNAPSHOT)  # the snapshot went with the rest
         await self.committer.batch([], [], force_progress=True)
 
     async def claim_and_trim(self) -> None:
@@ -138,7 +141,7 @@ class Ingest:
             try:
                 self._verify(e.fields)
                 event = parse_event(e.fields)
-                outcome = handlers.dispatch(job, event, e.id, now)
+                outcome = dispatch(job, event, e.id, now)
             except AuthError as err:
                 dead.append(_dead(e, e.fields, f"refused: {err}"))
                 acks.append(e.id)
@@ -155,10 +158,11 @@ class Ingest:
                 log.exception("handler for entry %s failed; it stays pending", e.id)
                 continue
             m.count_event(event.type, outcome.label)
+            self.committer.note(outcome.change)
             if not outcome.owed:
                 acks.append(e.id)
             if self.observer is not None:
-                self.observer(event, time.time())
+                self.observer(e, event, time.time())
         await self.committer.batch(acks, dead)
         self.decisions.maybe_decide()
 

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from chameleond.core.machine import Phase
 from chameleond.core.policy import Policy
-from chameleond.daemon.job import WORKER_STATES
+from chameleond.jobstate.records import WORKER_STATES
 from chameleond.protocol import EVENT_TYPES
 
 OUTCOMES = ("handled", "invalid", "duplicate")

@@ -40,11 +40,12 @@ from chameleond.daemon.detector import Detector
 from chameleond.daemon.health import Health
 from chameleond.daemon.http import HttpServer
 from chameleond.daemon.ingest import EventObserver, Ingest
-from chameleond.daemon.job import Job
-from chameleond.daemon.jobspec import spec_document
 from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import spec_document
+from chameleond.jobstate.snapshot import restore
 from chameleond.protocol import Keys, redact_url
 from chameleond.sdnotify import Notifier
 
@@ -172,7 +173,7 @@ class Service:
             detector = Detector(
                 job, cfg, reachability,
                 write_event=own_event_writer(lease, self.keys, self.keyring),
-                nudge=committer.broadcaster.nudge,
+                nudge=committer.broadcaster.nudge, note=committer.note,
             )  # fmt: skip
             self.health.ready = True
             self.refresh_gauges()
@@ -263,7 +264,7 @@ class Service:
         if snap is not None:
             snapshot = self._trusted(snap, "state", f"{k.state} snapshot")
             plan = await self._restore_plan(client, snapshot.get("plan"))
-            job.restore(snapshot, plan, ready_timeout=self.cfg.ready_timeout_seconds)
+            restore(job, snapshot, plan, ready_timeout=self.cfg.ready_timeout_seconds)
             stored = int(state.get(b"generation", b"0"))
             if stored != job.machine.generation:
                 raise RuntimeError(

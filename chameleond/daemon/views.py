@@ -10,8 +10,8 @@ import time
 from typing import Any
 
 from chameleond.daemon.config import Config
-from chameleond.daemon.job import Job
 from chameleond.daemon.metrics import Metrics
+from chameleond.jobstate.job import Job
 
 
 def progress(job: Job) -> dict[str, Any]:

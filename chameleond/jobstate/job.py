@@ -1,123 +1,32 @@
 """One job as the daemon sees it: the spec, the current plan, the workers, the policy state machine.
 
-Handlers change it; the service turns what changed into durable commits. No I/O here: the
-service persists `snapshot()` and the buffered `records`, and acknowledges stream entries only
-once the effect they caused is in Redis (`owed` holds the entries a pending decision answers).
+Handlers change it (handlers/); each transition that changes what must be durable returns a
+`Change` (chameleond/jobstate/change.py), and the daemon turns the changes into commits. No I/O
+here: the daemon persists `snapshot()` and the changes' records, and acknowledges stream entries
+only once the effect they caused is in Redis (`owed` holds the entries a pending decision answers).
 """
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from chameleond.core import selector
 from chameleond.core.estimator import Estimator
-from chameleond.core.holdings import Checkpoints, of_plan
-from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine, Recovery, Transition
-from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
+from chameleond.core.holdings import Checkpoints
+from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine
+from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
-from chameleond.core.spec import JobSpec, LayerProfile, WorkerSpec
-from chameleond.daemon.jobspec import measured_layers, profile_from_json, profile_to_json
-
-WORKER_STATES = ("waiting", "active", "failed", "fenced", "stopped", "finished", "left")
-RECORDS_KEEP = 10_000  # decision/transition entries kept in the decisions stream
-# Registrations of workers the spec does not list wait for the worker's profile (docs/daemon.md,
-# Failure detection): at most this many at once, each for at most the registration TTL.
-UNCONFIRMED_MAX = 64
-
-
-@dataclass
-class WorkerRecord:
-    id: str
-    host: str = ""
-    device: str = ""
-    memory_bytes: int = 0
-    registered: bool = False
-    stopped_generation: int = 0
-    since_generation: int = 0  # the first generation this worker's current process can be in
-    last_heartbeat: float = 0.0  # soft state: wall-clock time of the last heartbeat seen
-    profile: dict[int, LayerProfile] = field(default_factory=dict)
-    ended: str = ""  # "finished" or "left": this process stopped cleanly; never declared failed
-    # Soft state: the last time this worker was heard from while declared failed (0: never). Only
-    # that makes a failed worker `fenced` (alive); a heartbeat from before it was declared, or the
-    # restart of the daemon, does not.
-    heard_while_failed: float = 0.0
-
-
-@dataclass(frozen=True)
-class Registration:
-    """A `register` from a worker the spec does not list, waiting for the worker's profile."""
-
-    host: str
-    memory_bytes: int
-    device: str
-    at: float  # when it was (last) received
-
-
-@dataclass
-class StepMeter:
-    """Measured throughput in O(1) memory: a step is done when every worker of the plan reported
-    it (or a later step shows up); its time is the slowest worker's."""
-
-    generation: int = 0
-    step: int = -1
-    samples: int = 0
-    seconds: float = 0.0
-    reporters: int = 0
-    finished: bool = False
-    samples_per_second: float = 0.0
-    last_loss: float = float("nan")
-
-    def report(
-        self, generation: int, step: int, samples: int, seconds: float, loss: float, expected: int
-    ) -> bool:
-        """Returns False for a report of a step that is already finished (stale or duplicate)."""
-        if (generation, step) < (self.generation, self.step) or (
-            (generation, step) == (self.generation, self.step) and self.finished
-        ):
-            return False
-        if (generation, step) > (self.generation, self.step):
-            self._finish()
-            self.generation, self.step, self.samples, self.seconds = generation, step, samples, 0.0
-            self.reporters, self.finished = 0, False
-        self.seconds = max(self.seconds, seconds)
-        self.reporters += 1
-        self.last_loss = loss
-        if self.reporters >= expected:
-            self._finish()
-        return True
-
-    def _finish(self) -> None:
-        if self.reporters and self.seconds > 0 and not self.finished:
-            rate = self.samples / self.seconds
-            if math.isfinite(rate):  # a step of a few picoseconds is no measurement
-                self.samples_per_second = rate
-        self.finished = True
-
-
-@dataclass(frozen=True)
-class FollowUp:
-    """The dynamic plan prepared beside a reroute (`Decision.follow_up`), published as the next
-    generation once the reroute plan of `after_generation` runs. Persisted in the snapshot: the
-    commit that publishes the reroute stores it and the commit that publishes the switch (or any
-    other plan) drops it, so a restart neither loses nor repeats the switch."""
-
-    after_generation: int
-    plan: Plan
-    after_seconds: float  # the switch pays when more than this remains of the window D
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "after_generation": self.after_generation,
-            "after_seconds": self.after_seconds,
-            "plan": plan_to_dict(self.plan),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> FollowUp:
-        return cls(int(d["after_generation"]), plan_from_dict(d["plan"]), float(d["after_seconds"]))
+from chameleond.core.spec import JobSpec, WorkerSpec
+from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
+from chameleond.jobstate.jobspec import measured_layers
+from chameleond.jobstate.records import (
+    UNCONFIRMED_MAX,
+    FollowUp,
+    Registration,
+    StepMeter,
+    WorkerRecord,
+)
 
 
 class Job:
@@ -151,10 +60,7 @@ class Job:
         self.follow_up: FollowUp | None = None
         self.checkpoints = Checkpoints()  # what a restore plan can load (handlers/checkpoint.py)
         self.owed: dict[str, list[str]] = {}  # worker -> entry ids acked when its decision commits
-        self.records: list[dict[str, str]] = []  # transitions awaiting a durable write
-        self.dirty = False  # snapshot changed since the last commit
         self.meter = StepMeter()
-        self.recoveries: list[Recovery] = []  # completed recoveries, drained into the metrics
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
         self._model_cache: tuple[tuple[int, int], float] | None = None
@@ -210,10 +116,14 @@ class Job:
             self._model_cache = (key, seconds)
         return self._model_cache[1]
 
-    def spec_changed(self) -> None:
-        self._spec_cache = None
+    def spec_changed(self) -> Change:
+        self.invalidate_spec()
         self.spec_version += 1
-        self.dirty = True
+        return SNAPSHOT
+
+    def invalidate_spec(self) -> None:
+        """The spec's parts changed behind `spec`'s back (a restore): derive it again."""
+        self._spec_cache = None
 
     def knows(self, worker: str) -> bool:
         return worker in self.workers
@@ -250,40 +160,36 @@ class Job:
 
     # ---- registrations from outside the spec ---------------------------------------------------
 
-    def expire_unconfirmed(self, now: float) -> list[str]:
+    def expire_unconfirmed(self, now: float) -> tuple[list[str], Change]:
         """Drop registrations that waited longer than the TTL for their profile."""
         ttl = self.registration_ttl_seconds
         gone = [w for w, r in self.unconfirmed.items() if now - r.at > ttl]
         for w in gone:
             del self.unconfirmed[w]
-        if gone:
-            self.dirty = True
-        return gone
+        return gone, snapshot_if(bool(gone))
 
-    def await_profile(self, worker: str, registration: Registration) -> bool:
+    def await_profile(self, worker: str, registration: Registration) -> Change | None:
         """Hold a registration from outside the spec until the worker's profile confirms it.
-        False when UNCONFIRMED_MAX registrations already wait (the caller refuses it)."""
+        None when UNCONFIRMED_MAX registrations already wait (the caller refuses it)."""
         self.expire_unconfirmed(registration.at)
         if worker not in self.unconfirmed and len(self.unconfirmed) >= UNCONFIRMED_MAX:
-            return False
+            return None
         self.unconfirmed[worker] = registration
-        self.dirty = True
-        return True
+        return SNAPSHOT
 
-    def confirm(self, worker: str) -> bool:
+    def confirm(self, worker: str) -> Change:
         """The worker behind a held registration sent its profile: it is a worker of the job
-        from now on (the planner may place layers on it). False when nothing was held."""
+        from now on (the planner may place layers on it). Unchanged when nothing was held."""
         reg = self.unconfirmed.pop(worker, None)
         if reg is None:
-            return False
+            return UNCHANGED
         rec = self.worker(worker)
         rec.host, rec.device, rec.memory_bytes, rec.registered = (
             reg.host, reg.device, reg.memory_bytes, True,
         )  # fmt: skip
         rec.last_heartbeat = reg.at
         self.extra_workers[worker] = WorkerSpec(worker, reg.host, reg.memory_bytes, reg.device)
-        self.spec_changed()
-        return True
+        return self.spec_changed()
 
     def worker(self, worker: str) -> WorkerRecord:
         rec = self.workers.get(worker)
@@ -292,21 +198,6 @@ class Job:
         return rec
 
     # ---- what handlers call ------------------------------------------------------------------
-
-    def record(self, transitions: list[Transition]) -> None:
-        for t in transitions:
-            self.records.append(
-                {
-                    "kind": "transition",
-                    "from": t.source.value,
-                    "to": t.target.value,
-                    "generation": str(t.generation),
-                    "cause": t.cause,
-                    "at": f"{t.at:.6f}",
-                }
-            )
-        if transitions:
-            self.dirty = True
 
     def owe(self, worker: str, entry_id: str) -> None:
         self.owed.setdefault(worker, []).append(entry_id)
@@ -348,15 +239,19 @@ class Job:
             self.fault_times, max(now, started), started, self.spec.mtbf_prior_seconds
         )
 
-    def switch_due(self) -> FollowUp | None:
-        """The prepared follow-up, once the reroute plan it follows demonstrably trains. A plan of
-        another generation (a later fault) makes it stale: it is dropped."""
+    def drop_stale_follow_up(self) -> Change:
+        """A plan of another generation than the follow-up's (a later fault) makes it stale."""
         fu = self.follow_up
-        if fu is None:
-            return None
-        if fu.after_generation != self.machine.generation:
-            self.follow_up = None
-            self.dirty = True
+        if fu is None or fu.after_generation == self.machine.generation:
+            return UNCHANGED
+        self.follow_up = None
+        return SNAPSHOT
+
+    def switch_due(self) -> FollowUp | None:
+        """The prepared follow-up, once the reroute plan it follows demonstrably trains (None
+        while it is stale: see drop_stale_follow_up)."""
+        fu = self.follow_up
+        if fu is None or fu.after_generation != self.machine.generation:
             return None
         return fu if self.machine.running() else None
 
@@ -385,58 +280,22 @@ class Job:
         arriving after the worker rejoined)."""
         return generation < self.worker(worker).since_generation
 
-    def unconfirm(self, worker: str, registration: Registration) -> None:
+    def unconfirm(self, worker: str, registration: Registration) -> Change:
         """Undo `confirm` (the profile that came was unusable): the registration waits again."""
         self.workers.pop(worker, None)
         self.extra_workers.pop(worker, None)
         self.unconfirmed[worker] = registration
-        self.spec_changed()
+        return self.spec_changed()
 
-    # ---- persistence ---------------------------------------------------------------------------
+    # ---- faults and their waiting -------------------------------------------------------------
 
-    def snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
-        """The job's durable state. It holds the current plan (`plan`: the one a commit is about
-        to publish) as well: the plan key is what workers read, and anyone who can write to Redis
-        can write there, so a restarted daemon resumes from this copy (daemon/service.py)."""
-        current = plan or self.plan
-        return {
-            "plan": plan_to_dict(current) if current is not None else None,
-            "machine": self.machine.snapshot(),
-            "started": self.started,
-            "fault_times": self.decided_fault_times()[-1000:],
-            "last_decision": self.last_decision,
-            "waiting_faults": self.waiting_faults(),  # shown by status, never restored
-            "follow_up": self.follow_up.to_json() if self.follow_up is not None else None,
-            "checkpoints": self.checkpoints.to_json(),
-            "unconfirmed": {
-                w: {"host": r.host, "memory_bytes": r.memory_bytes, "device": r.device, "at": r.at}
-                for w, r in self.unconfirmed.items()
-            },
-            "extra_workers": [
-                {"id": w.id, "host": w.host, "memory_bytes": w.memory_bytes, "device": w.device}
-                for w in self.extra_workers.values()
-            ],
-            "workers": {
-                w.id: {
-                    "host": w.host,
-                    "device": w.device,
-                    "memory_bytes": w.memory_bytes,
-                    "registered": w.registered,
-                    "stopped_generation": w.stopped_generation,
-                    "since_generation": w.since_generation,
-                    "ended": w.ended,
-                    "profile": profile_to_json(w.profile),
-                }
-                for w in self.workers.values()
-            },
-        }
-
-    def count_fault(self, worker: str, now: float) -> None:
+    def count_fault(self, worker: str, now: float) -> Change:
         """One more fault for the failure rate (selector.estimate_mtbf)."""
         self.undecided_faults = {w: t for w, t in self.undecided_faults.items() if self.pending(w)}
         self.fault_times.append(now)
         if self.pending(worker):
             self.undecided_faults[worker] = now
+        return SNAPSHOT
 
     def waiting_faults(self) -> list[dict[str, Any]]:
         """Faults no decision has answered yet, oldest first (what status shows): one received
@@ -466,44 +325,6 @@ class Job:
         """The fault times a restart keeps: those of faults a committed decision answered."""
         undecided = {t for w, t in self.undecided_faults.items() if self.pending(w)}
         return [t for t in self.fault_times if t not in undecided]
-
-    def restore(self, snap: dict[str, Any], plan: Plan | None, *, ready_timeout: float) -> None:
-        self.machine = PolicyMachine.restore(snap["machine"], ready_timeout_seconds=ready_timeout)
-        if "holdings" not in snap["machine"] and plan is not None:
-            # A snapshot from before holdings were kept: the current plan's owners hold its layers.
-            self.machine.holdings.initial(plan.generation, of_plan(plan))
-        self.plan = plan
-        self.started = float(snap.get("started", 0.0))
-        self.fault_times = [float(t) for t in snap.get("fault_times", [])]
-        self.last_decision = snap.get("last_decision")
-        fu = snap.get("follow_up")
-        self.follow_up = FollowUp.from_json(fu) if fu else None
-        self.checkpoints = Checkpoints.from_json(snap.get("checkpoints", {}))
-        self.unconfirmed = {
-            str(w): Registration(
-                str(r["host"]), int(r["memory_bytes"]), str(r["device"]), float(r["at"])
-            )
-            for w, r in snap.get("unconfirmed", {}).items()
-        }
-        for w in snap.get("extra_workers", []):
-            self.extra_workers[w["id"]] = WorkerSpec(
-                str(w["id"]), str(w["host"]), int(w["memory_bytes"]), str(w["device"])
-            )
-        for wid, d in snap.get("workers", {}).items():
-            rec = self.worker(wid)
-            rec.host, rec.device = str(d["host"]), str(d["device"])
-            rec.memory_bytes, rec.registered = int(d["memory_bytes"]), bool(d["registered"])
-            rec.stopped_generation = int(d["stopped_generation"])
-            rec.since_generation = int(d.get("since_generation", 0))
-            rec.ended = str(d.get("ended", ""))
-            rec.profile = profile_from_json(d["profile"])
-        now = time.time()
-        # Nobody could acknowledge or heartbeat to a daemon that was down: start the clocks again.
-        m = self.machine
-        m.ready_deadline = max(m.ready_deadline, now + ready_timeout)
-        for rec in self.workers.values():
-            rec.last_heartbeat = now
-        self._spec_cache = None
 
     # ---- views ---------------------------------------------------------------------------------
 
@@ -553,17 +374,15 @@ class Job:
         seconds: float,
         loss: float,
         now: float,
-    ) -> bool:
-        """Returns False for a stale or repeated step report."""
+    ) -> tuple[bool, Change]:
+        """Whether the report is fresh (False: a stale or repeated step), and what changed."""
         expected = len(self.machine.plan_workers) or 1
         fresh = self.meter.report(generation, step, samples, seconds, loss, expected)
         # A worker's first step of the generation is durable state (it gates the follow-up switch);
         # later steps are soft state, persisted with the progress.
         first = worker in self.machine.awaiting_step and generation == self.machine.generation
-        recovery, transitions = self.machine.step(worker, generation, now)
-        self.record(transitions)
-        if first:
-            self.dirty = True
+        recovery, moved = self.machine.step(worker, generation, now)
+        change = recorded(moved) | snapshot_if(first)
         if recovery is not None:
-            self.recoveries.append(recovery)
-        return fresh
+            change |= Change(recoveries=(recovery,))
+        return fresh, change

@@ -72,7 +72,8 @@ def parse_profile(data: Mapping[str, Any], n_layers: int) -> dict[int, LayerProf
             v: Any = item.get(name)
             number = isinstance(v, int | float) and not isinstance(v, bool)
             bound = MAX_SECONDS if name.endswith("seconds") else MAX_BYTES
-            if not number or not math.isfinite(v) or not 0 <= v <= bound:
+            # The range first: an integer of hundreds of digits overflows isfinite's float.
+            if not number or not 0 <= v <= bound or not math.isfinite(v):
                 raise EventError(
                     f"profile: layers[{pos}].{name} must be a number in 0..{bound:g}, "
                     f"got {shorten(repr(v), 64)}"

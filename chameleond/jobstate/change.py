@@ -1,0 +1,57 @@
+"""What a transition of the job's state changed, for the daemon to make durable.
+
+Handlers and the job's transitions return a `Change` instead of marking the job dirty; the daemon
+adds up the changes of a batch (or a decision) and its next commit carries what they name: the
+snapshot, the transition records for the decisions stream, the recoveries for the metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from chameleond.core.machine import Recovery, Transition
+
+Record = Mapping[str, Any]  # one entry of the decisions stream
+
+
+@dataclass(frozen=True)
+class Change:
+    snapshot: bool = False  # the job's durable state changed: the next commit carries a snapshot
+    records: tuple[Record, ...] = ()  # transitions for the decisions stream, in order
+    recoveries: tuple[Recovery, ...] = ()  # completed recoveries, for the metrics
+
+    def __or__(self, other: Change) -> Change:
+        return Change(
+            self.snapshot or other.snapshot,
+            self.records + other.records,
+            self.recoveries + other.recoveries,
+        )
+
+    def __bool__(self) -> bool:
+        return self.snapshot or bool(self.records) or bool(self.recoveries)
+
+
+UNCHANGED = Change()
+SNAPSHOT = Change(snapshot=True)
+
+
+def snapshot_if(changed: bool) -> Change:
+    return SNAPSHOT if changed else UNCHANGED
+
+
+def recorded(ts: Iterable[Transition]) -> Change:
+    """The policy machine moved: its snapshot changed, and each transition is recorded."""
+    records = tuple(
+        {
+            "kind": "transition",
+            "from": t.source.value,
+            "to": t.target.value,
+            "generation": str(t.generation),
+            "cause": t.cause,
+            "at": f"{t.at:.6f}",
+        }
+        for t in ts
+    )
+    return Change(snapshot=bool(records), records=records)

@@ -1,0 +1,131 @@
+"""The import graph of the product's packages: no circles, and no arrow from a lower layer up.
+
+Every import counts, at module level, inside a function or under TYPE_CHECKING: a circle a type
+checker needs is a circle a reader has to hold in their head all the same.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("chameleond", "handlers", "workers")
+
+# What each layer must not import (by module prefix): data flows down, from the edges to the core.
+DAEMON, STATE, CLI, SIM = (
+    "chameleond.daemon",
+    "chameleond.jobstate",
+    "chameleond.cli",
+    "chameleond.sim",
+)
+FORBIDDEN = {
+    "chameleond.core": (DAEMON, STATE, CLI, SIM, "chameleond.local", "handlers", "workers"),
+    "chameleond.events": (DAEMON, STATE, CLI, "handlers"),
+    "chameleond.protocol": (DAEMON, STATE, CLI, "handlers"),
+    "chameleond.jobstate": (DAEMON, CLI, SIM, "handlers", "workers"),
+    "handlers": (DAEMON, CLI, SIM, "workers"),
+    "chameleond.sim": (DAEMON, CLI, "handlers"),
+    DAEMON: (CLI, "workers"),
+    "workers": (DAEMON, STATE, CLI, "handlers"),
+}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imported(module: str, path: Path, known: dict[str, Path]) -> Iterator[str]:
+    """The project's modules `module` imports, anywhere in its text."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, base] if base else parts)
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                yield name
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {m: set(imported(m, p, known)) for m, p in known.items()}
+
+
+def cycles(g: dict[str, set[str]]) -> set[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: set[frozenset[str]] = set()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.add(frozenset(component))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph()) == set()
+
+
+def test_no_arrow_from_a_lower_layer_up() -> None:
+    wrong = sorted(
+        f"{m} imports {t}"
+        for m, targets in graph().items()
+        for layer, banned in FORBIDDEN.items()
+        if within(m, layer)
+        for t in targets
+        if any(within(t, b) for b in banned)
+    )
+    assert wrong == []
+
+
+def test_the_walk_sees_the_imports() -> None:
+    """The checks above are only as good as the graph: it holds the arrows we know are there."""
+    g = graph()
+    assert "chameleond.daemon.dispatch" in g["chameleond.daemon.ingest"]
+    assert {"chameleond.jobstate.job", "chameleond.events"} <= g["handlers.fault"]
+    assert "chameleond.events" in g["chameleond.protocol"]
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == {frozenset({"a", "b"})}
