@@ -140,6 +140,7 @@ def profile_layer(
             bwd.append(t2 - t1)
             upd.append(t3 - t2)
         out_bytes = 0 if last else _tensor_bytes(out)
+    layer.check_movable()  # with the state of a real step of the user's optimizer
     activation_bytes = sum(saved)
     # What the user's optimizer holds: SGD with momentum 1x the parameters, AdamW 2x (+ its steps).
     optimizer_bytes = sum(
