@@ -33,6 +33,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from chameleond.hf import causal_lm_loss, split_causal_lm
 from chameleond.worker import Job, Training, run
+from workers.gate import StepGate  # instrumentation of `chameleonctl bench worker`, not training
 
 # [model.arch] keys and their defaults: a GPT-2 that trains on a laptop CPU.
 ARCH: dict[str, Any] = {
@@ -94,10 +95,14 @@ def training(job: Job, cache_dir: Path) -> Training:
 # -- the same training without chameleond ---------------------------------------------------------
 
 
-def plain(spec_path: Path, steps: int, cache_dir: Path, timings: Path | None) -> int:
+def plain(
+    spec_path: Path, steps: int, cache_dir: Path, timings: Path | None, gate: Path | None = None
+) -> int:
     """Train `steps` steps in one torch.distributed process group (torchrun's environment, or a
     world of one); rank 0 prints each step's loss and writes the step times (wall and this
-    process's CPU) and losses to `timings`."""
+    process's CPU) and losses to `timings`. With `gate` (`chameleonctl bench worker`), each rank
+    waits before each step until the bench's gate file lets it start, and records the step's
+    times to the gate file's name + `.plain{rank}` (workers.gate)."""
     from chameleond.core.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -119,7 +124,10 @@ def plain(spec_path: Path, steps: int, cache_dir: Path, timings: Path | None) ->
     seconds: list[float] = []
     cpu_seconds: list[float] = []
     losses: list[float] = []
+    gated = None if gate is None else StepGate(gate, "plain", Path(f"{gate}.plain{rank}"))
     for step in range(steps):
+        if gated is not None:
+            gated.before(step)
         start, cpu_start = time.perf_counter(), time.process_time()
         loss_sum = torch.zeros(1)
         first = step * B + rank * per_rank
@@ -143,6 +151,8 @@ def plain(spec_path: Path, steps: int, cache_dir: Path, timings: Path | None) ->
         losses.append(float(flat[-1]) / B)
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f} {seconds[-1]:.3f} s", flush=True)
+    if gated is not None:
+        gated.close()
     if rank == 0 and timings is not None:
         out = {"step_seconds": seconds, "cpu_seconds": cpu_seconds, "losses": losses}
         timings.write_text(json.dumps({**out, "world": world}))
@@ -158,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", type=Path, help="--plain: the job spec giving model and batch sizes")
     p.add_argument("--steps", type=int, default=20, help="--plain: steps to train")
     p.add_argument("--timings", type=Path, help="--plain: write step times and losses here (JSON)")
+    p.add_argument("--gate", type=Path, help="--plain: take turns with the library (workers.gate)")
     args, rest = p.parse_known_args(argv)
     if args.plain:
         if args.spec is None:
             p.error("--plain needs --spec")
-        return plain(args.spec, args.steps, args.cache_dir, args.timings)
+        return plain(args.spec, args.steps, args.cache_dir, args.timings, args.gate)
     return run(lambda job: training(job, args.cache_dir), rest)
 
 

@@ -6,8 +6,10 @@ failures; the library owns those (docs/worker-api.md).
     CHAMELEON_REDIS_URL=... CHAMELEON_JOB=J torchrun --nproc-per-node 2 examples/sgd_tied.py
 
 The job's spec must have 6 layers and [training] global_batch 12, micro_batch 2. Set
-SGD_TIED_MALFORMED=shape to start it with a layer whose output shape changes between calls (the
-worker refuses it, exit 8). `chameleon-worker --script examples/sgd_tied.py ...` trains it too.
+SGD_TIED_MALFORMED=shape to start it with a layer whose output shape changes between calls, or
+SGD_TIED_MALFORMED=state with an optimizer that keeps an object of its own in its state, which no
+migration can load (the worker refuses either, exit 8). `chameleon-worker --script
+examples/sgd_tied.py ...` trains it too.
 """
 
 from __future__ import annotations
@@ -86,6 +88,24 @@ def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
 
 
+class Visits:
+    """A user object in an optimizer's state (SGD_TIED_MALFORMED=state)."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+class CountingSGD(torch.optim.SGD):
+    """SGD that counts its steps in a `Visits` kept in each parameter's state."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        loss = super().step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["visits"] = Visits(self.state[p].get("visits", Visits(0)).count + 1)
+        return loss
+
+
 def build(malformed: str = "") -> Training:
     torch.manual_seed(0)  # every worker builds the same initial weights
     embed = nn.Embedding(VOCAB, WIDTH)
@@ -99,7 +119,7 @@ def build(malformed: str = "") -> Training:
         model=Layers([embed, *blocks, head], ties=[Tie((0, "weight"), (BLOCKS + 1, "out.weight"))]),
         loss=loss,
         dataset=Tokens(),
-        optimizer=sgd,
+        optimizer=(lambda ps: CountingSGD(ps, lr=0.1)) if malformed == "state" else sgd,
         scheduler=step_lr,
         global_batch=12,
         micro_batch=2,

@@ -71,6 +71,24 @@ def test_layers_compute_the_models_logits(build) -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_kept_mask_serves_the_next_batch_of_its_shape_only(attention: str) -> None:
+    """Each block builds its causal mask once per input shape (a real mask tensor under eager
+    attention) and keeps it: later batches, and a batch of another shape, still compute the
+    model's own logits."""
+    model = llama()
+    model.config._attn_implementation = attention
+    layers = list(split_causal_lm(model).modules)
+    with torch.no_grad():
+        for batch, seq in ((3, SEQ), (3, SEQ), (2, SEQ // 2), (3, SEQ)):
+            x = ids(batch)[:, :seq]
+            torch.testing.assert_close(run(layers, x), model(x).logits, atol=1e-5, rtol=0)
+    block = layers[1]
+    assert block._shape_key == ((3, SEQ), torch.float32, torch.device("cpu"))
+    if attention == "eager":
+        assert isinstance(block._kept[1], torch.Tensor)
+
+
 @pytest.mark.parametrize("build", [gpt2, llama])
 def test_every_parameter_is_in_one_layer_or_a_declared_tie(build) -> None:
     model = build()

@@ -278,6 +278,48 @@ def test_a_malformed_model_is_refused_at_start(
     client.close()
 
 
+def test_an_optimizer_state_no_migration_can_load_is_refused_at_start(
+    redis_server: RedisServer,
+) -> None:
+    """A user's object in the optimizer's state: a migration would fail to load it on every
+    worker it moved to. The worker says so at start, naming the layer and the type, exit 8."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(
+        Keys("s").spec, signed_doc("spec", "s", tiny_spec("s", global_batch=12, micro_batch=2))
+    )
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--redis-url", redis_server.url, "--job", "s",
+         "--worker-id", "w0"],
+        capture_output=True, text=True, timeout=100,
+        env={**os.environ, "SGD_TIED_MALFORMED": "state"},
+    )  # fmt: skip
+    assert r.returncode == EXIT_MODEL, r.stderr
+    assert "layer 0 (Embedding): its state holds __main__.Visits" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not client.xlen(Keys("s").events)  # refused before it registered
+    client.close()
+
+
+def test_a_moved_state_that_cannot_load_is_a_model_error_not_a_fault() -> None:
+    """A state buffer holding a user's type (sent by a worker that never checked it) fails its
+    receiver with a ModelError naming the layer and the type: the worker exits 8 at once
+    instead of failing the generation, to be retried on every worker it moves to."""
+    from workers.runtime import FAILS_GENERATION
+
+    model = Trainable(sgd_tied.build("state"))
+    sender = LayerState(model, 1, CPU)
+    x = torch.randn(2, sgd_tied.SEQ, sgd_tied.WIDTH)
+    sender.module(x).sum().backward()
+    sender.apply_update(2, 0)
+    with pytest.raises(ModelError, match=r"layer 1 \(Block\): its state holds .*Visits") as e:
+        LayerState(model, 1, CPU).load_buffer(sender.state_buffer(), 0)
+    assert not isinstance(e.value, FAILS_GENERATION)
+    with pytest.raises(ModelError, match=r"layer 1 \(Block\)"):
+        sender.check_movable()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_documented_script_trains(redis_server: RedisServer, tmp_path: Path) -> None:

@@ -209,6 +209,8 @@ class PlanWatcher(threading.Thread):
         self._plan: Plan | None = None
         self._stop_event = threading.Event()
         self._bad_generation = -1
+        # The bytes of the plan held: the once-a-second read skips verifying and parsing them again.
+        self._accepted_raw: bytes | str | None = None
 
     @property
     def newest(self) -> Plan | None:
@@ -232,8 +234,8 @@ class PlanWatcher(threading.Thread):
 
     def refresh(self) -> None:
         raw = self._redis.get(self._keys.plan)
-        if raw is None:
-            return
+        if raw is None or raw == self._accepted_raw:
+            return  # nothing new: the plan held was read from these very bytes
         try:
             doc = json.loads(raw)
             if self._keyring is not None:
@@ -256,6 +258,7 @@ class PlanWatcher(threading.Thread):
         with self._cond:
             if self._plan is None or plan.generation > self._plan.generation:
                 self._plan = plan
+                self._accepted_raw = raw
                 self._cond.notify_all()
 
     def run(self) -> None:

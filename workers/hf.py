@@ -78,23 +78,38 @@ class DecoderBlock(nn.Module):
     Position ids are 0..seq-1 (no padding, no cache: training on full sequences); the causal mask
     is built as the model builds it, for the model's attention implementation; a rotary model's
     position embeddings come from this layer's own copy of the model's rotary module (buffers
-    only, no parameters)."""
+    only, no parameters).
+
+    The mask and the position ids depend only on the input's shape, dtype and device (positions
+    0..seq-1 are never a packed sequence, which is what `create_causal_mask` looks for in them):
+    they are built once and kept for the next micro-batch of the same shape, where the model
+    itself builds them at each forward (once for all its blocks; this wrapper would otherwise
+    build them once per block)."""
 
     def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
         self.config = config
+        self._shape_key: tuple[Any, ...] | None = None
+        self._kept: tuple[torch.Tensor, Any] | None = None  # position ids, mask
+
+    def _positions_and_mask(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device)
+        if self._kept is None or key != self._shape_key:
+            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+            mask = create_causal_mask(
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=None,
+                cache=None,
+                position_ids=None,  # 0..seq-1: no packed sequence to look for
+            )
+            self._shape_key, self._kept = key, (position_ids, mask)
+        return self._kept
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            cache=None,
-            position_ids=position_ids,
-        )
+        position_ids, mask = self._positions_and_mask(hidden)
         kwargs: dict[str, Any] = {"attention_mask": mask, "position_ids": position_ids}
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden, position_ids=position_ids)

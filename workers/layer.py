@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from workers.api import ModelError
 from workers.trainable import Trainable
 
 CHUNK_BYTES = 1 << 20  # a checkpoint writes a layer's buffer in pieces of this size
@@ -71,8 +72,20 @@ class LayerState:
         workers.saver)."""
         return list(self.state_buffer().split(CHUNK_BYTES))
 
+    def check_movable(self) -> None:
+        """ModelError naming the layer and the types, when its state holds objects other than
+        tensors and plain Python values (a user's class in the optimizer's or the scheduler's
+        state_dict): a migration or a restore loads states with `weights_only=True`, which
+        refuses them. Checked at start-up, after the profile's real optimizer step, so the user
+        learns it before training rather than at the first migration."""
+        out = io.BytesIO()
+        torch.save(self.state_dict(), out)
+        out.seek(0)
+        _refuse_unsafe(self.index, self.module, out)
+
     def load_buffer(self, buf: torch.Tensor, version: int) -> None:
-        """Replace the state by a `state_buffer` (from a peer or a checkpoint file)."""
+        """Replace the state by a `state_buffer` (from a peer or a checkpoint file). ModelError
+        (a user error, not a fault to retry) when it holds types `weights_only` refuses."""
         raw = buf.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
         try:
             state = torch.load(io.BytesIO(raw), map_location=self.device, weights_only=True)
@@ -88,8 +101,26 @@ class LayerState:
             EOFError,
             pickle.UnpicklingError,
         ) as e:
+            if isinstance(e, pickle.UnpicklingError):
+                _refuse_unsafe(self.index, self.module, io.BytesIO(raw))
             raise ValueError(f"layer {self.index}: unusable state buffer ({e})") from e
         self.version = version
+
+
+def _refuse_unsafe(index: int, module: torch.nn.Module, saved: io.BytesIO) -> None:
+    """Raise ModelError naming the types in a saved state that `weights_only` loading refuses."""
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(saved)
+    except (RuntimeError, ValueError, pickle.UnpicklingError):  # not a readable state at all
+        return
+    if unsafe:
+        raise ModelError(
+            f"layer {index} ({type(module).__name__}): its state holds {', '.join(unsafe)}, "
+            "which moving or restoring a layer cannot load (torch.load(weights_only=True) "
+            "takes tensors and plain Python values only): keep such objects out of the "
+            "optimizer's and the scheduler's state_dict, or register them with "
+            "torch.serialization.add_safe_globals in the training script"
+        )
 
 
 def run_layers(layers: list[LayerState], x: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,7 @@ from workers.events import (
     gone,
     live_incarnations,
 )
+from workers.gate import StepGate
 from workers.generation import Generation, GenerationAborted
 from workers.hooks import migration_hook, step_hook, vote_hook
 from workers.migrate import StateLost, reconcile
@@ -139,6 +140,7 @@ class WorkerRuntime:
         self._restored = 0  # the last `restore` plan whose checkpoint this process loaded
         self.absences = Absences()  # peers missing from the rendezvous (workers.absence)
         self.saver: Saver | None = None  # with --checkpoint-every, once the model is known
+        self.gate = StepGate.from_env(cfg.worker_id)  # `chameleonctl bench worker` only
 
     def run(self) -> int:
         cfg = self.cfg
@@ -444,6 +446,8 @@ class WorkerRuntime:
         bubble = None if saver is None else saver.bubble
         try:
             while not self.stopping:
+                if self.gate is not None:
+                    self.gate.before(step)
                 t0 = time.perf_counter()
                 result = runner.run(step, on_op=on_op, bubble=bubble)
                 state.mark_pending(step, result.layers)

@@ -127,7 +127,9 @@ class StepRunner:
         plan, st = self.gen.plan, self.state
         dev = st.device
         stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        loss_sum = 0.0
+        # Summed on the device, in float64 (what Python's float sum of the float32 losses gives),
+        # and read once per step: a read per micro-batch would wait for an accelerator each time.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
         batches = iter(self.gen.batches)
         batch = next(batches, None)
         for i, op in enumerate(self.gen.ops):
@@ -146,16 +148,21 @@ class StepRunner:
             last = op.stage == len(stages) - 1
             key = (op.pipeline, op.stage, op.micro_batch)
             if op.kind == FORWARD:
-                x = self._forward_input(op, step)
+                # A stage that is both first and last (one-stage pipelines) reads the micro-batch
+                # once, for its inputs and its loss.
+                data = self._batch(op, step) if op.stage == 0 else None
+                if data is not None:
+                    x = self.model.inputs(data)
+                else:
+                    x = self._recv(*_present(forward_input(op))).requires_grad_()
                 self._inputs_ready(i)
                 with computing():
                     out = run_layers(layers, x)
                     if last:
-                        data = self.model.batch(
-                            step, op.micro_batch, plan.global_batch, plan.micro_batch, dev
-                        )
+                        if data is None:
+                            data = self._batch(op, step)
                         out = self.model.loss_sum(out, data, plan.micro_batch)
-                        loss_sum += float(out.item())
+                        loss_sum += out.detach().double()
                 if not last:
                     self._send(out, *_present(forward_output(op, len(stages))))
                 stash[key] = (x, out)
@@ -189,7 +196,9 @@ class StepRunner:
             )
         self._sync_gradients()
         self._waited(len(self.gen.ops))
-        return StepResult(loss_sum, plan.owned_layers(self.gen.me))
+        with computing():
+            total = float(loss_sum.item())
+        return StepResult(total, plan.owned_layers(self.gen.me))
 
     def _waited(self, i: int) -> None:
         self.waits[i] = time.perf_counter() - self._waiting_since
@@ -199,14 +208,11 @@ class StepRunner:
         if self.meter is not None:
             self.meter.inputs_ready()
 
-    def _forward_input(self, op: Op, step: int) -> torch.Tensor:
+    def _batch(self, op: Op, step: int) -> Any:
         plan = self.gen.plan
-        if op.stage == 0:
-            batch = self.model.batch(
-                step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.device
-            )
-            return self.model.inputs(batch)
-        return self._recv(*_present(forward_input(op))).requires_grad_()
+        return self.model.batch(
+            step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.device
+        )
 
     def _sync_gradients(self) -> None:
         """All-reduce SUM of each of this worker's SyncGroups, in round order."""

@@ -6,13 +6,16 @@ step's samples. For each tie, the first owner (in the plan's world order) of eac
 contributes its layer's gradient of the tied parameter, every other member zeros, to one SUM
 all-reduce over the world group; each owner of either layer then takes the sum. Both copies get
 the same gradient, hence the same update, and stay equal. The sum has two non-zero terms, so it is
-the same bits on every worker and in the single-process reference (first + second).
+the same bits on every worker and in the single-process reference (first + second). Where every
+owner of either layer holds both (data-parallel replicas of one stage, a one-stage pipeline), each
+adds the two itself, with the same bits, and the all-reduce is left out.
 """
 
 from __future__ import annotations
 
 import torch
 
+from workers.api import Tie
 from workers.backend import communicating
 from workers.generation import Generation
 from workers.state import WorkerState
@@ -32,6 +35,20 @@ def sync_ties(gen: Generation, state: WorkerState) -> None:
     plan, me = gen.plan, gen.me
     owners = {w: set(plan.owned_layers(w)) for w in gen.world}
     mine = owners[me]
+    if all(_held_together(tie, owners) for tie in ties):
+        # Every owner of either layer holds both, with the same summed gradients: each adds the
+        # two itself, in the all-reduce's order (zeros + first + second; the other members'
+        # zeros add nothing), and no collective is needed. Decided from the plan alone, so every
+        # member of the generation decides alike.
+        for tie in ties:
+            if tie.first[0] in mine:
+                first, second = _grad(state, *tie.first), _grad(state, *tie.second)
+                total = torch.zeros_like(first)
+                total += first
+                total += second
+                first.copy_(total)
+                second.copy_(total)
+        return
 
     def first_owner(layer: int) -> str:
         return next(w for w in gen.world if layer in owners[w])
@@ -54,3 +71,9 @@ def sync_ties(gen: Generation, state: WorkerState) -> None:
         for layer, name in (tie.first, tie.second):
             if layer in mine:
                 _grad(state, layer, name).copy_(total)
+
+
+def _held_together(tie: Tie, owners: dict[str, set[int]]) -> bool:
+    """Whether every worker that owns one of the tie's layers owns the other too."""
+    a, b = tie.first[0], tie.second[0]
+    return all((a in held) == (b in held) for held in owners.values())
