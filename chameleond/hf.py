@@ -7,6 +7,6 @@ Needs the `hf` extra (`pip install 'chameleond[hf]'`); nothing in the daemon imp
 
 from __future__ import annotations
 
-from workers.hf import FAMILIES, causal_lm_loss, split_causal_lm
+from chameleond.worker.hf import FAMILIES, causal_lm_loss, split_causal_lm
 
 __all__ = ["FAMILIES", "causal_lm_loss", "split_causal_lm"]

@@ -263,7 +263,8 @@ def _ident(f: Mapping[str, str], key: str) -> str:
     return v
 
 
-# What a checkpoint cost its worker (workers.saver.Written), optional in a `checkpoint` event.
+# What a checkpoint cost its worker (chameleond.worker.saver.Written), optional in a `checkpoint`
+# event.
 CHECKPOINT_COSTS = ("bytes", "bubble_seconds", "stall_seconds")
 
 

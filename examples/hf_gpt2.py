@@ -33,7 +33,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from chameleond.hf import causal_lm_loss, split_causal_lm
 from chameleond.worker import Job, Training, run
-from workers.gate import StepGate  # instrumentation of `chameleonctl bench worker`, not training
+from chameleond.worker.gate import (
+    StepGate,  # instrumentation of `chameleonctl bench worker`, not training
+)
 
 # [model.arch] keys and their defaults: a GPT-2 that trains on a laptop CPU.
 ARCH: dict[str, Any] = {
@@ -102,7 +104,7 @@ def plain(
     world of one); rank 0 prints each step's loss and writes the step times (wall and this
     process's CPU) and losses to `timings`. With `gate` (`chameleonctl bench worker`), each rank
     waits before each step until the bench's gate file lets it start, and records the step's
-    times to the gate file's name + `.plain{rank}` (workers.gate)."""
+    times to the gate file's name + `.plain{rank}` (chameleond.worker.gate)."""
     from chameleond.core.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -168,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", type=Path, help="--plain: the job spec giving model and batch sizes")
     p.add_argument("--steps", type=int, default=20, help="--plain: steps to train")
     p.add_argument("--timings", type=Path, help="--plain: write step times and losses here (JSON)")
-    p.add_argument("--gate", type=Path, help="--plain: take turns with the library (workers.gate)")
+    p.add_argument(
+        "--gate", type=Path, help="--plain: take turns with the library (chameleond.worker.gate)"
+    )
     args, rest = p.parse_known_args(argv)
     if args.plain:
         if args.spec is None:

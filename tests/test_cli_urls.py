@@ -19,7 +19,7 @@ COMMANDS = {
     "chameleonctl status": ["chameleond.cli.ctl", "status", "--redis-url"],
     "chameleonctl inject": ["chameleond.cli.ctl", "inject", "--worker", "w1", "--redis-url"],
     "chameleonctl up": ["chameleond.cli.ctl", "up", "--redis-url"],
-    "chameleon-worker": ["workers.main", "--worker-id", "w0", "--redis-url"],
+    "chameleon-worker": ["chameleond.worker.main", "--worker-id", "w0", "--redis-url"],
 }
 
 
@@ -48,7 +48,7 @@ def test_a_bad_url_is_a_one_line_usage_error_without_the_password(
         ["chameleond.cli.ctl", "status", "--bogus"],
         ["chameleond.cli.ctl", "inject"],
         ["chameleond.cli.ctl", "bench", "nothing"],
-        ["workers.main", "--group-timeout", "x"],
+        ["chameleond.worker.main", "--group-timeout", "x"],
     ],
 )
 def test_a_bad_argument_is_a_one_line_usage_error(argv: list[str], tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
     [
         ("chameleonctl", "chameleond.cli.ctl"),
         ("chameleond", "chameleond.daemon.cli"),
-        ("chameleon-worker", "workers.main"),
+        ("chameleon-worker", "chameleond.worker.main"),
     ],
 )
 def test_version(prog: str, module: str) -> None:

@@ -15,11 +15,11 @@ from chameleond.core.spec import parse_spec
 from chameleond.daemon.config import Config
 from chameleond.daemon.dispatch import dispatch
 from chameleond.daemon.views import status
+from chameleond.handlers.outcome import Outcome
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.protocol import EventError, parse_event
-from handlers.outcome import Outcome
 
 SPEC = load_default_spec()
 LAYERS = [asdict(layer) for layer in SPEC.layers]

@@ -10,6 +10,7 @@ import pytest
 
 from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
 from chameleond.daemon.dispatch import dispatch
+from chameleond.handlers.outcome import Outcome
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.change import UNCHANGED
 from chameleond.jobstate.job import Job
@@ -17,7 +18,6 @@ from chameleond.jobstate.jobspec import profile_to_json
 from chameleond.jobstate.records import UNCONFIRMED_MAX
 from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EventError, parse_event
-from handlers.outcome import Outcome
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)

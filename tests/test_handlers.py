@@ -12,12 +12,12 @@ from chameleond.core.decide import initial_plan
 from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
 from chameleond.daemon.dispatch import HANDLERS, dispatch
 from chameleond.events import EVENT_CLASSES, Event
+from chameleond.handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, Outcome
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.change import SNAPSHOT
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EVENT_TYPES, EventError, parse_event
-from handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, Outcome
 
 SPEC = load_default_spec()
 WORKERS = tuple(w.id for w in SPEC.workers)

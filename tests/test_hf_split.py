@@ -1,4 +1,5 @@
-"""workers.hf: a Hugging Face causal LM cut into layers computes what the model computes."""
+"""chameleond.worker.hf: a Hugging Face causal LM cut into layers computes what the model
+computes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from chameleond.worker import ModelError  # noqa: E402
-from workers.hf import causal_lm_loss, split_causal_lm  # noqa: E402
+from chameleond.worker.hf import causal_lm_loss, split_causal_lm  # noqa: E402
 
 VOCAB = 97
 SEQ = 16
@@ -179,7 +180,7 @@ def test_unknown_family_is_refused_naming_the_class() -> None:
 
 
 def test_a_parameter_used_twice_by_a_later_layer_gets_one_copy_and_one_tie() -> None:
-    from workers.hf import untie
+    from chameleond.worker.hf import untie
 
     first = torch.nn.Embedding(5, 3)
     later = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 5, bias=False)})

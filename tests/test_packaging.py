@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("chameleond", "handlers", "workers")
+PACKAGES = ("chameleond",)
 SKIP = {".git", ".venv", "build", "dist", "tests", "state", "report", "__pycache__",
         ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis"}  # fmt: skip
 
@@ -56,8 +56,10 @@ def test_the_wheel_holds_every_package_the_job_spec_and_the_console_scripts(
               if p.name.endswith(".csv") or p.name.startswith("LICENSE")}  # fmt: skip
     assert "chameleond/traces/oobleck-p3-trace.csv" in traces and traces <= names
     assert not any(n.startswith("tests/") for n in names)
+    # The only import name it installs is the project's own (no generic `workers` or `handlers`).
+    assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"chameleond"}
     assert dict(scripts["console_scripts"]) == {
         "chameleond": "chameleond.daemon.cli:main",
         "chameleonctl": "chameleond.cli.ctl:main",
-        "chameleon-worker": "workers.main:main",
+        "chameleon-worker": "chameleond.worker.main:main",
     }

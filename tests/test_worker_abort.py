@@ -20,11 +20,11 @@ from chameleond.cli.up import build_spec_document
 from chameleond.core.decide import initial_plan
 from chameleond.core.spec import parse_spec
 from chameleond.jobs import load_default_spec
-from workers.backend import new_group, parse_device
-from workers.events import PeerWatch
-from workers.generation import Generation
-from workers.migrate import reconcile
-from workers.state import WorkerState
+from chameleond.worker.backend import new_group, parse_device
+from chameleond.worker.events import PeerWatch
+from chameleond.worker.generation import Generation
+from chameleond.worker.migrate import reconcile
+from chameleond.worker.state import WorkerState
 
 
 def test_peer_watch_reports_the_gone_peers_once_then_ends() -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers import builtin
-from workers.data import Corpus
-from workers.layer import LayerState, run_layers
-from workers.model import Arch, ArchError, build_module
-from workers.trainable import Trainable
+from chameleond.worker import builtin
+from chameleond.worker.data import Corpus
+from chameleond.worker.layer import LayerState, run_layers
+from chameleond.worker.model import Arch, ArchError, build_module
+from chameleond.worker.trainable import Trainable
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 

@@ -16,10 +16,17 @@ from chameleond.core.plan import Plan
 from chameleond.core.schedule import BACKWARD, FORWARD
 from chameleond.core.spec import parse_spec
 from chameleond.jobs import load_default_spec
-from workers import generation
-from workers.backend import DeviceChoice
-from workers.generation import Generation, op_order
-from workers.p2p import Batch, Endpoint, MessageId, op_messages, rendezvous_fault, step_batches
+from chameleond.worker import generation
+from chameleond.worker.backend import DeviceChoice
+from chameleond.worker.generation import Generation, op_order
+from chameleond.worker.p2p import (
+    Batch,
+    Endpoint,
+    MessageId,
+    op_messages,
+    rendezvous_fault,
+    step_batches,
+)
 
 SHAPES = [(6, 2), (6, 3), (8, 4), (12, 3), (16, 4)]
 

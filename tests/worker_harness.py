@@ -38,11 +38,12 @@ def signed_doc(kind: str, job: str, doc: dict[str, Any]) -> str:
 def builtin_model(
     arch: Mapping[str, Any] | Any, global_batch: int = 8, micro_batch: int = 2
 ) -> Any:
-    """The built-in training (workers.builtin) of `arch` (an Arch or a [model.arch] mapping), as
-    the runtime holds it (a workers.trainable.Trainable)."""
-    from workers import builtin
-    from workers.model import Arch
-    from workers.trainable import Trainable
+    """The built-in training (chameleond.worker.builtin) of `arch` (an Arch or a [model.arch]
+    mapping), as
+    the runtime holds it (a chameleond.worker.trainable.Trainable)."""
+    from chameleond.worker import builtin
+    from chameleond.worker.model import Arch
+    from chameleond.worker.trainable import Trainable
 
     arch = arch if isinstance(arch, Arch) else Arch.from_mapping(arch)
     return Trainable(builtin.training(arch, global_batch, micro_batch))
@@ -325,7 +326,7 @@ class Workers:
         extra_args: list[str] | None = None,
         command: list[str] | None = None,
     ) -> None:
-        self.command = command or [sys.executable, "-m", "workers.main"]
+        self.command = command or [sys.executable, "-m", "chameleond.worker.main"]
         self.extra_args = list(extra_args or [])
         self.url = url
         self.job = job

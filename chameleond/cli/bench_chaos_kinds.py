@@ -149,7 +149,9 @@ def forged(s: Scene) -> Outcome:
         bench.client.publish(keys.plans_channel, str(generation + n))
         t.forged_sent += 1
         reader = redis.Redis.from_url(bench.redis.url)
-        from workers.events import PlanWatcher  # the workers' own (needs chameleond[worker])
+        from chameleond.worker.events import (
+            PlanWatcher,  # the workers' own (needs chameleond[worker])
+        )
 
         watcher = PlanWatcher(reader, t.job, bench.keyring)
         watcher.refresh()  # what a worker does on the message

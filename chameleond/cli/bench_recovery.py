@@ -95,9 +95,9 @@ def _vote_latency_seconds(mon: StreamMonitor, gen: int) -> list[float]:
 
 
 def _spec_by(base: JobSpec, mon: StreamMonitor, until: float) -> JobSpec:
-    """The daemon's view of the job at `until`: every profile event up to then folded into the
-    base spec as handlers/profile.py folds them (`fold_profile`, under the plan each was measured
-    on), with each worker's newest layers."""
+    """The daemon's view of the job at `until`: every profile event up to then folded into the base
+    spec as chameleond/handlers/profile.py folds them (`fold_profile`, under the plan each was
+    measured on), with each worker's newest layers."""
     spec = base
     profiles: dict[str, dict[int, LayerProfile]] = {}
     plans = {g: plan_from_dict(p) for g, p in mon.plans.items()}

@@ -6,7 +6,7 @@ recovers (or, with --policy reroute|dynamic, the policy forced on the daemon) an
 trains --after steps. Then `chameleond.sim` runs the same policy (`chameleon`: the selector)
 over the same job and a one-event trace (the victim fails as many seconds after the first commit
 as the kill came), on the daemon's view of the job: the spec with the profiles the workers had
-reported (folded as handlers/profile.py folds them). Bubble checkpoints are off in the
+reported (folded as chameleond/handlers/profile.py folds them). Bubble checkpoints are off in the
 simulation, as the workers here take none, so a training segment's throughput is B over its
 plan's step.
 

@@ -4,22 +4,21 @@ Both trainings run examples/hf_gpt2.py on the same spec: the library on --worker
 stage each, data-parallel, no faults) under a local chameleond; the plain loop (the script's
 --plain: one gloo process group of as many ranks, each its share of the same micro-batches, one
 all-reduce of the gradients, one AdamW; what a user writes without chameleond) on as many ranks,
-each in a session of its own as each worker is. Both are started once, warmed up, then take turns
-in blocks of --block-steps steps (plain, library, plain, ..., --rounds library blocks), each pausing
-between two steps while the other runs (workers.gate), so every library block is measured within
-seconds of a plain block on either side, under the same load. Both use one torch thread per
+each in a session of its own as each worker is. Both are started once, warmed up, then take turns in
+blocks of --block-steps steps (plain, library, plain, ..., --rounds library blocks), each pausing
+between two steps while the other runs (chameleond.worker.gate), so every library block is measured
+within seconds of a plain block on either side, under the same load. Both use one torch thread per
 process (OMP_NUM_THREADS=1; the library and the plain loop both set torch's threads to 1).
 
-Each process times its own steps, the same way in both trainings (workers.gate): wall seconds and
-CPU seconds of the whole process (gloo's and the library's threads included) from the start of a
-step to the start of the next. The first step of a block is left out (the other training's turn
-left the caches cold). A step's time is its slowest process's; a block's time the median of its
-steps; each library block is compared with the mean of the plain blocks on either side, and
-`overhead` is the median of these ratios, minus 1. `overhead_cpu` is the same with the CPU seconds
-per step, averaged over the processes, which other load on the machine barely moves.
+Each process times its own steps, the same way in both trainings (chameleond.worker.gate): wall
+seconds and CPU seconds of the whole process (gloo's and the library's threads included) from the
+start of a step to the start of the next. The first step of a block is left out (the other
+training's turn left the caches cold). A step's time is its slowest process's; a block's time the
+median of its steps; each library block is compared with the mean of the plain blocks on either
+side, and `overhead` is the median of these ratios, minus 1. `overhead_cpu` is the same with the CPU
+seconds per step, averaged over the processes, which other load on the machine barely moves.
 chameleond's and Redis's CPU per library step is given beside it, and so is the CPU each paused
-training spent while the other ran (its background: heartbeats, plan watch, the gate's polling).
-"""
+training spent while the other ran (its background: heartbeats, plan watch, the gate's polling)."""
 
 from __future__ import annotations
 
@@ -76,7 +75,7 @@ def _wait_records(
     paths: Sequence[Path], steps: int, alive: Callable[[], None], timeout: float
 ) -> None:
     """Until every record file holds steps 0..steps-1 (each process reached the gate of `steps`)."""
-    from workers.gate import read_record
+    from chameleond.worker.gate import read_record
 
     deadline = time.monotonic() + timeout
     while not all(len(read_record(p)) >= steps for p in paths):
@@ -125,7 +124,7 @@ def _plain_ranks(
 def overhead(
     args: argparse.Namespace, example: FoundExample, tmp: Path, timeout: float
 ) -> dict[str, Any]:
-    from workers.gate import GATE_ENV, open_gate, read_record
+    from chameleond.worker.gate import GATE_ENV, open_gate, read_record
 
     base = load_spec(example.spec)
     doc = build_spec_document(base, job=JOB, workers=args.workers, pp=1,

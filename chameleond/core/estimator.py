@@ -51,7 +51,9 @@ from chameleond.core.spec import JobSpec, LinkSpec
 Routing = Sequence[Sequence[Sequence[str]]]
 # Durations are clamped like schedule.py does, so both give the same longest path.
 _MIN_SECONDS = 1e-12
-VOTE_BYTES = 24  # per worker: [loss, 1, newest generation seen] as float64 (workers/runtime.py)
+VOTE_BYTES = (
+    24  # per worker: [loss, 1, newest generation seen] as float64 (chameleond/worker/runtime.py)
+)
 
 
 class LayerTable:
@@ -395,7 +397,7 @@ class Estimator:
         its workers' CPU work per step over (cores x that time). 1 on a saturated host; less
         where the plan leaves cores idle (an uneven plan's short pipelines done early). A worker
         that measures the cores the job got while this plan ran measures that fraction of the
-        cores it may share (handlers/profile.py divides it out)."""
+        cores it may share (chameleond/handlers/profile.py divides it out)."""
         shared = self._shared(pipelines, routing)
         if not shared or shared[0] <= 0:
             return {}

@@ -338,11 +338,11 @@ class PolicyMachine:
         return Recovery(watch.generation, watch.policy, max(0.0, now - watch.since)), transitions
 
     def overdue(self, now: float) -> tuple[str, ...]:
-        """Workers of the current plan that have not acknowledged it in time, while others
-        have. When none has, nothing tells them apart: a generation is built by all of its
-        workers or none (workers.rendezvous), so one that hangs keeps them all from it, and
-        declaring all of them failed would leave no plan at all. The workers name the member
-        missing from their attempts (workers.absence)."""
+        """Workers of the current plan that have not acknowledged it in time, while others have.
+        When none has, nothing tells them apart: a generation is built by all of its workers or none
+        (chameleond.worker.rendezvous), so one that hangs keeps them all from it, and declaring all
+        of them failed would leave no plan at all. The workers name the member missing from their
+        attempts (chameleond.worker.absence)."""
         if not self.awaiting_ready or now <= self.ready_deadline:
             return ()
         if not set(self.plan_workers) - self.awaiting_ready:

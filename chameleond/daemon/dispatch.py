@@ -1,4 +1,5 @@
-"""The one table from event type to handler (handlers/): the daemon's, checked complete against
+"""The one table from event type to handler (chameleond/handlers/): the daemon's, checked complete
+against
 the protocol's event types (tests/test_handlers.py)."""
 
 from __future__ import annotations
@@ -17,17 +18,17 @@ from chameleond.events import (
     Rejoin,
     Step,
 )
+from chameleond.handlers.ack import handle_ack
+from chameleond.handlers.checkpoint import handle_checkpoint
+from chameleond.handlers.fault import handle_fault
+from chameleond.handlers.heartbeat import handle_heartbeat
+from chameleond.handlers.outcome import Outcome
+from chameleond.handlers.profile import handle_profile
+from chameleond.handlers.register import handle_register
+from chameleond.handlers.rejoin import handle_rejoin
+from chameleond.handlers.step import handle_step
 from chameleond.jobstate.job import Job
 from chameleond.protocol import EventError
-from handlers.ack import handle_ack
-from handlers.checkpoint import handle_checkpoint
-from handlers.fault import handle_fault
-from handlers.heartbeat import handle_heartbeat
-from handlers.outcome import Outcome
-from handlers.profile import handle_profile
-from handlers.register import handle_register
-from handlers.rejoin import handle_rejoin
-from handlers.step import handle_step
 
 # Each handler takes its own event type; `dispatch` only ever pairs them by that type.
 Handler = Callable[[Job, Any, str, float], Outcome]

@@ -1,7 +1,7 @@
 """One job as the daemon sees it: the spec, the current plan, the workers, the policy state machine.
 
-Handlers change it (handlers/); each transition that changes what must be durable returns a
-`Change` (chameleond/jobstate/change.py), and the daemon turns the changes into commits. No I/O
+Handlers change it (chameleond/handlers/); each transition that changes what must be durable returns
+a `Change` (chameleond/jobstate/change.py), and the daemon turns the changes into commits. No I/O
 here: the daemon persists `snapshot()` and the changes' records, and acknowledges stream entries
 only once the effect they caused is in Redis (`owed` holds the entries a pending decision answers).
 """
@@ -58,7 +58,9 @@ class Job:
         self.waited: dict[str, float] = {}
         self.last_decision: dict[str, Any] | None = None
         self.follow_up: FollowUp | None = None
-        self.checkpoints = Checkpoints()  # what a restore plan can load (handlers/checkpoint.py)
+        self.checkpoints = (
+            Checkpoints()
+        )  # what a restore plan can load (chameleond/handlers/checkpoint.py)
         self.owed: dict[str, list[str]] = {}  # worker -> entry ids acked when its decision commits
         self.meter = StepMeter()
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)

@@ -130,7 +130,9 @@ class PlanFollowers(threading.Thread):
         self.keys = Keys(job)
         self.keyring = keyring
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
-        from workers.events import PlanWatcher  # the workers' own (needs chameleond[worker])
+        from chameleond.worker.events import (
+            PlanWatcher,  # the workers' own (needs chameleond[worker])
+        )
 
         self.watcher = PlanWatcher(self.client, job, keyring)
         self.workers = list(workers)

@@ -47,7 +47,7 @@ def console_script(name: str) -> list[str]:
         return [found]
     modules = {
         "chameleond": "chameleond.daemon.cli",
-        "chameleon-worker": "workers.main",
+        "chameleon-worker": "chameleond.worker.main",
     }
     return [sys.executable, "-m", modules[name]]
 

@@ -119,7 +119,7 @@ def check_workers(faults: Sequence[Fault], workers: Sequence[str]) -> None:
 def corrupt_newest_checkpoint(directory: Path, worker: str) -> Path | None:
     """Cut the worker's newest checkpoint file to half its length; the file, or None when the
     worker has written none. Files are named `{worker}-{step:09d}.safetensors`
-    (workers.checkpoint.checkpoint_path), so the newest sorts last."""
+    (chameleond.worker.checkpoint.checkpoint_path), so the newest sorts last."""
     files = sorted(directory.glob(f"{worker}-[0-9]*.safetensors"))
     if not files:
         return None

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from workers.api import Training
-from workers.layer import LayerState, run_layers
-from workers.trainable import Trainable
+from chameleond.worker.api import Training
+from chameleond.worker.layer import LayerState, run_layers
+from chameleond.worker.trainable import Trainable
 
 
 def reference_losses(

@@ -1,0 +1,79 @@
+"""`ack`: a worker's answer to a plan generation. phase=ready: it built the generation's process
+groups and finished migration. phase=stopped: it stopped: fenced, or on its own as a member of
+the plan (`reason` finished: it committed its last step; left: stopped by a signal), which is
+no failure. phase=unrestorable: the plan is a `restore` and the worker cannot load its layers
+from the checkpoint of `step` (files missing or unreadable there); the restore is decided again
+from an older checkpoint, and the entry is acknowledged with that decision."""
+
+from __future__ import annotations
+
+from chameleond.events import Ack, AckPhase
+from chameleond.handlers.outcome import (
+    DUPLICATE,
+    DUPLICATE_OWED,
+    HANDLED,
+    HANDLED_OWED,
+    Outcome,
+    reported_generation,
+)
+from chameleond.jobstate.change import SNAPSHOT, recorded, snapshot_if
+from chameleond.jobstate.job import Job
+
+
+def handle_ack(job: Job, event: Ack, entry_id: str, now: float) -> Outcome:
+    generation = reported_generation(job, event)
+    job.heard(event.worker, now)
+    if event.phase is AckPhase.STOPPED:
+        return _stopped(job, event, entry_id, generation, now)
+    if event.phase is AckPhase.UNRESTORABLE:
+        return _unrestorable(job, event, entry_id, generation, now)
+    if event.worker in job.machine.plan_workers:  # a member's rebuilds, nobody else's
+        job.observe_attempt(generation, event.attempt)
+    acked, transitions = job.machine.ready(event.worker, generation, now)
+    change = recorded(transitions)
+    if not acked:
+        return DUPLICATE.having(change)
+    return HANDLED.having(change | SNAPSHOT)
+
+
+def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -> Outcome:
+    """A worker stopped. Fenced (outside the plan it names): it obeyed. A member of the current
+    plan stopping on its own finished its steps, or left (`reason=left`): it is never declared
+    failed, and one that left is taken out of the plans like a fault, without counting one."""
+    rec = job.workers[event.worker]
+    m = job.machine
+    member = (
+        generation == m.generation
+        and event.worker in m.plan_workers
+        and not job.declared_failed(event.worker)
+    )
+    if not member or (rec.ended and rec.stopped_generation >= generation):
+        if rec.stopped_generation >= generation:
+            return DUPLICATE
+        rec.stopped_generation = generation
+        return HANDLED.having(SNAPSHOT)
+    rec.stopped_generation = generation
+    rec.ended = "left" if event.reason == "left" else "finished"
+    if rec.ended == "finished":
+        return HANDLED.having(SNAPSHOT)  # its peers finish at the same step: nothing to decide
+    new, transitions = m.fault(event.worker, "left the job", now)
+    change = SNAPSHOT | recorded(transitions)
+    if new and job.pending(event.worker):
+        job.owe(event.worker, entry_id)  # acknowledged with the plan that lets it go
+        return HANDLED_OWED.having(change)
+    return HANDLED.having(change)
+
+
+def _unrestorable(job: Job, event: Ack, entry_id: str, generation: int, now: float) -> Outcome:
+    step = event.step
+    plan = job.plan
+    if plan is None or plan.generation != generation or plan.restore_step != step:
+        return DUPLICATE  # about a plan already replaced
+    change = snapshot_if(job.checkpoints.cannot_load(step, generation))
+    cause = event.cause or f"cannot load the checkpoint of step {step}"
+    new, transitions = job.machine.unrestorable(event.worker, cause, now)
+    change |= recorded(transitions)
+    if new or job.pending(event.worker):  # answered by the next decision's commit
+        job.owe(event.worker, entry_id)
+        return (HANDLED_OWED if new else DUPLICATE_OWED).having(change)
+    return DUPLICATE.having(change)

@@ -1,0 +1,48 @@
+"""`profile`: measured per-layer costs from a worker; they replace the spec's numbers (the mean
+over the workers' newest reports) for every later decision. A CPU worker's report also carries
+its host's measured capacity (cores the job's workers get, over the fraction of them the plan it
+was measured on keeps busy), folded into the spec's host cores."""
+
+from __future__ import annotations
+
+from chameleond.core.machine import Phase
+from chameleond.core.spec import JobSpec, LayerProfile
+from chameleond.events import Profile
+from chameleond.handlers.outcome import DUPLICATE, HANDLED, Outcome
+from chameleond.handlers.register import admitted
+from chameleond.jobstate.change import Change
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import fold_profile
+from chameleond.protocol import EventError
+
+
+def handle_profile(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
+    held = job.unconfirmed.get(event.worker)
+    if not job.knows(event.worker) and held is None:
+        raise EventError(f"profile from {event.worker!r}, not a worker of job {job.name!r}")
+    data = event.data
+    if held is not None:
+        # The profile a worker outside the spec sends after `register` confirms it (a bad one
+        # raises and leaves the registration held).
+        change = job.confirm(event.worker)
+        try:
+            spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
+        except (EventError, ValueError, KeyError, TypeError):
+            job.unconfirm(event.worker, held)  # as it was: nothing to persist
+            raise
+        change |= _fold(job, event.worker, spec, profile)
+        if job.machine.phase is Phase.WAITING:
+            return HANDLED.having(change)
+        return admitted(job, event.worker, entry_id, now, changed=True).having(change)
+    # Held in the job's base spec: a measurement like the profiles, re-sent periodically, so a
+    # restarted daemon has it again within one reporting period.
+    spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
+    if job.worker(event.worker).profile == profile and not has_host:
+        return DUPLICATE
+    return HANDLED.having(_fold(job, event.worker, spec, profile))
+
+
+def _fold(job: Job, worker: str, spec: JobSpec, profile: dict[int, LayerProfile]) -> Change:
+    job.worker(worker).profile = profile
+    job.base_spec = spec
+    return job.spec_changed()

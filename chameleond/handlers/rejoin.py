@@ -1,0 +1,36 @@
+"""`rejoin`: a worker outside the current plan (repaired, restarted) is available again. The
+planner decides whether and how to take it back (decide(joined=...))."""
+
+from __future__ import annotations
+
+from chameleond.events import Rejoin
+from chameleond.handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, HANDLED_OWED, Outcome
+from chameleond.jobstate.change import SNAPSHOT, recorded
+from chameleond.jobstate.job import Job
+from chameleond.protocol import EventError
+
+
+def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
+    if job.pending(worker):
+        job.owe(worker, entry_id)
+        return DUPLICATE_OWED
+    new, transitions = job.machine.join(worker, now)
+    change = recorded(transitions)
+    if not new:
+        return DUPLICATE.having(change)
+    # A new process: only a later generation can run it, so a fault seen up to this one is
+    # about the process before it (chameleond/handlers/fault.py).
+    job.worker(worker).since_generation = job.machine.generation + 1
+    change |= SNAPSHOT
+    if job.pending(worker):
+        job.owe(worker, entry_id)
+        return HANDLED_OWED.having(change)
+    return HANDLED.having(change)
+
+
+def handle_rejoin(job: Job, event: Rejoin, entry_id: str, now: float) -> Outcome:
+    if not job.knows(event.worker) or not job.workers[event.worker].registered:
+        raise EventError(f"rejoin from {event.worker!r}, which never registered: send register")
+    job.new_process(event.worker)
+    job.worker(event.worker).last_heartbeat = now
+    return join(job, event.worker, entry_id, now)

@@ -1,0 +1,24 @@
+"""`step`: a worker committed a step. Feeds measured throughput and recovery time; O(1)."""
+
+from __future__ import annotations
+
+from chameleond.events import Step
+from chameleond.handlers.outcome import DUPLICATE, HANDLED, Outcome, reported_generation
+from chameleond.jobstate.job import Job
+
+
+def handle_step(job: Job, event: Step, entry_id: str, now: float) -> Outcome:
+    generation = reported_generation(job, event)
+    job.heard(event.worker, now)  # a committed step is as good as a heartbeat
+    if generation == job.machine.generation and event.worker not in job.machine.plan_workers:
+        return DUPLICATE  # a fenced worker's last step: not part of the plan's throughput
+    fresh, change = job.observe_step(
+        event.worker,
+        generation,
+        event.step,
+        event.samples,
+        event.seconds,
+        event.loss,
+        now,
+    )
+    return (HANDLED if fresh else DUPLICATE).having(change)

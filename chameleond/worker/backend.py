@@ -1,0 +1,221 @@
+"""Which collective backend a device uses, and how one process group is built on a store.
+
+cpu -> gloo, cuda:N -> nccl, npu:N -> hccl (Ascend, through the optional `torch_npu` package: the
+`npu` extra). A missing or broken backend is a `BackendUnavailable` whose message says what to
+install, never an import trace. Groups are built directly on a store (no global default group), so
+every plan generation's groups are plain objects that can be dropped when the generation ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class BackendUnavailable(RuntimeError):
+    """The device's collective backend cannot be used here; the message says why."""
+
+
+class DeviceFailed(RuntimeError):
+    """This worker's own computation failed (a device error, out of memory): not a peer's
+    fault. The worker reports itself and leaves (docs/worker.md, "Failure detection")."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective or point-to-point operation, or the building of a group, failed: a peer's
+    fault (it died, or its groups closed), which the worker answers by naming the dead peers."""
+
+
+@contextmanager
+def communicating() -> Iterator[None]:
+    """Around the worker's communication: torch raises a plain RuntimeError when a peer's
+    connection closes; here it becomes a CollectiveFailed, told apart from the worker's own
+    errors and from bugs, which are not retried."""
+    try:
+        yield
+    except (CollectiveFailed, DeviceFailed, dist.DistError):
+        raise
+    except RuntimeError as e:
+        raise CollectiveFailed(f"{type(e).__name__}: {e}") from e
+
+
+@contextmanager
+def computing() -> Iterator[None]:
+    """Around a worker's own computation (forward, backward, update): an error there is the
+    device's, told apart from the errors of collectives, which a failed peer causes."""
+    try:
+        yield
+    except DeviceFailed:
+        raise
+    except RuntimeError as e:  # torch's errors, CUDA's and out-of-memory included
+        raise DeviceFailed(f"{type(e).__name__}: {e}") from e
+
+
+def check_device_health(device: torch.device) -> None:
+    """Raise DeviceFailed when the device no longer computes. A CUDA kernel's error is reported
+    at the next synchronisation, often inside a collective, where it looks like a peer's; a
+    sticky one (an ECC error, an illegal address) then fails every later kernel, this one too."""
+    with computing():
+        x = torch.ones(4, device=device)
+        (x * 2).sum().item()  # .item() waits for the kernel
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    kind: str  # "cpu" | "cuda" | "npu"
+    index: int
+    backend: str  # "gloo" | "nccl" | "hccl"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(self.kind, self.index)
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"{self.kind}:{self.index}"
+
+
+def parse_device(text: str) -> DeviceChoice:
+    """`cpu`, `cuda:N` or `npu:N`; raises ValueError with the accepted forms."""
+    kind, _, idx = text.partition(":")
+    if kind == "cpu" and not idx:
+        return DeviceChoice("cpu", 0, "gloo")
+    if kind in ("cuda", "npu") and (idx.isdigit() or not idx):
+        return DeviceChoice(kind, int(idx or 0), "nccl" if kind == "cuda" else "hccl")
+    raise ValueError(f"device {text!r}: expected cpu, cuda:N or npu:N")
+
+
+def check_device(dev: DeviceChoice) -> None:
+    """Make the device current, or raise BackendUnavailable explaining what is missing."""
+    if dev.kind == "cuda":
+        if not torch.cuda.is_available():
+            raise BackendUnavailable("cuda requested but torch sees no CUDA device")
+        if dev.index >= torch.cuda.device_count():
+            raise BackendUnavailable(
+                f"cuda:{dev.index} requested, {torch.cuda.device_count()} seen"
+            )
+        if not dist.is_nccl_available():
+            raise BackendUnavailable("this torch build has no NCCL backend")
+        torch.cuda.set_device(dev.index)
+        # By default a timed-out NCCL operation ends the process (3: tear down). A survivor of a
+        # peer's death must live on to the next plan: abort the communicator only, so that the
+        # pending operation fails and the worker reports the fault.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    elif dev.kind == "npu":
+        npu = _torch_npu()
+        if not npu.npu.is_available():  # pragma: no cover - needs Ascend hardware
+            raise BackendUnavailable("torch_npu is installed but sees no NPU device")
+        npu.npu.set_device(dev.index)  # pragma: no cover
+
+
+def _torch_npu() -> Any:
+    try:
+        return importlib.import_module("torch_npu")
+    except ImportError as e:
+        raise BackendUnavailable(
+            "npu requested but torch_npu is not installed: pip install 'chameleond[npu]' "
+            f"(torch-npu matching torch {torch.__version__.split('+')[0]}) ({e})"
+        ) from None
+    except Exception as e:  # a broken install raises anything at import time
+        raise BackendUnavailable(f"torch_npu is installed but fails to import: {e}") from None
+
+
+def device_memory_bytes(dev: DeviceChoice) -> int:
+    if dev.kind == "cuda":
+        return int(torch.cuda.get_device_properties(dev.index).total_memory)
+    if dev.kind == "npu":  # pragma: no cover - needs Ascend hardware
+        return int(_torch_npu().npu.get_device_properties(dev.index).total_memory)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def new_group(
+    store: dist.Store,
+    rank: int,
+    size: int,
+    dev: DeviceChoice,
+    *,
+    bind_address: str,
+    timeout: timedelta,
+) -> Any:
+    """One process group over `store`; blocks until all `size` members joined (or the store
+    aborts)."""
+    with communicating():
+        return _new_group(store, rank, size, dev, bind_address, timeout)
+
+
+def _new_group(
+    store: dist.Store, rank: int, size: int, dev: DeviceChoice, bind: str, timeout: timedelta
+) -> Any:
+    if dev.backend == "gloo":
+        # The options type is private in torch's stubs; it is the only way to pass the device.
+        opts = getattr(dist.ProcessGroupGloo, "_Options")()  # noqa: B009
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+    if dev.backend == "nccl":
+        nccl_opts = dist.ProcessGroupNCCL.Options()
+        nccl_opts._timeout = timeout
+        nccl_opts.config.blocking = False  # an abort from another thread can end its set-up
+        return dist.ProcessGroupNCCL(store, rank, size, nccl_opts)
+    npu = _torch_npu()  # pragma: no cover - needs Ascend hardware
+    hccl = npu._C._distributed_c10d.ProcessGroupHCCL  # pragma: no cover
+    return hccl(store, rank, size, timeout)  # pragma: no cover
+
+
+def build_communicator(group: Any, dev: DeviceChoice) -> None:
+    """NCCL and HCCL build a group's communicator at its first collective, which every member
+    must join. A batch of point-to-point transfers (`exchange`) runs on that communicator, and
+    the members with nothing to send in the first batch would not join it: so every member builds
+    it right after the group, with one small all-reduce, in the order the groups are built (the
+    same everywhere). Nothing to do on gloo, whose groups connect when they are made."""
+    if dev.backend != "gloo":
+        allreduce_sum(group, torch.zeros(1), dev.torch_device)
+
+
+def allreduce_sum(group: Any, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """SUM all-reduce of a small host tensor (a commit vote, the reconcile rows); the result on
+    the host. NCCL and HCCL reduce device tensors only, so it makes the trip through `device`."""
+    t = host.to(device)
+    with communicating():
+        group.allreduce([t]).wait()
+        return t.cpu()  # on a GPU, an error of the collective may surface at this copy
+
+
+# One point-to-point operation: (send?, tensor, peer rank). It goes on the wire with P2P_TAG.
+P2POp = tuple[bool, torch.Tensor, int]
+
+# The tag of every point-to-point op. NCCL and HCCL ignore tags and match a pair's messages in the
+# order they are issued; so that a run on gloo is a run of what they do, no op carries another tag
+# and every caller issues a pair's messages in the same order on both sides (chameleond.worker.p2p).
+P2P_TAG = 0
+
+
+def exchange(group: Any, ops: Sequence[P2POp]) -> list[Any]:
+    """Issue `ops` as one batch, in order; one work per op, to wait on.
+
+    A backend that coalesces (NCCL, HCCL) runs the batch as one group, which progresses all its
+    ops at once, so a send that waits for its receive cannot block a receive of the same
+    batch (chameleond.worker.p2p says why that is enough); its single work stands for every op. On
+    gloo each op runs on its own, asynchronously; gloo, too, matches a pair's messages of one tag
+    in issue order.
+    """
+    if not ops:
+        return []
+    coalesce = bool(getattr(group, "supports_coalescing", False))
+    with communicating():
+        if coalesce:  # NCCL, HCCL (not gloo)
+            group._start_coalescing()
+        works = [
+            (group.send if send else group.recv)([tensor], peer, P2P_TAG)
+            for send, tensor, peer in ops
+        ]
+        if coalesce:
+            return [group._end_coalescing()] * len(ops)
+    return works

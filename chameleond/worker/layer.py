@@ -1,0 +1,129 @@
+"""One layer as a worker holds it: the user's module, its own optimizer and scheduler, and the last
+committed step it reflects.
+
+Per-layer optimizers are exactly one optimizer over all parameters for every element-wise
+optimizer (SGD, Adam, AdamW, ...) without global gradient clipping. Moving a layer moves its whole
+state: the module's state_dict (parameters and buffers), the optimizer's and the scheduler's, as
+one serialized byte buffer (`state_buffer`), bit for bit.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from chameleond.worker.api import ModelError
+from chameleond.worker.trainable import Trainable
+
+CHUNK_BYTES = 1 << 20  # a checkpoint writes a layer's buffer in pieces of this size
+
+
+class LayerState:
+    """One layer's module, optimizer and scheduler, and the last committed step they reflect."""
+
+    def __init__(
+        self, model: Trainable, index: int, device: torch.device, version: int = -1
+    ) -> None:
+        self.index = index
+        self.device = device
+        self.module = model.build(index).to(device)
+        self.optimizer, self.scheduler = model.optimize(self.module)
+        self.version = version  # -1: initial weights, no step applied yet
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return list(self.module.parameters())
+
+    def apply_update(self, global_batch: int, step: int) -> None:
+        """Gradients hold the SUM over the global batch: divide once by B, then the optimizer and
+        the scheduler step."""
+        for p in self.params():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(global_batch)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version = step
+
+    def discard_gradients(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # Migration and checkpoints: the whole state as one byte buffer ------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+        }
+
+    def state_buffer(self) -> torch.Tensor:
+        """The state serialized (torch.save) into a flat uint8 tensor on the CPU."""
+        out = io.BytesIO()
+        torch.save(self.state_dict(), out)
+        return torch.frombuffer(bytearray(out.getbuffer()), dtype=torch.uint8)
+
+    def state_parts(self) -> list[torch.Tensor]:
+        """`state_buffer` in pieces (a checkpoint writes them one by one, in pipeline bubbles:
+        chameleond.worker.saver)."""
+        return list(self.state_buffer().split(CHUNK_BYTES))
+
+    def check_movable(self) -> None:
+        """ModelError naming the layer and the types, when its state holds objects other than
+        tensors and plain Python values (a user's class in the optimizer's or the scheduler's
+        state_dict): a migration or a restore loads states with `weights_only=True`, which
+        refuses them. Checked at start-up, after the profile's real optimizer step, so the user
+        learns it before training rather than at the first migration."""
+        out = io.BytesIO()
+        torch.save(self.state_dict(), out)
+        out.seek(0)
+        _refuse_unsafe(self.index, self.module, out)
+
+    def load_buffer(self, buf: torch.Tensor, version: int) -> None:
+        """Replace the state by a `state_buffer` (from a peer or a checkpoint file). ModelError
+        (a user error, not a fault to retry) when it holds types `weights_only` refuses."""
+        raw = buf.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
+        try:
+            state = torch.load(io.BytesIO(raw), map_location=self.device, weights_only=True)
+            self.module.load_state_dict(state["module"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.scheduler is not None and state["scheduler"] is not None:
+                self.scheduler.load_state_dict(state["scheduler"])
+        except (
+            RuntimeError,
+            KeyError,
+            TypeError,
+            ValueError,
+            EOFError,
+            pickle.UnpicklingError,
+        ) as e:
+            if isinstance(e, pickle.UnpicklingError):
+                _refuse_unsafe(self.index, self.module, io.BytesIO(raw))
+            raise ValueError(f"layer {self.index}: unusable state buffer ({e})") from e
+        self.version = version
+
+
+def _refuse_unsafe(index: int, module: torch.nn.Module, saved: io.BytesIO) -> None:
+    """Raise ModelError naming the types in a saved state that `weights_only` loading refuses."""
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(saved)
+    except (RuntimeError, ValueError, pickle.UnpicklingError):  # not a readable state at all
+        return
+    if unsafe:
+        raise ModelError(
+            f"layer {index} ({type(module).__name__}): its state holds {', '.join(unsafe)}, "
+            "which moving or restoring a layer cannot load (torch.load(weights_only=True) "
+            "takes tensors and plain Python values only): keep such objects out of the "
+            "optimizer's and the scheduler's state_dict, or register them with "
+            "torch.serialization.add_safe_globals in the training script"
+        )
+
+
+def run_layers(layers: list[LayerState], x: torch.Tensor) -> torch.Tensor:
+    for layer in layers:
+        x = layer.module(x)
+    return x

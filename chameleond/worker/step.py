@@ -1,0 +1,260 @@
+"""One training step of one worker under a plan: its 1F1B ops, then the gradient sync rounds.
+
+Ops run in the generation's order, a linear extension of the step's dependency graph
+(chameleond.core.schedule). Messages go out in the generation's batches (chameleond.worker.p2p): an
+op's output waits in an outbox until its batch is issued, a receive is posted with its batch and
+waited for just before the op that uses it. Under rerouting a worker's op list holds ops of several
+pipelines (the failed slot's micro-batches), so activations and gradients cross pipelines;
+everything is keyed by (pipeline, stage, micro-batch). Each message has the fixed shape and dtype of
+the output of its boundary's layer (chameleond.worker.validate) and is named by its MessageId (kind,
+pipeline, stage boundary, micro-batch) here only: on the wire it is matched by the order of the
+batches (chameleond.worker.p2p). Stage 0 reads its micro-batch's inputs, the last stage the same
+batch for the user's loss (chameleond.worker.trainable: sample ids, collate, per-sample losses).
+
+Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
+all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds; then tied
+parameters add their two layers' sums (chameleond.worker.ties). The division by B happens once, at
+commit (LayerState.apply_update)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from chameleond.core.schedule import FORWARD, Op
+from chameleond.worker.backend import P2POp, communicating, computing, exchange
+from chameleond.worker.generation import Generation, sync_order
+from chameleond.worker.layer import run_layers
+from chameleond.worker.p2p import (
+    Batch,
+    Message,
+    MessageId,
+    backward_input,
+    backward_output,
+    forward_input,
+    forward_output,
+)
+from chameleond.worker.profile import TrainingMeter
+from chameleond.worker.state import WorkerState
+from chameleond.worker.ties import sync_ties
+from chameleond.worker.validate import Output
+
+
+@dataclass
+class StepResult:
+    loss_sum: float  # SUM over the samples whose last stage this worker executed
+    layers: tuple[int, ...]  # layers whose gradients this step produced (and synced)
+
+
+class StepRunner:
+    def __init__(
+        self,
+        gen: Generation,
+        state: WorkerState,
+        outputs: Sequence[Output],
+        meter: TrainingMeter | None = None,
+    ) -> None:
+        self.gen = gen
+        self.state = state
+        self.model = state.model
+        self.meter = meter  # measures each op for the in-training profile
+        self._shapes = _message_shapes(gen, outputs)
+        self._outbox: dict[MessageId, torch.Tensor] = {}  # computed, waiting for their batch
+        self._inbox: dict[MessageId, tuple[Any, torch.Tensor]] = {}  # posted receives
+        self._sent: list[tuple[Any, torch.Tensor]] = []
+        self._local: dict[MessageId, torch.Tensor] = {}  # messages to itself
+        # Wall seconds the last step waited before each op for its input, then after the last op for
+        # its sends and the gradient sync: the bubbles as they really are (chameleond.worker.saver).
+        self.waits = [0.0] * (len(gen.ops) + 1)
+        self._waiting_since = 0.0
+
+    # point-to-point ---------------------------------------------------------------------------
+
+    def _send(self, tensor: torch.Tensor, peer: str, message: MessageId) -> None:
+        t = tensor.detach().contiguous()
+        if peer == self.gen.me:
+            self._local[message] = t
+        else:
+            self._outbox[message] = t  # sent with its batch
+
+    def _recv(self, peer: str, message: MessageId) -> torch.Tensor:
+        if peer == self.gen.me:
+            return self._local.pop(message)
+        posted = self._inbox.pop(message, None)
+        if posted is None:
+            raise RuntimeError(f"receive of {message} from {peer} is in no batch before it")
+        work, buf = posted
+        with communicating():
+            work.wait()
+        return buf
+
+    def _issue(self, batch: Batch) -> None:
+        ops: list[P2POp] = []
+        for end in batch.endpoints:
+            if end.send:
+                tensor = self._outbox.pop(end.message)
+            else:
+                shape, dtype = self._shapes[end.message]
+                tensor = torch.empty(shape, dtype=dtype, device=self.state.device)
+            ops.append((end.send, tensor, self.gen.rank_of(end.peer)))
+        works = exchange(self.gen.world_group, ops)  # in the batch's order: the pair's order
+        for end, (_, tensor, _), work in zip(batch.endpoints, ops, works, strict=True):
+            if end.send:
+                self._sent.append((work, tensor))  # the tensor must outlive the send
+            else:
+                self._inbox[end.message] = (work, tensor)
+
+    # the step ---------------------------------------------------------------------------------
+
+    def run(self, step: int, on_op: Any = None, bubble: Any = None) -> StepResult:
+        """`bubble(i)`, if given, is called where the op order's timeline has this worker idle
+        before op i (i = number of ops: after the last): once the op's batches are issued, before
+        it waits for its input (chameleond.worker.saver)."""
+        try:
+            return self._run(step, on_op, bubble)
+        finally:
+            # Pending transfers hold the group; a failed step must not keep it (and its sockets)
+            # open.
+            for box in (self._outbox, self._inbox, self._sent, self._local):
+                box.clear()
+
+    def _run(self, step: int, on_op: Any, bubble: Any) -> StepResult:
+        plan, st = self.gen.plan, self.state
+        dev = st.device
+        stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Summed on the device, in float64 (what Python's float sum of the float32 losses gives),
+        # and read once per step: a read per micro-batch would wait for an accelerator each time.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        batches = iter(self.gen.batches)
+        batch = next(batches, None)
+        for i, op in enumerate(self.gen.ops):
+            if on_op is not None:
+                on_op(step, i, len(self.gen.ops))
+            while batch is not None and batch.before <= i:
+                self._issue(batch)
+                batch = next(batches, None)
+            if bubble is not None:
+                bubble(i)
+            if self.meter is not None:
+                self.meter.begin()  # after the bubble's work: not the op's
+            self._waiting_since = time.perf_counter()
+            stages = plan.pipelines[op.pipeline].stages
+            layers = [st.layer(j) for j in stages[op.stage].layers]
+            last = op.stage == len(stages) - 1
+            key = (op.pipeline, op.stage, op.micro_batch)
+            if op.kind == FORWARD:
+                # A stage that is both first and last (one-stage pipelines) reads the micro-batch
+                # once, for its inputs and its loss.
+                data = self._batch(op, step) if op.stage == 0 else None
+                if data is not None:
+                    x = self.model.inputs(data)
+                else:
+                    x = self._recv(*_present(forward_input(op))).requires_grad_()
+                self._inputs_ready(i)
+                with computing():
+                    out = run_layers(layers, x)
+                    if last:
+                        if data is None:
+                            data = self._batch(op, step)
+                        out = self.model.loss_sum(out, data, plan.micro_batch)
+                        loss_sum += out.detach().double()
+                if not last:
+                    self._send(out, *_present(forward_output(op, len(stages))))
+                stash[key] = (x, out)
+            else:
+                x, out = stash.pop(key)
+                grad_in = backward_input(op, len(stages))
+                grad = None if grad_in is None else self._recv(*grad_in)  # None: from the loss
+                self._inputs_ready(i)
+                with computing():
+                    out.backward(grad)
+                grad_out = backward_output(op)
+                if grad_out is not None:
+                    assert x.grad is not None
+                    self._send(x.grad, *grad_out)
+            if self.meter is not None:
+                self.meter.op(op.kind == FORWARD, stages[op.stage].layers)
+        while batch is not None:
+            self._issue(batch)
+            batch = next(batches, None)
+        if bubble is not None:
+            bubble(len(self.gen.ops))
+        self._waiting_since = time.perf_counter()
+        with communicating():
+            for work, _ in self._sent:
+                work.wait()
+        self._sent.clear()
+        if stash or self._outbox or self._inbox:
+            raise RuntimeError(
+                f"step {step}: {len(stash)} forwards without a backward, {len(self._outbox)} "
+                f"outputs not sent, {len(self._inbox)} messages received for no op"
+            )
+        self._sync_gradients()
+        self._waited(len(self.gen.ops))
+        with computing():
+            total = float(loss_sum.item())
+        return StepResult(total, plan.owned_layers(self.gen.me))
+
+    def _waited(self, i: int) -> None:
+        self.waits[i] = time.perf_counter() - self._waiting_since
+
+    def _inputs_ready(self, i: int) -> None:
+        self._waited(i)
+        if self.meter is not None:
+            self.meter.inputs_ready()
+
+    def _batch(self, op: Op, step: int) -> Any:
+        plan = self.gen.plan
+        return self.model.batch(
+            step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.device
+        )
+
+    def _sync_gradients(self) -> None:
+        """All-reduce SUM of each of this worker's SyncGroups, in round order."""
+        for index, group in sync_order(self.gen.plan):
+            pg = self.gen.sync_groups.get(index)
+            if pg is None:
+                continue
+            params = [p for j in group.layers for p in self.state.layer(j).params()]
+            if not params:  # layers without parameters (every member holds the same ones)
+                continue
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            with communicating():
+                pg.allreduce([flat]).wait()
+            off = 0
+            for p in params:
+                assert p.grad is not None
+                n = p.numel()
+                p.grad.copy_(flat[off : off + n].view_as(p.grad))
+                off += n
+        sync_ties(self.gen, self.state)
+
+
+def _message_shapes(
+    gen: Generation, outputs: Sequence[Output]
+) -> dict[MessageId, tuple[tuple[int, ...], torch.dtype]]:
+    """message -> (shape, dtype) of every message this worker receives in a step: an activation, or
+    its gradient, at the boundary after stage s is the output of stage s's last layer."""
+    shapes = {}
+    for op in gen.ops:
+        stages = gen.plan.pipelines[op.pipeline].stages
+        if op.kind == FORWARD:
+            got, boundary = forward_input(op), op.stage - 1
+        else:
+            got, boundary = backward_input(op, len(stages)), op.stage
+        if got is not None:
+            out = outputs[stages[boundary].layers[-1]]
+            shapes[got[1]] = (out.shape, out.dtype)
+    return shapes
+
+
+def _present(message: Message | None) -> Message:
+    assert message is not None
+    return message
