@@ -53,6 +53,23 @@ def wait_steps(
     wait_for(done, timeout, f"{n} committed steps" + (f" on generation {gen}" if gen else ""), 0)
 
 
+def kill_and_wait(
+    mon: StreamMonitor, cluster: LocalCluster, victim: str, timeout: float
+) -> tuple[int, float]:
+    """kill -9 `victim`, then wait for a step on a newer plan: the generation it was killed in
+    and when it was killed."""
+    old_gen = mon.last_commit.generation if mon.last_commit else 0
+    killed_at = cluster.kill_worker(victim)
+
+    def recovered() -> bool:
+        mon.poll(block_ms=20)
+        cluster.check_daemon()
+        return any(c.generation > old_gen for c in mon.commits)
+
+    wait_for(recovered, timeout, f"a step on a new plan after killing {victim}", 0)
+    return old_gen, killed_at
+
+
 @contextmanager
 def warmed_up(cluster: LocalCluster, warmup: int, timeout: float) -> Iterator[StreamMonitor]:
     """Start the daemon and workers; yield the stream monitor once `warmup` steps commit."""

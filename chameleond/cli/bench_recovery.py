@@ -43,13 +43,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from chameleond.cli.bench_cluster import spec_file, wait_steps, warmed_up, worker_ids
+from chameleond.cli.bench_cluster import kill_and_wait, spec_file, wait_steps, warmed_up, worker_ids
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import JobSpec, LayerProfile, load_spec
 from chameleond.extras import require
 from chameleond.jobstate.jobspec import fold_profile, measured_layers
-from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
+from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.timeline import entry_seconds
 
@@ -168,15 +168,7 @@ def _kill_and_recover(
         ) as cluster,
         warmed_up(cluster, args.warmup, args.timeout) as mon,
     ):
-        old_gen = mon.last_commit.generation if mon.last_commit else 0
-        killed_at = cluster.kill_worker(args.victim)
-
-        def recovered() -> bool:
-            mon.poll(block_ms=20)
-            cluster.check_daemon()
-            return any(c.generation > old_gen for c in mon.commits)
-
-        wait_for(recovered, args.timeout, f"a step on a new plan after killing {args.victim}", 0)
+        old_gen, killed_at = kill_and_wait(mon, cluster, args.victim, args.timeout)
         first = next(c for c in mon.commits if c.generation > old_gen)
         wait_steps(mon, cluster, args.after, first.generation, args.timeout)
         mon.read_all()

@@ -31,12 +31,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from chameleond.cli.bench_cluster import spec_file, wait_steps, warmed_up, worker_ids
+from chameleond.cli.bench_cluster import (
+    kill_and_wait,
+    spec_file,
+    wait_steps,
+    warmed_up,
+    worker_ids,
+)
 from chameleond.cli.bench_recovery import MIN_STEPS, VICTIM, _spec_by, plan_rows
 from chameleond.core.plan import Plan, plan_from_dict
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.extras import require
-from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
+from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster
 from chameleond.local.monitor import StreamMonitor
 from chameleond.sim.engine import simulate
 from chameleond.sim.policies import SimConfig
@@ -102,15 +108,7 @@ def one_run(args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, A
         ) as cl,  # fmt: skip
         warmed_up(cl, args.warmup, args.timeout) as mon,
     ):
-        old_gen = mon.last_commit.generation if mon.last_commit else 0
-        killed_at = cl.kill_worker(args.victim)
-
-        def recovered() -> bool:
-            mon.poll(block_ms=20)
-            cl.check_daemon()
-            return any(c.generation > old_gen for c in mon.commits)
-
-        wait_for(recovered, args.timeout, f"a step on a new plan after killing {args.victim}", 0)
+        old_gen, killed_at = kill_and_wait(mon, cl, args.victim, args.timeout)
         _wait_settled(mon, cl, args)
         mon.read_all()
         rows = plan_rows(mon, "sim-check", base)
