@@ -130,7 +130,7 @@ def one_run(args: argparse.Namespace, spec_path: Path, tmp: Path) -> dict[str, A
     ahead = forecast["after_fault"]
     daemon_plan = plans.get(after[-1]["generation"])
     return {
-        "simulated_step_seconds": {k: round(v, 4) for k, v in sim.items()},
+        "simulated_step_seconds": {k: round(v, 6) for k, v in sim.items()},
         "measured_step_seconds": measured,
         "errors": {k: round(e, 4) for k, e in errors.items()},
         "simulated_step_error": round(max(errors.values()), 4),
