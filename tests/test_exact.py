@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from spec_strategies import SLOW_LINKS, layer_kinds
 
 from chameleond.cli.exact import exact
 from chameleond.cli.exhaustive import exhaustive
@@ -97,17 +98,7 @@ def test_weakened_searches_show_a_gap() -> None:
 
 def small_spec(data: st.DataObject) -> JobSpec:
     n_workers = data.draw(st.integers(2, 10))
-    kinds = [
-        {
-            "forward_seconds": data.draw(st.sampled_from([0.01, 0.1, 0.3, 1.0])),
-            "backward_seconds": data.draw(st.sampled_from([0.02, 0.2, 0.7, 2.0])),
-            "param_bytes": data.draw(st.integers(0, 100)),
-            "optimizer_bytes": data.draw(st.integers(0, 100)),
-            "activation_bytes": data.draw(st.integers(0, 60)),
-            "output_bytes": data.draw(st.integers(0, 1000)),
-        }
-        for _ in range(2)
-    ]
+    kinds = layer_kinds(data, [0.01, 0.1, 0.3, 1.0], [0.02, 0.2, 0.7, 2.0], 2)
     layers = [data.draw(st.sampled_from(kinds)) for _ in range(data.draw(st.integers(1, 7)))]
     micro = data.draw(st.integers(-(-n_workers // len(layers)), 12))
     k = -(-n_workers // micro)  # the spec's own layout only has to be valid
@@ -118,10 +109,7 @@ def small_spec(data: st.DataObject) -> JobSpec:
                 {"id": f"w{i}", "host": f"h{i % 2}", "memory_bytes": memory}
                 for i, memory in enumerate(_memories(data, n_workers))
             ],
-            "links": {
-                "intra_host": {"bandwidth_bytes_per_second": 1e4, "latency_seconds": 0.001},
-                "inter_host": {"bandwidth_bytes_per_second": 1e3, "latency_seconds": 0.01},
-            },
+            "links": SLOW_LINKS,
             "model": {"layers": layers},
             "training": {
                 "global_batch": 2 * micro,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from spec_strategies import SLOW_LINKS, layer_kinds
 
 from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable
@@ -15,17 +16,7 @@ from chameleond.core.spec import JobSpec, parse_spec
 def uneven_spec(data: st.DataObject) -> JobSpec:
     """Up to 14 layers of a few kinds (so even splits tie, and uneven ones differ), random memory,
     sync after the pipeline or overlapped with backward."""
-    kinds = [
-        {
-            "forward_seconds": data.draw(st.sampled_from([0.0, 0.01, 0.1, 0.25, 1.0])),
-            "backward_seconds": data.draw(st.sampled_from([0.02, 0.2, 0.5, 2.0])),
-            "param_bytes": data.draw(st.integers(0, 100)),
-            "optimizer_bytes": data.draw(st.integers(0, 100)),
-            "activation_bytes": data.draw(st.integers(0, 60)),
-            "output_bytes": data.draw(st.integers(0, 1000)),
-        }
-        for _ in range(3)
-    ]
+    kinds = layer_kinds(data, [0.0, 0.01, 0.1, 0.25, 1.0], [0.02, 0.2, 0.5, 2.0], 3)
     layers = [data.draw(st.sampled_from(kinds)) for _ in range(data.draw(st.integers(2, 14)))]
     n_workers = data.draw(st.integers(2, 24))
     return parse_spec(
@@ -38,10 +29,7 @@ def uneven_spec(data: st.DataObject) -> JobSpec:
                     )
                 )
             ],
-            "links": {
-                "intra_host": {"bandwidth_bytes_per_second": 1e4, "latency_seconds": 0.001},
-                "inter_host": {"bandwidth_bytes_per_second": 1e3, "latency_seconds": 0.01},
-            },
+            "links": SLOW_LINKS,
             "model": {"layers": layers},
             "training": {
                 "global_batch": 2 * n_workers,
