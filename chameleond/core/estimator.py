@@ -133,6 +133,20 @@ def _order(n_stages: int, n_micro: int) -> tuple[tuple[int, bool, int], ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=4096)
+def _steps(n_stages: int, n_micro: int) -> tuple[tuple[int, int, bool, int, int], ...]:
+    """`_order` with each op's index, the index of the op it waits for on the neighbouring stage
+    (-1: none) and the link between them: (index, stage, forward?, dependency, link)."""
+    out = []
+    for s, is_f, m in _order(n_stages, n_micro):
+        i = s * n_micro + m
+        if is_f:
+            out.append((i, s, True, i - n_micro if s > 0 else -1, s - 1))
+        else:
+            out.append((i, s, False, i + n_micro if s + 1 < n_stages else -1, s))
+    return tuple(out)
+
+
 def _longest_path(
     forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
 ) -> tuple[list[float], list[float], list[float], list[float]]:
@@ -143,21 +157,20 @@ def _longest_path(
     size = n * n_micro
     f_start, f_end, b_start, b_end = [0.0] * size, [0.0] * size, [0.0] * size, [0.0] * size
     free = [0.0] * n
-    for s, is_f, m in _order(n, n_micro):
-        i = s * n_micro + m
+    for i, s, is_f, dep, link in _steps(n, n_micro):
         ready = free[s]
         if is_f:
-            if s > 0:
-                dep = f_end[i - n_micro] + comm[s - 1]
-                if dep > ready:
-                    ready = dep
+            if dep >= 0:
+                arrives = f_end[dep] + comm[link]
+                if arrives > ready:
+                    ready = arrives
             f_start[i] = ready
             free[s] = f_end[i] = ready + fwd[s]
         else:
-            if s + 1 < n:
-                dep = b_end[i + n_micro] + comm[s]
-                if dep > ready:
-                    ready = dep
+            if dep >= 0:
+                arrives = b_end[dep] + comm[link]
+                if arrives > ready:
+                    ready = arrives
             if f_end[i] > ready:
                 ready = f_end[i]
             b_start[i] = ready
