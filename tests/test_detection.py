@@ -7,36 +7,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from job_harness import SPEC, job, send, training_job
 
-from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
-from chameleond.daemon.dispatch import dispatch
-from chameleond.handlers.outcome import Outcome
-from chameleond.jobs import load_default_spec
+from chameleond.core.machine import DecisionResult
 from chameleond.jobstate.change import UNCHANGED
-from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import profile_to_json
 from chameleond.jobstate.records import UNCONFIRMED_MAX
 from chameleond.jobstate.snapshot import restore, snapshot
-from chameleond.protocol import EventError, parse_event
+from chameleond.protocol import EventError
 
-SPEC = load_default_spec()
-WORKERS = tuple(w.id for w in SPEC.workers)
 PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(SPEC.layers)))})
-
-
-def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> Outcome:
-    return dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
-
-
-def training_job(ttl: float = 60.0) -> Job:
-    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine(), registration_ttl_seconds=ttl)
-    for w in WORKERS:
-        send(j, type="register", worker=w, host="localhost", memory_bytes=2**31)
-    j.machine.initial(1, WORKERS, 1.0)
-    for w in WORKERS:
-        send(j, type="ack", worker=w, generation=1, phase="ready")
-    assert j.machine.phase is Phase.TRAINING
-    return j
 
 
 def test_a_worker_that_finished_is_finished_not_failed() -> None:
@@ -48,7 +28,7 @@ def test_a_worker_that_finished_is_finished_not_failed() -> None:
     assert j.ended("w2") and not j.machine.pending_faults
     assert send(j, type="ack", worker="w2", generation=1, phase="stopped").duplicate
     # The state survives a restart of the daemon.
-    again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    again = job()
     restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.worker_state(again.workers["w2"], 1000.0, 3.0) == "finished"
 
@@ -90,7 +70,7 @@ def test_a_registration_from_outside_the_spec_waits_for_its_profile() -> None:
 
 
 def test_unconfirmed_registrations_expire_and_are_bounded() -> None:
-    j = training_job(ttl=5.0)
+    j = training_job(registration_ttl_seconds=5.0)
     for i in range(UNCONFIRMED_MAX):
         send(j, now=2.0, type="register", worker=f"p{i}", host="h", memory_bytes=2**31)
     with pytest.raises(EventError, match="registrations already wait"):

@@ -7,39 +7,17 @@ from dataclasses import asdict, replace
 from typing import get_args
 
 import pytest
+from job_harness import SPEC, WORKERS, job, send, training_job
 
 from chameleond.core.decide import initial_plan
-from chameleond.core.machine import DecisionResult, Phase, PolicyMachine
-from chameleond.daemon.dispatch import HANDLERS, dispatch
+from chameleond.core.machine import DecisionResult
+from chameleond.daemon.dispatch import HANDLERS
 from chameleond.events import EVENT_CLASSES, Event
 from chameleond.handlers.outcome import DUPLICATE, DUPLICATE_OWED, HANDLED, Outcome
-from chameleond.jobs import load_default_spec
 from chameleond.jobstate.change import SNAPSHOT
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EVENT_TYPES, EventError, parse_event
-
-SPEC = load_default_spec()
-WORKERS = tuple(w.id for w in SPEC.workers)
-
-
-def job() -> Job:
-    return Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
-
-
-def send(j: Job, entry: str = "1-0", now: float = 1.0, **fields: object) -> Outcome:
-    return dispatch(j, parse_event({k: str(v) for k, v in fields.items()}), entry, now)
-
-
-def training_job() -> Job:
-    j = job()
-    for w in WORKERS:
-        send(j, type="register", worker=w, host="localhost", memory_bytes=2**31)
-    j.machine.initial(1, WORKERS, 1.0)
-    for w in WORKERS:
-        send(j, type="ack", worker=w, generation=1, phase="ready")
-    assert j.machine.phase is Phase.TRAINING
-    return j
 
 
 def test_one_handler_per_event_type() -> None:

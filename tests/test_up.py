@@ -5,29 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_harness import chameleonctl
 
 pytestmark = pytest.mark.slow
 
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
-
-
-def chameleonctl(
-    *args: str, timeout: float = 280, cwd: Path | None = None
-) -> subprocess.CompletedProcess[str]:
-    # stdout is a pipe, not a terminal: progress must come as plain lines.
-    return subprocess.run(
-        [sys.executable, "-m", "chameleond.cli.ctl", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=cwd,
-    )
 
 
 def leftover_processes(port: str) -> list[str]:

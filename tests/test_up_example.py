@@ -4,28 +4,13 @@ GPT-2) as the local job's workers, end to end with a reroute and a re-partition.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_harness import chameleonctl
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-def chameleonctl(
-    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 280
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "chameleond.cli.ctl", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=cwd,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def test_example_and_spec_together_is_one_clear_line(tmp_path: Path) -> None:
