@@ -99,10 +99,6 @@ class Detector:
                 )
         return out
 
-    def fenced_alive(self, now: float) -> list[str]:
-        states = self.job.worker_states(now, self.cfg.heartbeat_timeout_seconds)
-        return sorted(w for w, s in states.items() if s == "fenced")
-
     async def run(self) -> None:
         job, cfg = self.job, self.cfg
         while True:
