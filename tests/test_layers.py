@@ -26,10 +26,11 @@ FORBIDDEN = {
     "chameleond.core": (DAEMON, STATE, CLI, SIM, "chameleond.local", HANDLERS, WORKER),
     "chameleond.events": (DAEMON, STATE, CLI, HANDLERS),
     "chameleond.protocol": (DAEMON, STATE, CLI, HANDLERS),
+    "chameleond.streams": (DAEMON, STATE, CLI, SIM, HANDLERS, WORKER, "chameleond.local"),
     "chameleond.jobstate": (DAEMON, CLI, SIM, HANDLERS, WORKER),
     HANDLERS: (DAEMON, CLI, SIM, WORKER),
     "chameleond.sim": (DAEMON, CLI, HANDLERS),
-    DAEMON: (CLI, WORKER),
+    DAEMON: (CLI, WORKER, "chameleond.local"),
     WORKER: (DAEMON, STATE, CLI, HANDLERS),
 }
 

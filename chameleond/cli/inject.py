@@ -19,7 +19,6 @@ from typing import Any, cast
 import redis
 
 from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring
-from chameleond.local.faults import redis_cli_args
 from chameleond.protocol import (
     MAX_ID_LEN,
     MAX_TEXT_LEN,
@@ -29,6 +28,7 @@ from chameleond.protocol import (
     scrub_url,
     url_error,
 )
+from chameleond.streams import redis_cli_args
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
 

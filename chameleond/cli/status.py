@@ -15,8 +15,8 @@ import redis
 
 from chameleond.cli.inject import add_redis_url, redis_client
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
-from chameleond.local.timeline import entry_seconds, is_decision, parse_decision
 from chameleond.protocol import Keys, redact_url
+from chameleond.streams import entry_seconds, is_decision, parse_decision
 
 LAST_DECISIONS = 5
 

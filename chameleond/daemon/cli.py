@@ -29,9 +29,9 @@ from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring, new_secret_file
 from chameleond.core.decide import DecisionError, initial_plan
 from chameleond.core.spec import JobSpec, SpecError, load_spec
 from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
-from chameleond.local.faults import redis_cli_args
 from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.redis_server import RedisServer
+from chameleond.streams import redis_cli_args
 from chameleond.usage import Parser
 
 log = logging.getLogger("chameleond")

@@ -20,8 +20,8 @@ from chameleond.daemon.config import Config
 from chameleond.daemon.health import Health
 from chameleond.daemon.metrics import Metrics
 from chameleond.jobstate.job import Job
-from chameleond.local.timeline import is_decision, parse_decision
 from chameleond.protocol import Keys
+from chameleond.streams import is_decision, parse_decision
 
 
 class HttpServer:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chameleond.core.plan import Plan
-from chameleond.local.timeline import DecisionRecord
+from chameleond.streams import DecisionRecord
 
 REFRESH_SECONDS = 2
 Entry = tuple[str, Mapping[str, str]]

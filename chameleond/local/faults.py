@@ -23,11 +23,10 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from chameleond.auth import Keyring
-from chameleond.protocol import MAX_ID_LEN, Keys
-from chameleond.redis_server import redis_binary
+from chameleond.protocol import MAX_ID_LEN
+from chameleond.streams import redis_cli_args
 
 DEFAULT_CAUSES = {
     "kill": "kill -9 (injected)",
@@ -130,39 +129,6 @@ def corrupt_newest_checkpoint(directory: Path, worker: str) -> Path | None:
 
 
 # redis-py's TLS settings in a rediss:// URL's query, and the redis-cli flags that say the same.
-_TLS_FLAGS = {
-    "ssl_ca_certs": "--cacert",
-    "ssl_ca_path": "--cacertdir",
-    "ssl_certfile": "--cert",
-    "ssl_keyfile": "--key",
-}
-
-
-def redis_cli_args(
-    redis_url: str, job: str, worker: str, cause: str, keyring: Keyring | None = None
-) -> list[str]:
-    """The argv of the redis-cli line an operator would type to report a fault; with the job's
-    keyring it carries the event's signature (`sig`, docs/security.md).
-
-    redis-cli reads neither a URL's query nor TLS settings in it: a rediss:// URL's certificates
-    become --tls flags, and the query is dropped.
-    """
-    url = urlsplit(redis_url)
-    cli = [redis_binary("redis-cli", tls=url.scheme == "rediss")]
-    if url.scheme == "rediss":
-        cli.append("--tls")
-        for key, value in parse_qsl(url.query):
-            if key in _TLS_FLAGS:
-                cli += [_TLS_FLAGS[key], value]
-            elif key == "ssl_cert_reqs" and value.lower() == "none":
-                cli.append("--insecure")
-    cli += ["-u", urlunsplit(url._replace(query="", fragment=""))]
-    event = {"type": "fault", "worker": worker, "cause": cause}
-    if keyring is not None:
-        event = keyring.sign_event(job, event)
-    return [*cli, "XADD", Keys(job).events, "*", *(x for kv in event.items() for x in kv)]
-
-
 def send_fault_event(
     redis_url: str, job: str, worker: str, cause: str, keyring: Keyring | None = None
 ) -> str:

@@ -18,8 +18,8 @@ from typing import Any, cast
 import redis
 
 from chameleond.core.plan import PlanError, plan_from_dict
-from chameleond.local.timeline import Entry, entry_seconds, is_decision
 from chameleond.protocol import Keys
+from chameleond.streams import Entry, entry_seconds, is_decision
 
 
 @dataclass(frozen=True)

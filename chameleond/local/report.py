@@ -23,16 +23,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from chameleond.local.chart import draw_chart
-from chameleond.local.timeline import (
-    CommittedStep,
-    DecisionRecord,
-    Entry,
-    committed_steps,
-    entry_seconds,
-    is_decision,
-    median_interval,
-    parse_decision,
-)
+from chameleond.local.timeline import CommittedStep, committed_steps, median_interval
+from chameleond.streams import DecisionRecord, Entry, entry_seconds, is_decision, parse_decision
 
 WINDOW = 5  # steps before a fault that define "throughput before"
 
