@@ -2,8 +2,7 @@
 
 Only on evidence: a worker that stopped cleanly (`ack phase=stopped` as a member of the plan:
 finished, or left) is never suspected; a failed worker is `fenced` only when it was heard from
-after it was declared failed (otherwise it is dead, and logged so); registrations from outside
-the spec that no profile followed expire.
+after it was declared failed (otherwise it is dead, and logged so).
 
 What the detector suspects it writes to the event stream as an ordinary `fault` (with
 `source=detector`), so a suspicion takes the same durable path as a reported fault and an operator
@@ -16,9 +15,9 @@ heartbeat was read meanwhile. A suspicion is written only while this daemon hold
 (`Lease.xadd`), so one that stalled past its lease and wakes up writes nothing.
 
 The detector is given what it reads and the two things it may do, nothing else of the daemon:
-the job (it reads the workers and the plan, and expires stale registrations), the configuration,
-the daemon's view of Redis, a function that writes an event to the job's stream, one that
-publishes a generation again, and one that hands what it changed to the next commit.
+the job (it reads the workers and the plan; it changes nothing in it), the configuration,
+the daemon's view of Redis, a function that writes an event to the job's stream, and one that
+publishes a generation again.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from redis.exceptions import RedisError
 from chameleond.core.machine import Phase
 from chameleond.daemon.config import Config
 from chameleond.daemon.reachability import Reachability
-from chameleond.jobstate.change import Change
 from chameleond.jobstate.job import Job
 
 log = logging.getLogger("chameleond.detector")
@@ -50,12 +48,10 @@ class Detector:
         reachability: Reachability,
         write_event: Callable[[dict[str, str]], Awaitable[None]],
         nudge: Callable[[int], Awaitable[None]],
-        note: Callable[[Change], None],
     ) -> None:
         self.job, self.cfg, self.reachability = job, cfg, reachability
         self.write_event = write_event  # to the job's event stream, signed, while leading
         self.nudge = nudge  # publish this generation again (the fenced learn they are out)
-        self.note = note  # what the detector changed in the job, for the next commit to write
         self.reported: dict[str, float] = {}  # worker -> when a suspicion was written
         self.last_nudge = 0.0
         self.fenced_logged: set[str] = set()
@@ -118,10 +114,6 @@ class Detector:
                     fault = {"type": "fault", "worker": worker, "cause": cause}
                     fault["source"] = "detector"
                     await self.write_event(fault)
-                expired, change = job.expire_unconfirmed(now)
-                self.note(change)  # the next commit drops them from Redis
-                for w in expired:
-                    log.info("registration of %s expired: no profile followed it", w)
                 states = job.worker_states(now, cfg.heartbeat_timeout_seconds)
                 fenced = sorted(w for w, s in states.items() if s == "fenced")
                 for w in set(fenced) - self.fenced_logged:

@@ -173,7 +173,7 @@ class Service:
             detector = Detector(
                 job, cfg, reachability,
                 write_event=own_event_writer(lease, self.keys, self.keyring),
-                nudge=committer.broadcaster.nudge, note=committer.note,
+                nudge=committer.broadcaster.nudge,
             )  # fmt: skip
             self.health.ready = True
             self.refresh_gauges()

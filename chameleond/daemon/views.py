@@ -56,7 +56,7 @@ def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
         "workers": workers,
         "failed": sorted(m.failed),
         # Registrations from outside the spec waiting for their profile (bounded, expiring).
-        "registrations_waiting": sorted(job.unconfirmed),
+        "registrations_waiting": job.waiting_registrations(now),
         "pending_faults": dict(sorted(m.pending_faults.items())),
         "waiting_faults": [
             {**f, "age_seconds": round(now - f["received_at"], 3) if f["received_at"] else None}

@@ -17,6 +17,11 @@ from chameleond.protocol import EventError
 
 
 def handle_profile(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
+    _, expired = job.expire_unconfirmed(now)  # a profile after the TTL confirms nothing
+    return _handle(job, event, entry_id, now).having(expired)
+
+
+def _handle(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
     held = job.unconfirmed.get(event.worker)
     if not job.knows(event.worker) and held is None:
         raise EventError(f"profile from {event.worker!r}, not a worker of job {job.name!r}")

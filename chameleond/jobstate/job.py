@@ -162,8 +162,14 @@ class Job:
 
     # ---- registrations from outside the spec ---------------------------------------------------
 
+    def waiting_registrations(self, now: float) -> list[str]:
+        """Registrations from outside the spec still within the TTL for their profile, sorted."""
+        ttl = self.registration_ttl_seconds
+        return sorted(w for w, r in self.unconfirmed.items() if now - r.at <= ttl)
+
     def expire_unconfirmed(self, now: float) -> tuple[list[str], Change]:
-        """Drop registrations that waited longer than the TTL for their profile."""
+        """Drop registrations that waited longer than the TTL for their profile. Done where
+        registrations are read (a registration, a profile), so nothing else writes the job."""
         ttl = self.registration_ttl_seconds
         gone = [w for w, r in self.unconfirmed.items() if now - r.at > ttl]
         for w in gone:
