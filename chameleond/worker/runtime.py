@@ -520,7 +520,7 @@ class WorkerRuntime:
         fields: dict[str, object] = {
             "generation": plan.generation,
             "step": step,
-            "samples": plan.global_batch,
+            "samples": plan.global_batch,  # trained this step: B, or fewer under a drop plan
             "seconds": f"{seconds:.6f}",
             "vote_seconds": f"{vote_seconds:.6f}",
             "loss": repr(loss),
