@@ -103,6 +103,13 @@ def test_a_dropped_pipeline_leaves_the_other_training_on_its_own_samples(
         )
         for w in ("w0", "w2", "w3"):
             assert workers.procs[w].returncode == 0, workers.log(w)[-3000:]
+        controller.wait_for(
+            "the taken-back worker's last step event",
+            lambda: any(
+                e["worker"] == IDLE and int(e["step"]) == STEPS - 1 for e in record.of("step")
+            ),
+            timeout=10,
+        )
     finally:
         workers.stop()
         controller.stop()
