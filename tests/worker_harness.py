@@ -9,6 +9,7 @@ plan key, PUBLISH the generation. It records every event for the assertions. `Wo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -97,6 +98,31 @@ def tiny_spec(
     }
 
 
+def drop_pipelines(plan: Plan, dropped: Iterable[int], failed: Iterable[str] = ()) -> Plan:
+    """The drop plan after `plan` (the next generation): its other pipelines unchanged, their
+    routing rows, nothing migrated, sync groups over the kept owners, the global batch their
+    micro-batches hold; `failed` workers excluded."""
+    from chameleond.core.policy import Policy
+    from chameleond.core.restorer import sync_groups
+
+    gone = set(dropped)
+    keep = [p for p in range(len(plan.pipelines)) if p not in gone]
+    pipelines = tuple(plan.pipelines[p] for p in keep)
+    excluded = tuple(sorted(set(failed)))
+    return dataclasses.replace(
+        plan,
+        generation=plan.generation + 1,
+        policy=Policy.DROP,
+        global_batch=sum(p.micro_batches for p in pipelines) * plan.micro_batch,
+        pipelines=pipelines,
+        routing=tuple(plan.routing[p] for p in keep),
+        migration=(),
+        sync_groups=sync_groups(pipelines, excluded),
+        excluded=excluded,
+        cause=f"dropped pipeline(s) {sorted(gone)}",
+    )
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -172,7 +198,11 @@ class Controller:
         policy: str | list[str],
         heartbeat_lapse: float = 3.0,
         measured: bool = True,
+        plan_for: Callable[[Plan, set[str]], Plan] | None = None,
     ) -> None:
+        # plan_for(current plan, failed workers) -> the next plan: a hand-built plan in place of
+        # decide()'s answer to a failure.
+        self.plan_for = plan_for
         # measured=False keeps the spec's layer numbers: the plans' layouts are known in advance.
         self.measured = measured
         self.url = url
@@ -251,6 +281,9 @@ class Controller:
                 continue
             self.failed |= new
             assert self.current is not None
+            if self.plan_for is not None:
+                self.publish(self.plan_for(self.current, set(self.failed)))
+                continue
             policy = self.policies[min(len(self.record.plans) - 1, len(self.policies) - 1)]
             d = decide(
                 self.spec,

@@ -17,6 +17,7 @@ class Policy(StrEnum):
     REROUTE = "reroute"
     DYNAMIC = "dynamic"
     RESTORE = "restore"
+    DROP = "drop"
 
 
 # The two candidates every decision weighs (PAPER.md section 3).

@@ -122,7 +122,8 @@ class Training:
     - `model`: `Layers`, a `Factory`, or a plain sequence of modules (no ties).
     - `loss(output, batch)`: the PER-SAMPLE losses of a micro-batch, a 1-D tensor of its samples.
       The library sums them over the step's samples and divides by `global_batch` once, so a
-      rerouted or re-partitioned step makes the same update as a failure-free one.
+      rerouted or re-partitioned step makes the same update as a failure-free one (a step of a
+      `drop` plan, which trains fewer micro-batches, divides by the samples it trained).
     - `dataset`: map-style, indexed by sample id; step s trains ids [s*B, (s+1)*B) modulo its
       length; `collate(samples) -> batch`; `inputs(batch)` picks layer 0's input.
     - `optimizer(params)`: any torch.optim optimizer, built once PER LAYER, so that moving a layer

@@ -5,8 +5,9 @@ site-packages excluded, the first `max_bytes`), so no download is needed and eve
 the same Python version sees the same bytes; `digest` names the corpus so a mismatch between
 machines is visible in the register event. Sample i is the window of seq_len + 1 bytes at a fixed
 pseudo-random offset; step s trains sample ids [s*B, (s+1)*B), and global micro-batch g of that step
-covers [s*B + g*mbs, s*B + (g+1)*mbs). Pipelines and micro-batches only partition these ids, so no
-sample is skipped or repeated whatever the plan.
+covers [s*B + g*mbs, s*B + (g+1)*mbs), B the job's global batch. Pipelines and micro-batches only
+partition these ids, so no sample is repeated whatever the plan (a drop plan leaves some of a
+step's micro-batches untrained: chameleond.worker.samples).
 """
 
 from __future__ import annotations

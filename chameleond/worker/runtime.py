@@ -7,6 +7,7 @@ generation by generation.
       (nobody dead: build the same generation again, attempt 2, 3, ...)
     this worker's own computation failed -> report itself, exit 7
     fenced (excluded, or dropped from the plans) -> ack stopped, exit 0
+    its pipeline left out by a `drop` plan -> wait, alive, for a plan that takes it back
 
 A step commits on every worker or on none: after the gradient sync, every worker of the plan joins
 a vote (a SUM all-reduce of [loss, 1, newest plan generation seen]); only when the vote completes
@@ -30,6 +31,7 @@ import torch
 
 from chameleond.auth import Keyring
 from chameleond.core.plan import Plan
+from chameleond.core.policy import Policy
 from chameleond.protocol import Keys
 from chameleond.worker import checkpoint
 from chameleond.worker.absence import ABSENT_ATTEMPTS, Absences
@@ -58,6 +60,7 @@ from chameleond.worker.migrate import StateLost, reconcile
 from chameleond.worker.outbox import OUTAGE_ERRORS, RedisUnreachable, through_outage
 from chameleond.worker.profile import TrainingMeter
 from chameleond.worker.rendezvous import BuiltWithoutMe, GenerationAbandoned
+from chameleond.worker.samples import check_batch
 from chameleond.worker.saver import BUBBLE, Saver, Written
 from chameleond.worker.startup import Joined, join
 from chameleond.worker.state import WorkerState
@@ -138,6 +141,9 @@ class WorkerRuntime:
         self.trained_key = self.keys.prefix + "workers:trained"
         self._marked_trained = False
         self._restored = 0  # the last `restore` plan whose checkpoint this process loaded
+        # A drop plan left this worker's pipeline out: it waits, not fenced, until a plan takes it
+        # back (or excludes it).
+        self._dropped = False
         self.absences = Absences()  # peers missing from the rendezvous (chameleond.worker.absence)
         self.saver: Saver | None = None  # with --checkpoint-every, once the model is known
         self.gate = StepGate.from_env(cfg.worker_id)  # `chameleonctl bench worker` only
@@ -202,13 +208,23 @@ class WorkerRuntime:
             seen = plan.generation
             # Fencing applies to a process that took part in an earlier generation. A new process
             # (a restart) finding itself excluded is a rejoin: its registration asks the daemon
-            # to take it back, so it waits for a plan that includes it.
-            if self._took_part and (me in plan.excluded or me not in plan.workers):
+            # to take it back, so it waits for a plan that includes it. So does a worker whose
+            # pipeline a drop plan left out: it is alive, and a later plan may take it back.
+            if plan.policy is Policy.DROP and me not in plan.workers and me not in plan.excluded:
+                self._dropped = True
+            if self._dropped and me in plan.workers:
+                self._dropped = False
+            if self._took_part and (
+                me in plan.excluded or (me not in plan.workers and not self._dropped)
+            ):
                 self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
                 log.info("fenced by generation %d: stopping", plan.generation)
                 return 0
             if me not in plan.workers:
-                log.info("generation %d does not include %s: waiting", plan.generation, me)
+                why = "its pipeline was dropped" if self._dropped else "not in the plan"
+                log.info(
+                    "generation %d does not include %s (%s): waiting", plan.generation, me, why
+                )
                 continue
             try:
                 self.run_generation(plan, state, joined, attempt)
@@ -324,6 +340,8 @@ class WorkerRuntime:
         t0 = time.perf_counter()
         self._peers = {}  # an earlier generation's peers are no evidence in this one
         try:
+            model = joined.model.training
+            check_batch(plan, model.global_batch, model.micro_batch)
             gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation, attempt)
         except ValueError as e:
             raise PlanRejected(str(e)) from e
@@ -502,7 +520,7 @@ class WorkerRuntime:
         fields: dict[str, object] = {
             "generation": plan.generation,
             "step": step,
-            "samples": plan.global_batch,
+            "samples": plan.global_batch,  # trained this step: B, or fewer under a drop plan
             "seconds": f"{seconds:.6f}",
             "vote_seconds": f"{vote_seconds:.6f}",
             "loss": repr(loss),

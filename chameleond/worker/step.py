@@ -13,8 +13,9 @@ batch for the user's loss (chameleond.worker.trainable: sample ids, collate, per
 
 Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
 all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds; then tied
-parameters add their two layers' sums (chameleond.worker.ties). The division by B happens once, at
-commit (LayerState.apply_update)."""
+parameters add their two layers' sums (chameleond.worker.ties). The division by the plan's global
+batch (the samples its steps train: B, or fewer under a drop plan) happens once, at commit
+(LayerState.apply_update)."""
 
 from __future__ import annotations
 
@@ -208,9 +209,11 @@ class StepRunner:
             self.meter.inputs_ready()
 
     def _batch(self, op: Op, step: int) -> Any:
-        plan = self.gen.plan
+        # Sample ids are laid out by the job's B, not the plan's: a drop plan trains fewer
+        # micro-batches of the same steps (chameleond.worker.samples).
+        job_batch = self.model.training.global_batch
         return self.model.batch(
-            step, op.micro_batch, plan.global_batch, plan.micro_batch, self.state.device
+            step, op.micro_batch, job_batch, self.gen.plan.micro_batch, self.state.device
         )
 
     def _sync_gradients(self) -> None:

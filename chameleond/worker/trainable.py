@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from chameleond.worker import samples
 from chameleond.worker.api import Batch, Factory, Layers, ModelError, Tie, Training
 
 
@@ -103,13 +104,14 @@ class Trainable:
     # data -------------------------------------------------------------------------------------
 
     def sample_ids(self, step: int, micro_batch: int, global_batch: int, size: int) -> range:
-        first = step * global_batch + micro_batch * size
-        return range(first, first + size)
+        """`global_batch` is the job's B, whatever a plan trains (chameleond.worker.samples)."""
+        return samples.sample_ids(step, micro_batch, global_batch, size)
 
     def batch(
         self, step: int, micro_batch: int, global_batch: int, size: int, device: torch.device
     ) -> Batch:
-        """Global micro-batch `micro_batch` of step `step`, collated, on `device`."""
+        """Global micro-batch `micro_batch` of step `step` of a job of global batch `global_batch`,
+        collated, on `device`."""
         data, n = self.training.dataset, len(self.training.dataset)
         ids = self.sample_ids(step, micro_batch, global_batch, size)
         return to_device(self.training.collate([data[i % n] for i in ids]), device)

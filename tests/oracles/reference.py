@@ -3,10 +3,13 @@
 Same layers (their initial weights), same data (sample ids [s*B, (s+1)*B)), same math (per-sample
 losses summed over the batch, tied gradients added, divided once by B, per-layer optimizers and
 schedulers). The distributed runs differ from this only in the order in which gradient sums are
-added up.
+added up. A step may train only some of its global micro-batches (`trained`, as under a drop plan):
+their sample ids stay where B puts them, and the sums are divided by the samples trained.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -16,10 +19,14 @@ from chameleond.worker.trainable import Trainable
 
 
 def reference_losses(
-    training: Training | Trainable, steps: int, first_step: int = 0
+    training: Training | Trainable,
+    steps: int,
+    first_step: int = 0,
+    trained: Callable[[int], Sequence[int]] | None = None,
 ) -> list[float]:
     """The global mean loss of steps first_step .. first_step + steps - 1 (starting from the
-    initial weights)."""
+    initial weights); `trained(step)`: the global micro-batches step `step` trains (default:
+    all)."""
     model = training if isinstance(training, Trainable) else Trainable(training)
     global_batch, micro_batch = model.training.global_batch, model.training.micro_batch
     torch.set_num_threads(1)
@@ -28,7 +35,9 @@ def reference_losses(
     losses: list[float] = []
     for step in range(first_step + steps):
         total = 0.0
-        for g in range(global_batch // micro_batch):
+        ids = range(global_batch // micro_batch) if trained is None else trained(step)
+        samples = len(ids) * micro_batch
+        for g in ids:
             batch = model.batch(step, g, global_batch, micro_batch, device)
             out = run_layers(layers, model.inputs(batch))
             loss = model.loss_sum(out, batch, micro_batch)
@@ -42,9 +51,9 @@ def reference_losses(
             _grad(pa).copy_(summed)
             _grad(pb).copy_(summed)
         for layer in layers:
-            layer.apply_update(global_batch, step)
+            layer.apply_update(samples, step)
         if step >= first_step:
-            losses.append(total / global_batch)
+            losses.append(total / samples)
     return losses
 
 
