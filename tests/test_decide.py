@@ -128,7 +128,7 @@ def test_published_score_example() -> None:
     for mtbf, expected in ((15.0, "reroute"), (40.0, "dynamic")):
         rr = candidate("reroute", 2.0, 0.0, mtbf)
         dyn = candidate("dynamic", 1.0, 10.0, mtbf)
-        assert select(rr, dyn) == (expected, "")
+        assert select((rr, dyn)) == (expected, "")
     rr, dyn = candidate("reroute", 2.0, 0.0, 15.0), candidate("dynamic", 1.0, 10.0, 15.0)
     assert math.isclose(rr.score, 5.0) and math.isclose(dyn.score, 10 / 3)
 
@@ -197,7 +197,7 @@ def test_reroute_now_and_switch_later_when_it_pays() -> None:
     )
     current = initial_plan(spec)
     first = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2)
-    rr, dyn = first.candidates
+    rr, dyn, _ = first.candidates
     assert rr.feasible and dyn.feasible and dyn.step_seconds < rr.step_seconds
     direct = selector.break_even_seconds(
         rr.step_seconds, rr.transition_seconds, dyn.step_seconds, dyn.transition_seconds
@@ -231,7 +231,7 @@ def test_a_plan_holding_some_layer_once_pays_the_restart_it_risks() -> None:
     # the dynamic plan over the 7 survivors keeps two copies of everything.
     spec = job(2, 4, 8, 16)
     current = initial_plan(spec)
-    rr, dyn = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
+    rr, dyn, _ = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
     assert rr.at_risk == pytest.approx(1 / 7) and dyn.at_risk == 0.0
     # A window short enough that the paper's score picks reroute (the migration does not pay)
     even = selector.break_even_seconds(
