@@ -23,14 +23,23 @@ from chameleond.core.decide import (
     select,
 )
 from chameleond.core.holdings import of_plan
-from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
+from chameleond.core.plan import Plan, check_batch, plan_from_dict, plan_to_dict
 from chameleond.core.search import search
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**12) -> JobSpec:
+def job(
+    pipes: int,
+    stages: int,
+    layers: int,
+    micro: int,
+    *,
+    memory: int = 10**12,
+    min_batch: int | None = None,
+) -> JobSpec:
+    smaller = {} if min_batch is None else {"min_global_batch": min_batch}
     return parse_spec(
         {
             "workers": [
@@ -45,7 +54,7 @@ def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**1
                                   "param_bytes": 10**6, "optimizer_bytes": 2 * 10**6,
                                   "activation_bytes": 10**5, "output_bytes": 10**4,
                                   "count": layers}]},
-            "training": {"global_batch": micro * 2, "micro_batch": 2},
+            "training": {"global_batch": micro * 2, "micro_batch": 2, **smaller},
             "plan": {"stages": stages},
             "job": {"rebuild_seconds": 0.1},
         }
@@ -54,9 +63,10 @@ def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**1
 
 def violations(spec: JobSpec, plan: Plan) -> list[str]:
     """Every invariant a plan must hold; empty when it holds them all."""
-    out = []
+    out = check_batch(plan, spec.training)
     ids = sorted(m for pipe in plan.pipelines for m in pipe.micro_batch_ids)
-    if ids != list(range(spec.training.micro_batches)):
+    # A drop plan skips the dropped pipelines' ids, and a reroute of it keeps its pipelines.
+    if spec.training.fixed_batch and ids != list(range(spec.training.micro_batches)):
         out.append("micro-batches do not partition [0, B/mbs)")
     for p, pipe in enumerate(plan.pipelines):
         covered = [layer for stage in pipe.stages for layer in stage.layers]
@@ -90,7 +100,10 @@ def plans_of(d: Decision) -> list[Plan]:
 def test_every_plan_holds_the_invariants(data: st.DataObject) -> None:
     pipes, stages = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 4))
     layers = data.draw(st.integers(stages, 9))
-    spec = job(pipes, stages, layers, pipes * data.draw(st.integers(1, 4)))
+    micro = pipes * data.draw(st.integers(1, 4))
+    # A job that accepts a smaller batch (drop candidates) or one whose batch is fixed.
+    min_batch = data.draw(st.one_of(st.none(), st.integers(1, micro).map(lambda m: 2 * m)))
+    spec = job(pipes, stages, layers, micro, min_batch=min_batch)
     ids = [w.id for w in spec.workers]
     current = initial_plan(spec)
     assert violations(spec, current) == []
@@ -103,7 +116,7 @@ def test_every_plan_holds_the_invariants(data: st.DataObject) -> None:
         d = decide(
             spec, current, failed, mtbf_seconds=data.draw(st.floats(1.0, 1e6)),
             generation=generation + 1, joined=joined,
-            force=data.draw(st.sampled_from([None, "reroute", "dynamic"])),
+            force=data.draw(st.sampled_from([None, "reroute", "dynamic", "drop"])),
         )  # fmt: skip
         for plan in plans_of(d):
             assert violations(spec, plan) == []
