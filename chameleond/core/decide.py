@@ -83,7 +83,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
-    selected: Policy | None  # REROUTE | DYNAMIC | RESTORE | None (unrecoverable)
+    selected: Policy | None  # REROUTE | DYNAMIC | DROP | RESTORE | None (unrecoverable)
     plan: Plan | None
     candidates: tuple[Candidate, ...]  # (reroute, dynamic, drop): CANDIDATES' order
     unrecoverable: str | None
