@@ -45,8 +45,10 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     decision = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
     assert decision["generation"] == "2" and "ECC error" in decision["cause"]
     candidates = json.loads(decision["candidates"])
-    assert {c["policy"] for c in candidates} == {"reroute", "dynamic"}
-    assert all(c["score"] > 0 for c in candidates) and float(decision["mtbf_seconds"]) > 0
+    assert [c["policy"] for c in candidates] == ["reroute", "dynamic", "drop"]
+    weighed = candidates[:2]  # the job's batch is fixed: drop is never feasible
+    assert not candidates[2]["feasible"] and "global batch is fixed" in candidates[2]["reason"]
+    assert all(c["score"] > 0 for c in weighed) and float(decision["mtbf_seconds"]) > 0
     assert decision["selected"] == plan["policy"]
     transitions = [(d["from"], d["to"]) for d in workers.decisions() if d["kind"] == "transition"]
     assert transitions[-3:] == [
@@ -56,7 +58,7 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
 
     status = daemon.status()
     assert status["generation"] == 2 and status["state"] == "transitioning"
-    assert len(status["last_decision"]["candidates"]) == 2
+    assert len(status["last_decision"]["candidates"]) == 3
     assert daemon.get("/api/v1/plan")[1]["generation"] == 2
     assert redis_client.xpending("chameleon:default:events", "chameleond")["pending"] == 0
 

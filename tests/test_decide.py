@@ -23,14 +23,23 @@ from chameleond.core.decide import (
     select,
 )
 from chameleond.core.holdings import of_plan
-from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
+from chameleond.core.plan import Plan, check_batch, plan_from_dict, plan_to_dict
 from chameleond.core.search import search
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**12) -> JobSpec:
+def job(
+    pipes: int,
+    stages: int,
+    layers: int,
+    micro: int,
+    *,
+    memory: int = 10**12,
+    min_batch: int | None = None,
+) -> JobSpec:
+    smaller = {} if min_batch is None else {"min_global_batch": min_batch}
     return parse_spec(
         {
             "workers": [
@@ -45,7 +54,7 @@ def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**1
                                   "param_bytes": 10**6, "optimizer_bytes": 2 * 10**6,
                                   "activation_bytes": 10**5, "output_bytes": 10**4,
                                   "count": layers}]},
-            "training": {"global_batch": micro * 2, "micro_batch": 2},
+            "training": {"global_batch": micro * 2, "micro_batch": 2, **smaller},
             "plan": {"stages": stages},
             "job": {"rebuild_seconds": 0.1},
         }
@@ -54,9 +63,10 @@ def job(pipes: int, stages: int, layers: int, micro: int, *, memory: int = 10**1
 
 def violations(spec: JobSpec, plan: Plan) -> list[str]:
     """Every invariant a plan must hold; empty when it holds them all."""
-    out = []
+    out = check_batch(plan, spec.training)
     ids = sorted(m for pipe in plan.pipelines for m in pipe.micro_batch_ids)
-    if ids != list(range(spec.training.micro_batches)):
+    # A drop plan skips the dropped pipelines' ids, and a reroute of it keeps its pipelines.
+    if spec.training.fixed_batch and ids != list(range(spec.training.micro_batches)):
         out.append("micro-batches do not partition [0, B/mbs)")
     for p, pipe in enumerate(plan.pipelines):
         covered = [layer for stage in pipe.stages for layer in stage.layers]
@@ -90,7 +100,10 @@ def plans_of(d: Decision) -> list[Plan]:
 def test_every_plan_holds_the_invariants(data: st.DataObject) -> None:
     pipes, stages = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 4))
     layers = data.draw(st.integers(stages, 9))
-    spec = job(pipes, stages, layers, pipes * data.draw(st.integers(1, 4)))
+    micro = pipes * data.draw(st.integers(1, 4))
+    # A job that accepts a smaller batch (drop candidates) or one whose batch is fixed.
+    min_batch = data.draw(st.one_of(st.none(), st.integers(1, micro).map(lambda m: 2 * m)))
+    spec = job(pipes, stages, layers, micro, min_batch=min_batch)
     ids = [w.id for w in spec.workers]
     current = initial_plan(spec)
     assert violations(spec, current) == []
@@ -103,7 +116,7 @@ def test_every_plan_holds_the_invariants(data: st.DataObject) -> None:
         d = decide(
             spec, current, failed, mtbf_seconds=data.draw(st.floats(1.0, 1e6)),
             generation=generation + 1, joined=joined,
-            force=data.draw(st.sampled_from([None, "reroute", "dynamic"])),
+            force=data.draw(st.sampled_from([None, "reroute", "dynamic", "drop"])),
         )  # fmt: skip
         for plan in plans_of(d):
             assert violations(spec, plan) == []
@@ -128,7 +141,7 @@ def test_published_score_example() -> None:
     for mtbf, expected in ((15.0, "reroute"), (40.0, "dynamic")):
         rr = candidate("reroute", 2.0, 0.0, mtbf)
         dyn = candidate("dynamic", 1.0, 10.0, mtbf)
-        assert select(rr, dyn) == (expected, "")
+        assert select((rr, dyn)) == (expected, "")
     rr, dyn = candidate("reroute", 2.0, 0.0, 15.0), candidate("dynamic", 1.0, 10.0, 15.0)
     assert math.isclose(rr.score, 5.0) and math.isclose(dyn.score, 10 / 3)
 
@@ -197,7 +210,7 @@ def test_reroute_now_and_switch_later_when_it_pays() -> None:
     )
     current = initial_plan(spec)
     first = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2)
-    rr, dyn = first.candidates
+    rr, dyn, _ = first.candidates
     assert rr.feasible and dyn.feasible and dyn.step_seconds < rr.step_seconds
     direct = selector.break_even_seconds(
         rr.step_seconds, rr.transition_seconds, dyn.step_seconds, dyn.transition_seconds
@@ -231,7 +244,7 @@ def test_a_plan_holding_some_layer_once_pays_the_restart_it_risks() -> None:
     # the dynamic plan over the 7 survivors keeps two copies of everything.
     spec = job(2, 4, 8, 16)
     current = initial_plan(spec)
-    rr, dyn = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
+    rr, dyn, _ = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
     assert rr.at_risk == pytest.approx(1 / 7) and dyn.at_risk == 0.0
     # A window short enough that the paper's score picks reroute (the migration does not pay)
     even = selector.break_even_seconds(

@@ -15,7 +15,7 @@ from chameleond.core.spec import load_spec
 ROOT = Path(__file__).resolve().parent.parent
 CANDIDATE_KEYS = {
     "policy", "step_seconds", "transition_seconds", "score", "peak_memory_bytes", "feasible",
-    "reason", "at_risk", "generation",
+    "reason", "at_risk", "generation", "global_batch",
 }  # fmt: skip
 DECISION_KEYS = {
     "selected", "candidates", "search_seconds", "generation", "plan_generation", "cause",
@@ -29,7 +29,7 @@ def test_plan_json_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -
     out = json.loads(capsys.readouterr().out)
     assert set(out) == DECISION_KEYS
     assert out["selected"] in ("reroute", "dynamic")
-    assert [c["policy"] for c in out["candidates"]] == ["reroute", "dynamic"]
+    assert [c["policy"] for c in out["candidates"]] == ["reroute", "dynamic", "drop"]
     assert all(set(c) == CANDIDATE_KEYS for c in out["candidates"])
     assert out["search_seconds"] >= 0
     assert (

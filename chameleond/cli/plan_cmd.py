@@ -51,13 +51,14 @@ def to_json(d: Decision) -> dict[str, Any]:
 def _text(d: Decision) -> str:
     lines = [
         f"{'policy':<8} {'feasible':<8} {'step_s':>10} {'transition_s':>12} {'score':>12} "
-        f"{'peak_mem_GiB':>12}  reason"
+        f"{'batch':>6} {'peak_mem_GiB':>12}  reason"
     ]
     for c in d.candidates:
         step = f"{c.step_seconds:.4f}" if math.isfinite(c.step_seconds) else "-"
+        batch = str(c.plan.global_batch) if c.plan is not None else "-"
         lines.append(
             f"{c.policy:<8} {str(c.feasible).lower():<8} {step:>10} "
-            f"{c.transition_seconds:>12.4f} {c.score:>12.2f} "
+            f"{c.transition_seconds:>12.4f} {c.score:>12.2f} {batch:>6} "
             f"{c.peak_memory_bytes / 2**30:>12.2f}  {c.reason}"
         )
     lines.append(f"selected: {d.selected or 'none'}")

@@ -1,4 +1,4 @@
-"""`decide()`: a fault set in, a `Decision` out (both candidates, the selected plan).
+"""`decide()`: a fault set in, a `Decision` out (every candidate, the selected plan).
 
 Candidates (PAPER.md sections 3-7):
 
@@ -8,9 +8,13 @@ Candidates (PAPER.md sections 3-7):
   fewest bytes moved (core.restorer); transition = search time + migration + rebuild. The search
   time is modelled (plans considered x `costs.search_seconds_per_plan`), never measured, so a
   decision is a pure function of its inputs.
+* drop (beyond the paper; only where `training.min_global_batch` < `global_batch`): the current
+  pipelines that lost no worker, unchanged (core.drop); a step trains fewer samples, and the
+  plan's `global_batch` says how many. transition = rebuild only.
 
-Both are timed by the same model (core.estimator) and scored by core.selector; the higher score
-wins, reroute on ties (it moves nothing). Beyond the paper (docs/planner.md):
+All are timed by the same model (core.estimator) and scored by core.selector, each with the
+samples its plan trains per step; the higher score wins, on ties reroute (it moves nothing), then
+drop, then dynamic. Beyond the paper (docs/planner.md):
 
 1. Reroute first, switch later: when reroute wins but the dynamic plan steps faster, that plan is
    returned as `follow_up`. Its search runs while the rerouted plan trains (prep = search
@@ -48,6 +52,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from chameleond.core import restorer, selector
+from chameleond.core.drop import drop
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Held, of_pipelines, of_plan
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage, Transfer
@@ -65,7 +70,7 @@ class DecisionError(ValueError):
 
 @dataclass(frozen=True)
 class Candidate:
-    policy: Policy  # REROUTE | DYNAMIC
+    policy: Policy  # REROUTE | DYNAMIC | DROP
     feasible: bool
     reason: str  # why infeasible; "" when feasible
     step_seconds: float  # inf when infeasible
@@ -78,9 +83,9 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Decision:
-    selected: Policy | None  # REROUTE | DYNAMIC | RESTORE | None (unrecoverable)
+    selected: Policy | None  # REROUTE | DYNAMIC | DROP | RESTORE | None (unrecoverable)
     plan: Plan | None
-    candidates: tuple[Candidate, Candidate]  # (reroute, dynamic)
+    candidates: tuple[Candidate, ...]  # (reroute, dynamic, drop): CANDIDATES' order
     unrecoverable: str | None
     mtbf_seconds: float
     search_seconds: float
@@ -141,15 +146,17 @@ def _plan(
     mtbf: float,
     cause: str,
 ) -> tuple[Plan, str | None]:
-    """A plan with its estimates, and the out-of-memory reason if a worker does not fit."""
+    """A plan with its estimates, and the out-of-memory reason if a worker does not fit. Its
+    global batch is the samples its pipelines train per step (the spec's B but for a drop plan)."""
     groups = restorer.sync_groups(pipelines, excluded)
     step = est.step_seconds(pipelines, routing, groups)
     memory = est.peak_memory(pipelines, routing, excluded)
+    batch = sum(p.micro_batches for p in pipelines) * spec.training.micro_batch
     plan = Plan(
         job=spec.name,
         generation=generation,
         policy=policy,
-        global_batch=spec.training.global_batch,
+        global_batch=batch,
         micro_batch=spec.training.micro_batch,
         pipelines=tuple(pipelines),
         routing=routing,
@@ -159,7 +166,7 @@ def _plan(
             step_seconds=step,
             transition_seconds=transition,
             score=selector.score(
-                spec.training.global_batch,
+                batch,
                 step,
                 transition,
                 mtbf,
@@ -268,7 +275,7 @@ def decide(
     checkpoint_step: int | None = None,
     step: int | None = None,
 ) -> Decision:
-    """Both candidates for the cumulative failed set (and any joined workers), and the choice.
+    """Every candidate for the cumulative failed set (and any joined workers), and the choice.
     `holdings`: who holds which layers (core.holdings); by default what `current` gives them.
     `checkpoint_step`: the newest checkpoint that covers every layer, if the job has one;
     `step`: the job's newest committed step (prices the work a restore loses)."""
@@ -297,7 +304,7 @@ def decide(
     est = Estimator(spec)
     lost = _lost_layers(spec, every, fenced)
     if lost is not None:
-        cands = (_infeasible(Policy.REROUTE, lost), _infeasible(Policy.DYNAMIC, lost))
+        cands = tuple(_infeasible(p, lost) for p in CANDIDATES)
         if checkpoint_step is None:
             return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause)
         # Every survivor loads its layers from the checkpoint: any of them suits any slot.
@@ -314,7 +321,7 @@ def decide(
             dyn.plan.estimates,
             transition_seconds=transition,
             score=selector.score(
-                spec.training.global_batch, dyn.plan.estimates.step_seconds, transition, mtbf,
+                dyn.plan.global_batch, dyn.plan.estimates.step_seconds, transition, mtbf,
                 dyn.at_risk, spec.restart_seconds,
             ),
         )  # fmt: skip
@@ -331,12 +338,16 @@ def decide(
         spec, est, current, survivors, held, generation, mtbf, cause, fenced
     )
 
-    selected, note = select(rr, dyn, forced)
-    by_policy = {Policy.REROUTE: rr, Policy.DYNAMIC: dyn}
+    dr = _drop_candidate(spec, est, current, out, held, generation, mtbf, cause)
+    cands = (rr, dyn, dr)
+
+    selected, note = select(cands, forced)
+    by_policy = {c.policy: c for c in cands}
     if selected is None:
-        reason = f"no feasible plan: reroute: {rr.reason}; dynamic: {dyn.reason}"
+        weighed = [rr, dyn] if spec.training.fixed_batch else [rr, dyn, dr]
+        reason = "no feasible plan: " + "; ".join(f"{c.policy}: {c.reason}" for c in weighed)
         return Decision(
-            None, None, (rr, dyn), reason, mtbf, search_seconds, considered, generation, cause,
+            None, None, cands, reason, mtbf, search_seconds, considered, generation, cause,
             note=note,
         )  # fmt: skip
 
@@ -351,7 +362,7 @@ def decide(
     return Decision(
         selected,
         by_policy[selected].plan,
-        (rr, dyn),
+        cands,
         None,
         mtbf,
         search_seconds,
@@ -364,23 +375,31 @@ def decide(
     )
 
 
-def select(
-    reroute_candidate: Candidate, dynamic_candidate: Candidate, force: Policy | None = None
-) -> tuple[Policy | None, str]:
-    """The policy to run (None: neither is feasible) and a note when a forced policy was not.
+# On equal scores the candidate that moves the fewest bytes: reroute and drop move nothing (drop
+# also trains fewer samples, so it ties reroute only where both are worth the same), dynamic last.
+_TIE_ORDER = (Policy.REROUTE, Policy.DROP, Policy.DYNAMIC)
 
-    The higher score wins; reroute on ties, since it moves nothing.
+
+def select(
+    candidates: Sequence[Candidate], force: Policy | None = None
+) -> tuple[Policy | None, str]:
+    """The policy to run (None: none is feasible) and a note when a forced policy was not.
+
+    The higher score wins; on ties reroute, then drop, then dynamic (_TIE_ORDER).
     """
-    by_policy = {Policy.REROUTE: reroute_candidate, Policy.DYNAMIC: dynamic_candidate}
-    if force is not None and by_policy[force].feasible:
-        return force, ""
+    by_policy = {c.policy: c for c in candidates}
+    forced = by_policy.get(force) if force is not None else None
+    if forced is not None and forced.feasible:
+        return forced.policy, ""
     note = ""
     if force is not None:
-        note = f"forced {force} is infeasible ({by_policy[force].reason}); selector decided"
-    feasible = [c for c in (reroute_candidate, dynamic_candidate) if c.feasible]
+        why = forced.reason if forced is not None else "not a candidate"
+        note = f"forced {force} is infeasible ({why}); selector decided"
+    feasible = [c for c in candidates if c.feasible]
     if not feasible:
         return None, note
-    return max(feasible, key=lambda c: c.score).policy, note
+    best = max(feasible, key=lambda c: (c.score, -_TIE_ORDER.index(c.policy)))
+    return best.policy, note
 
 
 def _switch_pays_after(step_rr: float, step_dyn: float, switch: Estimates) -> float | None:
@@ -416,6 +435,28 @@ def _reroute_candidate(
         transition, mtbf, cause,
     )  # fmt: skip
     return _candidate(Policy.REROUTE, plan, oom)
+
+
+def _drop_candidate(
+    spec: JobSpec,
+    est: Estimator,
+    current: Plan,
+    out: set[str],
+    held: Held,
+    generation: int,
+    mtbf: float,
+    cause: str,
+) -> Candidate:
+    result = drop(spec, current, out, held)
+    if result.routing is None:
+        return _infeasible(Policy.DROP, result.reason, spec.rebuild_seconds)
+    fenced = out | set(current.excluded)
+    excluded = sorted(fenced, key=_order(spec).__getitem__)
+    plan, oom = _plan(
+        spec, est, Policy.DROP, generation, result.pipelines, result.routing, excluded, (),
+        spec.rebuild_seconds, mtbf, cause,
+    )  # fmt: skip
+    return _candidate(Policy.DROP, plan, oom)
 
 
 def _dynamic_candidate(
@@ -475,7 +516,7 @@ def _dynamic_candidate(
             plan.estimates,
             transition_seconds=switch_seconds,
             score=selector.score(
-                spec.training.global_batch,
+                plan.global_batch,
                 plan.estimates.step_seconds,
                 switch_seconds,
                 mtbf,
@@ -546,11 +587,12 @@ def candidate_to_dict(c: Candidate) -> dict[str, Any]:
         "at_risk": c.at_risk,
         "peak_memory_bytes": c.peak_memory_bytes,
         "generation": c.plan.generation if c.plan is not None else None,
+        "global_batch": c.plan.global_batch if c.plan is not None else None,
     }
 
 
 def decision_to_dict(d: Decision) -> dict[str, Any]:
-    """JSON-able summary: both candidates without their plans (plan generations only)."""
+    """JSON-able summary: every candidate without its plan (plan generations only)."""
     follow = None
     if d.follow_up is not None:
         e = d.follow_up.estimates

@@ -18,7 +18,9 @@ the loads that succeeded are of a checkpoint the job does not restore after all.
 
 A worker that came back (`join`) and was not taken into the plan that answered it (the current
 plan was kept) is on `standby`: alive, holding nothing, and offered again to every later decision,
-so the next fault or rejoin can use it. It leaves standby when a plan takes it, or when it fails.
+so the next fault or rejoin can use it. So is a live worker of the previous plan that a new plan
+leaves out (a drop plan's dropped pipelines, a dynamic plan's spares). It leaves standby when a
+plan takes it, or when it fails.
 
 The machine also keeps the job's `holdings` (core.holdings): who holds a current copy of which
 layer, from the plans it adopts and the acknowledgements and commits it sees. Decisions restore
@@ -127,10 +129,13 @@ class PolicyMachine:
     def _adopt(
         self, workers: Iterable[str], now: float, layers: Mapping[str, list[Interval]]
     ) -> None:
-        """A new plan is published: its workers owe an acknowledgement and a first step."""
+        """A new plan is published: its workers owe an acknowledgement and a first step. Live
+        workers of the previous plan that this one leaves out (a drop plan's dropped pipelines,
+        a dynamic plan's spares) go on standby, as a join the plan did not take does."""
         self.holdings.published(self.generation, layers)
+        left = set(self.plan_workers) - self.failed - set(self.pending_faults)
         self.plan_workers = tuple(sorted(workers))
-        self.standby -= set(self.plan_workers)
+        self.standby = (self.standby | left) - set(self.plan_workers)
         self.awaiting_ready = set(self.plan_workers)
         self.awaiting_step = set(self.plan_workers)
         self.ready_deadline = now + self.ready_timeout_seconds

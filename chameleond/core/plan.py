@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from chameleond.core.policy import Policy
+from chameleond.core.spec import TrainingSpec
 
 POLICIES = tuple(p.value for p in Policy)
 
@@ -143,8 +144,8 @@ def plan_from_dict(d: Mapping[str, Any]) -> Plan:
                         Stage(str(s["worker"]), int(s["first_layer"]), int(s["end_layer"]))
                         for s in p["stages"]
                     ),
-                    first_micro_batch=int(p["first_micro_batch"]),
-                    micro_batches=int(p["micro_batches"]),
+                    first_micro_batch=_at_least(0, "first_micro_batch", p["first_micro_batch"]),
+                    micro_batches=_at_least(1, "micro_batches", p["micro_batches"]),
                 )
                 for p in d["pipelines"]
             ),
@@ -195,3 +196,54 @@ def _restore_step(policy: Policy, value: Any) -> int | None:
     if step < 0:
         raise PlanError(f"restore_step: must be >= 0, got {step}")
     return step
+
+
+def _at_least(least: int, name: str, value: Any) -> int:
+    n = int(value)
+    if n < least:
+        raise PlanError(f"{name}: must be >= {least}, got {n}")
+    return n
+
+
+def check_batch(plan: Plan, training: TrainingSpec) -> list[str]:
+    """What is wrong with the plan's micro-batches and batch for this job; empty when nothing.
+
+    A plan trains each of its pipelines' global micro-batch ids once per step: ids in
+    [0, B / micro_batch), none twice. Every id is trained but by a drop plan (core.drop), whose
+    dropped pipelines' ids are skipped. `global_batch` is always the samples the plan trains per
+    step, at least `training.min_global_batch` (= B when the batch is fixed).
+    """
+    out: list[str] = []
+    if plan.micro_batch != training.micro_batch:
+        out.append(f"micro_batch {plan.micro_batch} is not the job's {training.micro_batch}")
+    total = training.micro_batches
+    trained_by: dict[int, int] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        for m in pipe.micro_batch_ids:
+            if not 0 <= m < total:
+                out.append(f"micro-batch {m} is outside 0-{total - 1}")
+            elif m in trained_by:
+                out.append(f"micro-batch {m} is trained by pipelines {trained_by[m]} and {p}")
+            else:
+                trained_by[m] = p
+    n = sum(pipe.micro_batches for pipe in plan.pipelines)
+    if plan.global_batch != n * plan.micro_batch:
+        out.append(
+            f"global_batch {plan.global_batch} is not the {n} micro-batches of "
+            f"{plan.micro_batch} samples its pipelines train ({n * plan.micro_batch})"
+        )
+    if plan.global_batch < training.min_global_batch:
+        out.append(
+            f"global_batch {plan.global_batch} is below min_global_batch "
+            f"{training.min_global_batch}"
+        )
+    if len(plan.routing) != len(plan.pipelines):
+        out.append(f"routing has {len(plan.routing)} pipelines, the plan {len(plan.pipelines)}")
+    for p, (pipe, rows) in enumerate(zip(plan.pipelines, plan.routing, strict=False)):
+        for s, row in enumerate(rows):
+            if len(row) != pipe.micro_batches:
+                out.append(
+                    f"routing[{p}][{s}] names {len(row)} executors for "
+                    f"{pipe.micro_batches} micro-batches"
+                )
+    return out

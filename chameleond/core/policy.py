@@ -10,18 +10,19 @@ from enum import StrEnum
 
 
 class Policy(StrEnum):
-    """What made a plan: the first plan, one of the two candidates, or a restore from a checkpoint
+    """What made a plan: the first plan, one of the candidates, or a restore from a checkpoint
     (a layer lost every copy)."""
 
     INITIAL = "initial"
     REROUTE = "reroute"
     DYNAMIC = "dynamic"
     RESTORE = "restore"
-    DROP = "drop"
+    DROP = "drop"  # the pipelines that lost a worker left out: a smaller batch (core.drop)
 
 
-# The two candidates every decision weighs (PAPER.md section 3).
-CANDIDATES = (Policy.REROUTE, Policy.DYNAMIC)
+# The candidates every decision weighs, in the order a Decision lists them: the two of PAPER.md
+# section 3, and drop where the job accepts a smaller batch (`training.min_global_batch`).
+CANDIDATES = (Policy.REROUTE, Policy.DYNAMIC, Policy.DROP)
 
 
 class Selection(StrEnum):
@@ -30,6 +31,7 @@ class Selection(StrEnum):
     ADAPTIVE = "adaptive"
     REROUTE = "reroute"
     DYNAMIC = "dynamic"
+    DROP = "drop"
 
     @property
     def force(self) -> Policy | None:

@@ -64,12 +64,24 @@ class HostSpec:
 
 @dataclass(frozen=True)
 class TrainingSpec:
-    global_batch: int  # B samples per step, never changes
+    global_batch: int  # B samples per step; plans keep it unless a drop plan trains fewer
     micro_batch: int  # samples per micro-batch
     # The gradient all-reduce of a stage starts once that stage's last backward is done, while
     # upstream stages still compute (bucketed all-reduce, as GPU frameworks do). False: the sync
     # starts after the whole pipeline (the CPU workers of this project).
     overlap_sync: bool = False
+    # The fewest samples a step may train: a drop plan (core.drop) leaves the pipelines that lost
+    # a worker out and trains the others' samples only. 0 means global_batch: the batch is fixed.
+    min_global_batch: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_global_batch == 0:
+            object.__setattr__(self, "min_global_batch", self.global_batch)
+
+    @property
+    def fixed_batch(self) -> bool:
+        """Every step trains global_batch samples (no drop plan)."""
+        return self.min_global_batch >= self.global_batch
 
     @property
     def micro_batches(self) -> int:
@@ -369,9 +381,11 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
             global_batch=_int(tr, "global_batch", "training"),
             micro_batch=_int(tr, "micro_batch", "training"),
             overlap_sync=overlap,
+            min_global_batch=_int(tr, "min_global_batch", "training", default=0),
         )
     if training.global_batch % training.micro_batch:
         raise SpecError("training: global_batch must be a multiple of micro_batch")
+    _check_min_batch(training)
     with _field("plan"):
         layout = _layout(_table(d.get("plan", {}), "plan"), ids, len(layers))
     if training.micro_batches < len(layout):
@@ -400,6 +414,16 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
         hosts=hosts,
         costs=costs,
     )
+
+
+def _check_min_batch(training: TrainingSpec) -> None:
+    least, most, mb = training.min_global_batch, training.global_batch, training.micro_batch
+    if least % mb:
+        raise SpecError(
+            f"training.min_global_batch: {least} is not a multiple of micro_batch ({mb})"
+        )
+    if least > most:
+        raise SpecError(f"training.min_global_batch: {least} exceeds global_batch ({most})")
 
 
 def _layout(plan: Mapping[str, Any], ids: list[str], n_layers: int) -> tuple[tuple[str, ...], ...]:

@@ -84,7 +84,7 @@ HELP: dict[str, str] = {
     "default $STATE_DIRECTORY under systemd, else ./state",
     "http": "HOST:PORT of the HTTP endpoint (/metrics, /healthz, /readyz, /api/v1/...)",
     "spec": "job description file (TOML/JSON); default: the packaged cpu-small job",
-    "policy": "adaptive (the selector decides), or force reroute / dynamic",
+    "policy": "adaptive (the selector decides), or force reroute / dynamic / drop",
     "min_workers": "registered workers needed for the initial plan; 0 = every worker of the spec",
     "heartbeat_timeout_seconds": "a worker of the plan silent this long is declared failed",
     "ready_timeout_seconds": "a worker not acknowledging a plan this long, while others of it "

@@ -12,7 +12,7 @@ from chameleond.jobstate.records import WORKER_STATES
 from chameleond.protocol import EVENT_TYPES
 
 OUTCOMES = ("handled", "invalid", "duplicate")
-POLICY_LABELS = (Policy.REROUTE, Policy.DYNAMIC, Policy.INITIAL, Policy.RESTORE)
+POLICY_LABELS = (Policy.REROUTE, Policy.DYNAMIC, Policy.INITIAL, Policy.RESTORE, Policy.DROP)
 # Decisions take milliseconds to seconds; recoveries seconds to minutes.
 DECISION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from chameleond.core.drop import FIXED_BATCH
 from chameleond.local.chart import draw_chart
 from chameleond.local.timeline import CommittedStep, committed_steps, median_interval
 from chameleond.streams import DecisionRecord, Entry, entry_seconds, is_decision, parse_decision
@@ -46,6 +47,8 @@ def _candidate_view(c: Mapping[str, Any]) -> dict[str, Any]:
 def _why(d: DecisionRecord) -> str:
     parts = []
     for c in d.candidates:
+        if c.get("reason") == FIXED_BATCH:
+            continue  # drop is not an option for this job: nothing to explain
         if c.get("feasible") is False:
             parts.append(f"{c.get('policy')} infeasible ({c.get('reason', '')})")
         elif c.get("score") is not None:
