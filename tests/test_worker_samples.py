@@ -1,26 +1,21 @@
 """The sample-id and divisor rules of a plan's steps (chameleond.worker.samples): ids laid out by
 the job's B whatever the plan trains, a drop plan's steps dividing by the samples they train, and
-malformed plan batches rejected with a message that names the fault."""
+the core's batch check (`core.plan.check_batch`, tested in test_drop.py) accepting both."""
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
 import pytest
 import torch
 from worker_harness import TINY_ARCH, builtin_model, drop_pipelines, tiny_spec
 
 from chameleond.core.decide import initial_plan
-from chameleond.core.plan import Pipeline, Plan
+from chameleond.core.plan import Pipeline, Plan, check_batch
 from chameleond.core.policy import Policy
 from chameleond.core.spec import parse_spec
 from chameleond.worker.api import Factory, Training
-from chameleond.worker.samples import (
-    PlanBatchError,
-    check_batch,
-    sample_ids,
-    trained_micro_batches,
-)
+from chameleond.worker.samples import sample_ids, trained_micro_batches
 from chameleond.worker.state import WorkerState
 from chameleond.worker.trainable import Trainable
 
@@ -30,14 +25,19 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module")
 def full() -> Plan:
+    return initial_plan(parse_spec(_spec()), generation=1, mtbf_seconds=3600.0)
+
+
+def _spec(**training: int) -> dict[str, Any]:
     spec = tiny_spec("s", workers=4, stages=2, global_batch=JOB_BATCH, micro_batch=MICRO_BATCH)
-    return initial_plan(parse_spec(spec), generation=1, mtbf_seconds=3600.0)
+    spec["training"].update(training)
+    return spec
 
 
 def test_a_drop_plan_trains_its_kept_micro_batches_at_their_job_ids(full: Plan) -> None:
     drop = drop_pipelines(full, [0], failed=["w1"])
-    check_batch(full, JOB_BATCH, MICRO_BATCH)
-    check_batch(drop, JOB_BATCH, MICRO_BATCH)
+    training = parse_spec(_spec(min_global_batch=JOB_BATCH // 2)).training
+    assert check_batch(full, training) == check_batch(drop, training) == []
     assert drop.policy is Policy.DROP and drop.global_batch == JOB_BATCH // 2
     assert trained_micro_batches(full) == [0, 1, 2, 3]
     assert trained_micro_batches(drop) == [2, 3]  # pipeline 1's, not renumbered
@@ -57,36 +57,6 @@ def test_a_drop_plan_trains_its_kept_micro_batches_at_their_job_ids(full: Plan) 
     assert set(range(8 * JOB_BATCH)) - set(ids) == {
         i for step in (3, 4, 5) for i in range(step * JOB_BATCH, step * JOB_BATCH + 4)
     }
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (lambda p: dataclasses.replace(p, global_batch=JOB_BATCH), "global_batch 8, but"),
-        (lambda p: dataclasses.replace(p, micro_batch=1), "micro_batch 1, the job's is 2"),
-        (lambda p: _pipeline(p, first_micro_batch=3), "micro-batches 3..4, outside the job's"),
-        (lambda p: _pipeline(p, first_micro_batch=-1), "micro-batches -1..0, outside"),
-        (lambda p: _pipeline(p, micro_batches=0), "pipeline 0 trains 0 micro-batches"),
-    ],
-)
-def test_a_malformed_drop_plan_is_rejected(full: Plan, change, message: str) -> None:
-    drop = drop_pipelines(full, [0], failed=["w1"])
-    with pytest.raises(PlanBatchError, match=message.replace(".", r"\.")):
-        check_batch(change(drop), JOB_BATCH, MICRO_BATCH)
-
-
-def test_pipelines_training_the_same_micro_batch_are_rejected(full: Plan) -> None:
-    a, b = full.pipelines
-    overlapping = dataclasses.replace(
-        full, pipelines=(a, dataclasses.replace(b, first_micro_batch=1))
-    )
-    with pytest.raises(PlanBatchError, match=r"pipeline 1 trains micro-batches \[1\]"):
-        check_batch(overlapping, JOB_BATCH, MICRO_BATCH)
-
-
-def _pipeline(plan: Plan, **fields: int) -> Plan:
-    (pipe,) = plan.pipelines
-    return dataclasses.replace(plan, pipelines=(dataclasses.replace(pipe, **fields),))
 
 
 def _linear(_: int) -> torch.nn.Module:

@@ -6,8 +6,8 @@ generation by generation.
     a fault in a generation -> discard the step, report the dead peer, wait for a newer plan
       (nobody dead: build the same generation again, attempt 2, 3, ...)
     this worker's own computation failed -> report itself, exit 7
-    fenced (excluded, or dropped from the plans) -> ack stopped, exit 0
-    its pipeline left out by a `drop` plan -> wait, alive, for a plan that takes it back
+    fenced (excluded by a plan) -> ack stopped, exit 0
+    left out, not excluded (a drop plan's pipelines, spares) -> wait on standby for a plan
 
 A step commits on every worker or on none: after the gradient sync, every worker of the plan joins
 a vote (a SUM all-reduce of [loss, 1, newest plan generation seen]); only when the vote completes
@@ -30,8 +30,7 @@ import redis
 import torch
 
 from chameleond.auth import Keyring
-from chameleond.core.plan import Plan
-from chameleond.core.policy import Policy
+from chameleond.core.plan import Plan, check_batch
 from chameleond.protocol import Keys
 from chameleond.worker import checkpoint
 from chameleond.worker.absence import ABSENT_ATTEMPTS, Absences
@@ -60,7 +59,6 @@ from chameleond.worker.migrate import StateLost, reconcile
 from chameleond.worker.outbox import OUTAGE_ERRORS, RedisUnreachable, through_outage
 from chameleond.worker.profile import TrainingMeter
 from chameleond.worker.rendezvous import BuiltWithoutMe, GenerationAbandoned
-from chameleond.worker.samples import check_batch
 from chameleond.worker.saver import BUBBLE, Saver, Written
 from chameleond.worker.startup import Joined, join
 from chameleond.worker.state import WorkerState
@@ -141,9 +139,6 @@ class WorkerRuntime:
         self.trained_key = self.keys.prefix + "workers:trained"
         self._marked_trained = False
         self._restored = 0  # the last `restore` plan whose checkpoint this process loaded
-        # A drop plan left this worker's pipeline out: it waits, not fenced, until a plan takes it
-        # back (or excludes it).
-        self._dropped = False
         self.absences = Absences()  # peers missing from the rendezvous (chameleond.worker.absence)
         self.saver: Saver | None = None  # with --checkpoint-every, once the model is known
         self.gate = StepGate.from_env(cfg.worker_id)  # `chameleonctl bench worker` only
@@ -208,23 +203,15 @@ class WorkerRuntime:
             seen = plan.generation
             # Fencing applies to a process that took part in an earlier generation. A new process
             # (a restart) finding itself excluded is a rejoin: its registration asks the daemon
-            # to take it back, so it waits for a plan that includes it. So does a worker whose
-            # pipeline a drop plan left out: it is alive, and a later plan may take it back.
-            if plan.policy is Policy.DROP and me not in plan.workers and me not in plan.excluded:
-                self._dropped = True
-            if self._dropped and me in plan.workers:
-                self._dropped = False
-            if self._took_part and (
-                me in plan.excluded or (me not in plan.workers and not self._dropped)
-            ):
+            # to take it back, so it waits for a plan that includes it. So does a live worker a
+            # plan leaves out without excluding it (a drop plan's dropped pipelines, a dynamic
+            # plan's spares): the daemon keeps it on standby, and a later plan may take it back.
+            if self._took_part and me in plan.excluded:
                 self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
                 log.info("fenced by generation %d: stopping", plan.generation)
                 return 0
             if me not in plan.workers:
-                why = "its pipeline was dropped" if self._dropped else "not in the plan"
-                log.info(
-                    "generation %d does not include %s (%s): waiting", plan.generation, me, why
-                )
+                log.info("generation %d leaves %s out: waiting on standby", plan.generation, me)
                 continue
             try:
                 self.run_generation(plan, state, joined, attempt)
@@ -340,8 +327,9 @@ class WorkerRuntime:
         t0 = time.perf_counter()
         self._peers = {}  # an earlier generation's peers are no evidence in this one
         try:
-            model = joined.model.training
-            check_batch(plan, model.global_batch, model.micro_batch)
+            problems = check_batch(plan, joined.spec.training)
+            if problems:
+                raise ValueError(f"plan generation {plan.generation}: {'; '.join(problems)}")
             gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation, attempt)
         except ValueError as e:
             raise PlanRejected(str(e)) from e

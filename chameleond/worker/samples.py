@@ -17,10 +17,6 @@ from __future__ import annotations
 from chameleond.core.plan import Plan
 
 
-class PlanBatchError(ValueError):
-    """A plan's batch does not fit the job: its micro-batches, or its global batch."""
-
-
 def sample_ids(step: int, micro_batch_id: int, job_batch: int, micro_batch: int) -> range:
     """The ids of global micro-batch `micro_batch_id` of step `step`, for a job of global batch
     `job_batch` (whatever the plan trains)."""
@@ -31,39 +27,3 @@ def sample_ids(step: int, micro_batch_id: int, job_batch: int, micro_batch: int)
 def trained_micro_batches(plan: Plan) -> list[int]:
     """The global micro-batch ids a step of `plan` trains, ascending."""
     return sorted(g for pipe in plan.pipelines for g in pipe.micro_batch_ids)
-
-
-def check_batch(plan: Plan, job_batch: int, micro_batch: int) -> None:
-    """PlanBatchError unless the plan trains distinct micro-batches of the job's step layout, of
-    the job's size, and its global batch counts exactly the samples they hold."""
-    gen = plan.generation
-    if plan.micro_batch != micro_batch:
-        raise PlanBatchError(
-            f"plan generation {gen}: micro_batch {plan.micro_batch}, the job's is {micro_batch}"
-        )
-    per_step = job_batch // micro_batch
-    seen: set[int] = set()
-    for p, pipe in enumerate(plan.pipelines):
-        ids = pipe.micro_batch_ids
-        if pipe.micro_batches < 1:
-            raise PlanBatchError(
-                f"plan generation {gen}: pipeline {p} trains {pipe.micro_batches} micro-batches"
-            )
-        if ids.start < 0 or ids.stop > per_step:
-            raise PlanBatchError(
-                f"plan generation {gen}: pipeline {p} trains micro-batches "
-                f"{ids.start}..{ids.stop - 1}, outside the job's 0..{per_step - 1}"
-            )
-        overlap = seen.intersection(ids)
-        if overlap:
-            raise PlanBatchError(
-                f"plan generation {gen}: pipeline {p} trains micro-batches {sorted(overlap)} "
-                "that an earlier pipeline trains too"
-            )
-        seen.update(ids)
-    trained = len(seen) * micro_batch
-    if plan.global_batch != trained:
-        raise PlanBatchError(
-            f"plan generation {gen}: global_batch {plan.global_batch}, but its pipelines train "
-            f"{len(seen)} micro-batches of {micro_batch} = {trained} samples per step"
-        )
