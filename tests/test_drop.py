@@ -178,7 +178,7 @@ def test_joins_after_a_drop_compete_keep_against_the_full_batch() -> None:
         d = decide(spec, current, [], mtbf_seconds=window, generation=3, joined=["w0", "w1"],
                    holdings=held)  # fmt: skip
         keep, dyn, dr = d.candidates
-        assert not dr.feasible and dr.reason == "no pipeline lost a worker"
+        assert not dr.feasible and "every pipeline of the job is whole" in dr.reason
         assert keep.plan is not None and keep.plan.global_batch == 14
         assert keep.plan.pipelines == current.pipelines
         assert dyn.plan is not None and dyn.plan.global_batch == 16
@@ -216,3 +216,40 @@ def test_check_batch_accepts_a_drop_plan_and_names_what_is_wrong() -> None:
         pipes = [dict(p) for p in doc["pipelines"]]
         pipes[0]["micro_batches"] = 0
         plan_from_dict({**doc, "pipelines": pipes})
+
+
+def test_a_join_grows_a_dropped_job_back_with_the_whole_pipelines() -> None:
+    """Pipelines 0 and 1 lost a worker each and were dropped (12 samples). Pipeline 0's worker
+    comes back: the drop candidate takes the job's own pipelines that are whole again (0 and
+    2-7, 14 samples), pipeline 0's workers receiving their slots' layers from replicas."""
+    spec = job()
+    current = initial_plan(spec)
+    first = decide(spec, current, ["w0", "w2"], mtbf_seconds=10.0, generation=2, force="drop")
+    assert first.selected == Policy.DROP and first.plan is not None
+    dropped = first.plan
+    assert dropped.global_batch == 12
+    # w1 and w3, alive in the dropped pipelines, are on standby: offered with the returning w0.
+    d = decide(
+        spec, dropped, ["w2"], mtbf_seconds=1e6, generation=3, joined=["w0", "w1", "w3"],
+        holdings=of_plan(dropped),
+    )  # fmt: skip
+    grow = d.candidates[2]
+    assert grow.plan is not None and grow.feasible, grow.reason
+    plan = grow.plan
+    assert plan.global_batch == 14 and "w2" not in plan.workers and "w0" in plan.workers
+    assert [p.first_micro_batch for p in plan.pipelines] == [0, *range(2, 8)]
+    assert plan.pipelines[0] == current.pipelines[0]
+    # w0 is a new process; w1's copy is a step behind since the drop plan committed: both receive.
+    moved = [(t.dst, t.layers) for t in plan.migration]
+    assert moved == [("w0", tuple(range(4))), ("w1", tuple(range(4, 8)))]
+    assert grow.transition_seconds > REBUILD  # 4 GB of layers per returning worker move
+    assert plan.excluded == ("w2",) and check_batch(plan, spec.training) == []
+    # With every pipeline whole again, the full batch is the dynamic candidate's (own layout).
+    whole = decide(spec, dropped, [], mtbf_seconds=1e6, generation=3,
+                   joined=["w0", "w1", "w2", "w3"], holdings=of_plan(dropped))  # fmt: skip
+    assert not whole.candidates[2].feasible and "every pipeline" in whole.candidates[2].reason
+    assert whole.selected == Policy.DYNAMIC and whole.plan is not None
+    assert whole.plan.global_batch == 16
+    # A fixed batch never grows back this way: it never dropped.
+    assert FIXED_BATCH in decide(job(None), initial_plan(job(None)), ["w0"], mtbf_seconds=10.0,
+                                 generation=2).candidates[2].reason  # fmt: skip

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from chameleond.core import restorer, selector
-from chameleond.core.drop import drop
+from chameleond.core.drop import drop, regrow
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Held, of_pipelines, of_plan
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage, Transfer
@@ -338,7 +338,10 @@ def decide(
         spec, est, current, survivors, held, generation, mtbf, cause, fenced
     )
 
-    dr = _drop_candidate(spec, est, current, out, held, generation, mtbf, cause)
+    if back and not out - set(current.excluded):  # a join, no new fault
+        dr = _regrow_candidate(spec, est, current, survivors, fenced, held, generation, mtbf, cause)
+    else:
+        dr = _drop_candidate(spec, est, current, out, held, generation, mtbf, cause)
     cands = (rr, dyn, dr)
 
     selected, note = select(cands, forced)
@@ -455,6 +458,38 @@ def _drop_candidate(
     plan, oom = _plan(
         spec, est, Policy.DROP, generation, result.pipelines, result.routing, excluded, (),
         spec.rebuild_seconds, mtbf, cause,
+    )  # fmt: skip
+    return _candidate(Policy.DROP, plan, oom)
+
+
+def _regrow_candidate(
+    spec: JobSpec,
+    est: Estimator,
+    current: Plan,
+    survivors: Sequence[str],
+    fenced: set[str],
+    held: Held,
+    generation: int,
+    mtbf: float,
+    cause: str,
+) -> Candidate:
+    """On a join, with a smaller batch running: the job's own pipelines whose workers are all
+    live again (core.drop.regrow), the returning workers receiving their slots' layers."""
+    try:
+        own = layout_pipelines(spec)
+    except DecisionError as e:
+        return _infeasible(Policy.DROP, str(e))
+    result = regrow(spec, current, own, survivors)
+    if result.routing is None:
+        return _infeasible(Policy.DROP, result.reason, spec.rebuild_seconds)
+    try:
+        migration, seconds = restorer.repairs(spec, result.pipelines, survivors, held)
+    except restorer.LostLayers as e:
+        return _infeasible(Policy.DROP, str(e), spec.rebuild_seconds)
+    excluded = sorted(fenced - set(survivors), key=_order(spec).__getitem__)
+    plan, oom = _plan(
+        spec, est, Policy.DROP, generation, result.pipelines, result.routing, excluded, migration,
+        spec.rebuild_seconds + seconds, mtbf, cause,
     )  # fmt: skip
     return _candidate(Policy.DROP, plan, oom)
 

@@ -11,13 +11,19 @@ The alive workers of a dropped pipeline are simply not in the plan, idle until a
 takes them back.
 
 Infeasible, with the reason, when the job's batch is fixed, when no worker of the current plan
-failed (a pure join: drop answers faults only), when nothing or too few samples would remain, or
-when a kept owner does not hold its layers yet (a fault during a transition, core.holdings).
+failed, when nothing or too few samples would remain, or when a kept owner does not hold its
+layers yet (a fault during a transition, core.holdings).
+
+On a join the candidate grows back (`regrow`, TorchFT's rejoin): the job's own pipelines
+(`spec.layout`) whose workers are all live, each training its own micro-batch ids, the returning
+workers receiving their slots' layers from a replica. Offered while fewer than all of them are
+whole (with all of them it is the job's own layout, which the dynamic candidate prices at the
+full batch) and when it trains more samples per step than the current plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from chameleond.core.holdings import Held
@@ -75,3 +81,31 @@ def drop(spec: JobSpec, current: Plan, failed: Collection[str], held: Held) -> D
                 )  # fmt: skip
     routing = tuple(current.routing[p] for p in kept)
     return Dropping(pipelines, routing, "", tuple(dropped))
+
+
+def regrow(
+    spec: JobSpec, current: Plan, own: Sequence[Pipeline], survivors: Collection[str]
+) -> Dropping:
+    """The job's own pipelines `own` whose workers are all in `survivors`, with their own
+    routing (the caller prices the layers the returning workers lack)."""
+    if spec.training.fixed_batch:
+        return Dropping((), None, FIXED_BATCH)
+    live = set(survivors)
+    whole = [p for p, pipe in enumerate(own) if all(st.worker in live for st in pipe.stages)]
+    if len(whole) == len(own):
+        return Dropping((), None, "every pipeline of the job is whole: the full batch trains")
+    pipelines = tuple(own[p] for p in whole)
+    samples = sum(p.micro_batches for p in pipelines) * spec.training.micro_batch
+    if samples <= current.global_batch:
+        return Dropping(
+            (), None, f"the whole pipelines train {samples} samples per step, the current plan "
+            f"{current.global_batch}",
+        )  # fmt: skip
+    if samples < spec.training.min_global_batch:
+        return Dropping(
+            (), None, f"{samples} samples per step, below min_global_batch "
+            f"{spec.training.min_global_batch}",
+        )  # fmt: skip
+    routing = tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in pipelines)
+    dropped = tuple(p for p in range(len(own)) if p not in set(whole))
+    return Dropping(pipelines, routing, "", dropped)

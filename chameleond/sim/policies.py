@@ -24,7 +24,17 @@ from chameleond.core.spec import JobSpec
 from chameleond.sim.timeline import Phase, Timeline
 from chameleond.sim.trace import JobEvent
 
-POLICIES = ("chameleon", "reroute", "dynamic", "redundant", "restart", "drop-replica")
+POLICIES = (
+    "chameleon",
+    "reroute",
+    "dynamic",
+    "redundant",
+    "restart",
+    "drop-replica",
+    "chameleon-elastic",
+)
+# Policies whose steps train fewer samples than B after a fault (the others keep B: PAPER.md).
+VARIABLE_BATCH = ("drop-replica", "chameleon-elastic")
 INF = math.inf
 
 
@@ -114,7 +124,8 @@ class Policy:
         return tl
 
     def throughput(self, plan: Plan) -> float:
-        return self.batch / plan.estimates.step_seconds * self.kept()
+        """Samples per second: the plan's batch (B, or fewer under a drop plan) per step."""
+        return plan.global_batch / plan.estimates.step_seconds * self.kept()
 
     def mtbf(self, now: float) -> float:
         return selector.estimate_mtbf(self.fault_times, now, 0.0, self.spec.mtbf_prior_seconds)
@@ -481,10 +492,19 @@ class Redundant(Policy):
                    Phase("training", INF, thr)])  # fmt: skip
 
 
+def elastic(spec: JobSpec) -> JobSpec:
+    """The job with drop-replica's freedom: its batch may shrink to one micro-batch
+    (`training.min_global_batch`), so `decide` also weighs the drop candidate."""
+    training = replace(spec.training, min_global_batch=spec.training.micro_batch)
+    return replace(spec, training=training)
+
+
 def make_policy(name: str, spec: JobSpec, cfg: SimConfig | None = None) -> Policy:
     cfg = cfg or SimConfig()
     if name == "chameleon":
         return Choose(spec, cfg, "chameleon", None)
+    if name == "chameleon-elastic":
+        return Choose(elastic(spec), cfg, name, None)
     if name in ("reroute", "dynamic"):
         return Choose(spec, cfg, name, name)
     if name == "restart":
