@@ -192,11 +192,57 @@ def pipeline_seconds(
 def stage_finishes(
     forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
 ) -> list[float]:
-    """When each stage of one pipeline ends its last backward (its gradients are complete)."""
+    """When each stage of one pipeline ends its last backward (its gradients are complete).
+
+    `_longest_path` reduced to what this asks, with the same floating-point operations on the
+    same values, so the same bits. Each slot's 1F1B queue (`slot_queue`) is its warm-up forwards,
+    then, for j = 0 .. N_m - 1, F(s, warm_s + j) while there is one and B(s, j). So after the
+    warm-ups, sweep j runs every stage's j-th turn, last stage first: B(s, j) waits for B(s + 1, j)
+    of this sweep (`below`), F(s, warm_s + j) for stage s - 1's forward of the sweep before, its
+    latest (warm_(s-1) = warm_s + 1 wherever stage s still has forwards). B(s, m) needs no wait
+    for F(s, m): that ran earlier on the same stage. A stage's last op is a backward, so its free
+    time at the end is when its gradients are complete.
+    """
+    n = len(forward)
     if n_micro <= 0 or not forward:
-        return [0.0] * len(forward)
-    b_end = _longest_path(forward, backward, comm, n_micro)[3]
-    return [max(b_end[s * n_micro : (s + 1) * n_micro]) for s in range(len(forward))]
+        return [0.0] * n
+    fwd = [max(x, _MIN_SECONDS) for x in forward]
+    bwd = [max(x, _MIN_SECONDS) for x in backward]
+    warm = [min(n - s - 1, n_micro) for s in range(n)]
+    free = [0.0] * n
+    latest = [0.0] * (n + 1)  # latest[s + 1]: end of stage s's latest forward; latest[0]: none
+    before: list[float] = []  # the previous stage's warm-up forward ends
+    for s in range(n):
+        t, c, f, ends = 0.0, comm[s - 1] if s else 0.0, fwd[s], []
+        for m in range(warm[s]):
+            if s:
+                a = before[m] + c
+                if a > t:
+                    t = a
+            t += f
+            ends.append(t)
+        free[s] = latest[s + 1] = t
+        before = ends
+    turns = [
+        (s, fwd[s], bwd[s], comm[s - 1] if s else 0.0, comm[s] if s + 1 < n else 0.0, warm[s])
+        for s in range(n - 1, -1, -1)
+    ]
+    for j in range(n_micro):
+        below = 0.0
+        for s, f, b, c_up, c_down, w in turns:
+            t = free[s]
+            if w + j < n_micro:
+                a = latest[s] + c_up
+                if a > t:
+                    t = a
+                t += f
+                latest[s + 1] = t
+            a = below + c_down
+            if a > t:
+                t = a
+            t += b
+            free[s] = below = t
+    return free
 
 
 def overlapped_sync_end(
