@@ -49,6 +49,8 @@ from chameleond.core.sharing import shared_jobs_seconds, shared_makespan
 from chameleond.core.spec import JobSpec, LinkSpec
 
 Routing = Sequence[Sequence[Sequence[str]]]
+# One pipeline's forward, backward and wire seconds per stage, and its micro-batches.
+PathKey = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int]
 # Durations are clamped like schedule.py does, so both give the same longest path.
 _MIN_SECONDS = 1e-12
 VOTE_BYTES = (
@@ -266,9 +268,10 @@ class Estimator:
         self.table = LayerTable(spec)
         self._host = {w.id: w.host for w in spec.workers}
         self._memory = {w.id: w.memory_bytes for w in spec.workers}
-        self._memo: dict[
-            tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int], list[float]
-        ] = {}
+        self._memo: dict[PathKey, list[float]] = {}
+        # The failure-free longest path of rerouted pipelines, by shape: a job's pipelines of one
+        # length and micro-batch count on links alike are timed once per decision.
+        self._ideal: dict[PathKey, tuple[list[float], list[float], list[float], list[float]]] = {}
 
     def link(self, a: str, b: str) -> LinkSpec:
         return self.spec.intra_host if self._host[a] == self._host[b] else self.spec.inter_host
@@ -328,7 +331,10 @@ class Estimator:
             bwd = [t.backward_seconds(st.first_layer, st.end_layer) for st in pipe.stages]
             owners = [st.worker for st in pipe.stages]
             comm = [self.transfer_seconds(pipe, s, owners[s], owners[s + 1]) for s in range(n - 1)]
-            f_start, f_end, b_start, b_end = _longest_path(fwd, bwd, comm, nm)
+            key = (tuple(fwd), tuple(bwd), tuple(comm), nm)
+            if key not in self._ideal:
+                self._ideal[key] = _longest_path(fwd, bwd, comm, nm)
+            f_start, f_end, b_start, b_end = self._ideal[key]
             for i in range(n * nm):
                 s, m = divmod(i, nm)
                 keyed.append((f_start[i], f_end[i], k, s, 0, m))
