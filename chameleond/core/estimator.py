@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Collection, Sequence
-from functools import lru_cache
 from itertools import accumulate
 
 from chameleond.core.plan import Pipeline, SyncGroup
@@ -43,7 +42,6 @@ from chameleond.core.schedule import (
     OpSeconds,
     Schedule,
     build_schedule,
-    slot_queue,
 )
 from chameleond.core.sharing import shared_jobs_seconds, shared_makespan
 from chameleond.core.spec import JobSpec, LinkSpec
@@ -105,76 +103,51 @@ class LayerTable:
         return self.state_bytes(first, end) + in_flight * self.activation_bytes(first, end)
 
 
-@lru_cache(maxsize=4096)
-def _order(n_stages: int, n_micro: int) -> tuple[tuple[int, bool, int], ...]:
-    """Every op (stage, is_forward, micro-batch) of one pipeline in a dependency-respecting order.
-
-    It is the order in which a round-robin over the stages can run each slot's 1F1B queue: the
-    structure does not depend on durations, so it is computed once per (N_pp, N_m) and every
-    longest path is then a single pass over it.
-    """
-    queues = [slot_queue(n_stages, s, n_micro) for s in range(n_stages)]
-    pos = [0] * n_stages
-    f_done = [[False] * n_micro for _ in range(n_stages)]
-    b_done = [[False] * n_micro for _ in range(n_stages)]
-    out: list[tuple[int, bool, int]] = []
-    while len(out) < 2 * n_stages * n_micro:
-        for s in range(n_stages):
-            while pos[s] < len(queues[s]):
-                kind, m = queues[s][pos[s]]
-                if kind == FORWARD:
-                    if s > 0 and not f_done[s - 1][m]:
-                        break
-                    f_done[s][m] = True
-                else:
-                    if s + 1 < n_stages and not b_done[s + 1][m]:
-                        break
-                    b_done[s][m] = True
-                out.append((s, kind == FORWARD, m))
-                pos[s] += 1
-    return tuple(out)
-
-
-@lru_cache(maxsize=4096)
-def _steps(n_stages: int, n_micro: int) -> tuple[tuple[int, int, bool, int, int], ...]:
-    """`_order` with each op's index, the index of the op it waits for on the neighbouring stage
-    (-1: none) and the link between them: (index, stage, forward?, dependency, link)."""
-    out = []
-    for s, is_f, m in _order(n_stages, n_micro):
-        i = s * n_micro + m
-        if is_f:
-            out.append((i, s, True, i - n_micro if s > 0 else -1, s - 1))
-        else:
-            out.append((i, s, False, i + n_micro if s + 1 < n_stages else -1, s))
-    return tuple(out)
-
-
 def _longest_path(
     forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
 ) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Start and end of every forward and backward op (index stage * N_m + micro-batch)."""
+    """Start and end of every forward and backward op (index stage * N_m + micro-batch).
+
+    Each op starts after the previous op of its stage and after the op it waits for on the
+    neighbouring stage plus the wire. Each slot's 1F1B queue (`slot_queue`) is its warm-up
+    forwards, then for j = 0 .. N_m - 1: F(s, warm_s + j) while there is one, and B(s, j). So
+    after the warm-ups, sweep j runs every stage's j-th turn, last stage first: B(s, j) waits
+    for B(s + 1, j) of this sweep, F(s, warm_s + j) for stage s - 1's turn of the sweep before
+    (warm_(s-1) = warm_s + 1 wherever stage s still has forwards). B(s, m) needs no wait for
+    F(s, m): that ran earlier on the same stage.
+    """
     n = len(forward)
     fwd = [max(x, _MIN_SECONDS) for x in forward]
     bwd = [max(x, _MIN_SECONDS) for x in backward]
     size = n * n_micro
     f_start, f_end, b_start, b_end = [0.0] * size, [0.0] * size, [0.0] * size, [0.0] * size
+    warm = [min(n - s - 1, n_micro) for s in range(n)]
     free = [0.0] * n
-    for i, s, is_f, dep, link in _steps(n, n_micro):
-        ready = free[s]
-        if is_f:
-            if dep >= 0:
-                arrives = f_end[dep] + comm[link]
+    for s in range(n):
+        for i in range(s * n_micro, s * n_micro + warm[s]):
+            ready = free[s]
+            if s:
+                arrives = f_end[i - n_micro] + comm[s - 1]
                 if arrives > ready:
                     ready = arrives
             f_start[i] = ready
             free[s] = f_end[i] = ready + fwd[s]
-        else:
-            if dep >= 0:
-                arrives = b_end[dep] + comm[link]
+    for j in range(n_micro):
+        for s in range(n - 1, -1, -1):
+            ready = free[s]
+            if warm[s] + j < n_micro:
+                i = s * n_micro + warm[s] + j
+                if s:
+                    arrives = f_end[i - n_micro] + comm[s - 1]
+                    if arrives > ready:
+                        ready = arrives
+                f_start[i] = ready
+                ready = f_end[i] = ready + fwd[s]
+            i = s * n_micro + j
+            if s + 1 < n:
+                arrives = b_end[i + n_micro] + comm[s]
                 if arrives > ready:
                     ready = arrives
-            if f_end[i] > ready:
-                ready = f_end[i]
             b_start[i] = ready
             free[s] = b_end[i] = ready + bwd[s]
     return f_start, f_end, b_start, b_end
@@ -196,14 +169,10 @@ def stage_finishes(
 ) -> list[float]:
     """When each stage of one pipeline ends its last backward (its gradients are complete).
 
-    `_longest_path` reduced to what this asks, with the same floating-point operations on the
-    same values, so the same bits. Each slot's 1F1B queue (`slot_queue`) is its warm-up forwards,
-    then, for j = 0 .. N_m - 1, F(s, warm_s + j) while there is one and B(s, j). So after the
-    warm-ups, sweep j runs every stage's j-th turn, last stage first: B(s, j) waits for B(s + 1, j)
-    of this sweep (`below`), F(s, warm_s + j) for stage s - 1's forward of the sweep before, its
-    latest (warm_(s-1) = warm_s + 1 wherever stage s still has forwards). B(s, m) needs no wait
-    for F(s, m): that ran earlier on the same stage. A stage's last op is a backward, so its free
-    time at the end is when its gradients are complete.
+    `_longest_path`'s sweeps reduced to what this asks, with the same floating-point operations
+    on the same values, so the same bits: no op table, only each stage's free time and latest
+    forward; B(s, j) takes B(s + 1, j) from the stage just swept (`below`). A stage's last op is
+    a backward, so its free time at the end is when its gradients are complete.
     """
     n = len(forward)
     if n_micro <= 0 or not forward:
