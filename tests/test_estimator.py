@@ -11,12 +11,15 @@ from hypothesis import strategies as st
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.estimator import (
     Estimator,
+    _longest_path,
     closed_form_seconds,
     pipeline_seconds,
     reroute_bound_seconds,
     ring_allreduce_seconds,
+    stage_finishes,
 )
 from chameleond.core.plan import Pipeline, Stage, SyncGroup
+from chameleond.core.schedule import BACKWARD, FORWARD, slot_queue
 from chameleond.core.spec import JobSpec, LinkSpec, parse_spec
 from chameleond.jobstate.jobspec import spec_document
 
@@ -97,6 +100,72 @@ def test_estimate_equals_build_schedule_on_every_candidate(data: st.DataObject) 
         if c.plan is not None:
             ref = reference_makespan(spec, c.plan.pipelines, c.plan.routing)
             assert math.isclose(est.makespan(c.plan.pipelines, c.plan.routing), ref, rel_tol=1e-12)
+
+
+# Stage and wire seconds as the model meets them: zeros (clamped), small integers, awkward floats.
+SECONDS = st.one_of(
+    st.just(0.0), st.integers(0, 5), st.floats(1e-6, 1e4, allow_nan=False, allow_infinity=False)
+)
+
+
+def reference_path(
+    fwd: list[float], bwd: list[float], comm: list[float], n_micro: int
+) -> dict[tuple[str, int, int], tuple[float, float]]:
+    """The 1F1B longest path straight from its definition, (kind, stage, micro-batch) -> (start,
+    end): each stage runs its `slot_queue` in order; an op starts after the stage's previous op
+    and its dependency plus the wire (F(s, m) on F(s-1, m); B(s, m) on F(s, m) and B(s+1, m)),
+    lasting its seconds (at least 1e-12)."""
+    n = len(fwd)
+    queues = [slot_queue(n, s, n_micro) for s in range(n)]
+    times: dict[tuple[str, int, int], tuple[float, float]] = {}
+    free, pos = [0.0] * n, [0] * n
+    while any(p < len(q) for p, q in zip(pos, queues, strict=True)):
+        for s in range(n):
+            while pos[s] < len(queues[s]):
+                kind, m = queues[s][pos[s]]
+                ready = free[s]
+                if kind == FORWARD:
+                    if s > 0:
+                        if (FORWARD, s - 1, m) not in times:
+                            break
+                        ready = max(ready, times[(FORWARD, s - 1, m)][1] + comm[s - 1])
+                else:
+                    if s + 1 < n:
+                        if (BACKWARD, s + 1, m) not in times:
+                            break
+                        ready = max(ready, times[(BACKWARD, s + 1, m)][1] + comm[s])
+                    ready = max(ready, times[(FORWARD, s, m)][1])
+                seconds = fwd[s] if kind == FORWARD else bwd[s]
+                free[s] = ready + max(seconds, 1e-12)
+                times[(kind, s, m)] = (ready, free[s])
+                pos[s] += 1
+    return times
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_longest_paths_equal_the_reference_bit_for_bit(data: st.DataObject) -> None:
+    """Each op's start and end, and each stage's last backward, exactly (==, not approximately)
+    those of the op-by-op walk over the 1F1B queues, on random stage and wire seconds and
+    micro-batch counts."""
+    n = data.draw(st.integers(1, 9))
+    n_micro = data.draw(st.integers(0, 40))
+    fwd = data.draw(st.lists(SECONDS, min_size=n, max_size=n))
+    bwd = data.draw(st.lists(SECONDS, min_size=n, max_size=n))
+    comm = data.draw(st.lists(SECONDS, min_size=n - 1, max_size=n - 1))
+    times = reference_path(fwd, bwd, comm, n_micro)
+    ops = [(s, m) for s in range(n) for m in range(n_micro)]
+    assert _longest_path(fwd, bwd, comm, n_micro) == (
+        [times[(FORWARD, s, m)][0] for s, m in ops],
+        [times[(FORWARD, s, m)][1] for s, m in ops],
+        [times[(BACKWARD, s, m)][0] for s, m in ops],
+        [times[(BACKWARD, s, m)][1] for s, m in ops],
+    )
+    last = [
+        max((times[(BACKWARD, s, m)][1] for m in range(n_micro)), default=0.0) for s in range(n)
+    ]
+    assert stage_finishes(fwd, bwd, comm, n_micro) == last
+    assert pipeline_seconds(fwd, bwd, comm, n_micro) == max(last)
 
 
 def test_asymmetric_pipeline_is_bound_by_its_slowest_stage() -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Collection, Sequence
-from functools import lru_cache
 from itertools import accumulate
 
 from chameleond.core.plan import Pipeline, SyncGroup
@@ -43,12 +42,13 @@ from chameleond.core.schedule import (
     OpSeconds,
     Schedule,
     build_schedule,
-    slot_queue,
 )
 from chameleond.core.sharing import shared_jobs_seconds, shared_makespan
 from chameleond.core.spec import JobSpec, LinkSpec
 
 Routing = Sequence[Sequence[Sequence[str]]]
+# One pipeline's forward, backward and wire seconds per stage, and its micro-batches.
+PathKey = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int]
 # Durations are clamped like schedule.py does, so both give the same longest path.
 _MIN_SECONDS = 1e-12
 VOTE_BYTES = (
@@ -103,76 +103,51 @@ class LayerTable:
         return self.state_bytes(first, end) + in_flight * self.activation_bytes(first, end)
 
 
-@lru_cache(maxsize=4096)
-def _order(n_stages: int, n_micro: int) -> tuple[tuple[int, bool, int], ...]:
-    """Every op (stage, is_forward, micro-batch) of one pipeline in a dependency-respecting order.
-
-    It is the order in which a round-robin over the stages can run each slot's 1F1B queue: the
-    structure does not depend on durations, so it is computed once per (N_pp, N_m) and every
-    longest path is then a single pass over it.
-    """
-    queues = [slot_queue(n_stages, s, n_micro) for s in range(n_stages)]
-    pos = [0] * n_stages
-    f_done = [[False] * n_micro for _ in range(n_stages)]
-    b_done = [[False] * n_micro for _ in range(n_stages)]
-    out: list[tuple[int, bool, int]] = []
-    while len(out) < 2 * n_stages * n_micro:
-        for s in range(n_stages):
-            while pos[s] < len(queues[s]):
-                kind, m = queues[s][pos[s]]
-                if kind == FORWARD:
-                    if s > 0 and not f_done[s - 1][m]:
-                        break
-                    f_done[s][m] = True
-                else:
-                    if s + 1 < n_stages and not b_done[s + 1][m]:
-                        break
-                    b_done[s][m] = True
-                out.append((s, kind == FORWARD, m))
-                pos[s] += 1
-    return tuple(out)
-
-
-@lru_cache(maxsize=4096)
-def _steps(n_stages: int, n_micro: int) -> tuple[tuple[int, int, bool, int, int], ...]:
-    """`_order` with each op's index, the index of the op it waits for on the neighbouring stage
-    (-1: none) and the link between them: (index, stage, forward?, dependency, link)."""
-    out = []
-    for s, is_f, m in _order(n_stages, n_micro):
-        i = s * n_micro + m
-        if is_f:
-            out.append((i, s, True, i - n_micro if s > 0 else -1, s - 1))
-        else:
-            out.append((i, s, False, i + n_micro if s + 1 < n_stages else -1, s))
-    return tuple(out)
-
-
 def _longest_path(
     forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
 ) -> tuple[list[float], list[float], list[float], list[float]]:
-    """Start and end of every forward and backward op (index stage * N_m + micro-batch)."""
+    """Start and end of every forward and backward op (index stage * N_m + micro-batch).
+
+    Each op starts after the previous op of its stage and after the op it waits for on the
+    neighbouring stage plus the wire. Each slot's 1F1B queue (`slot_queue`) is its warm-up
+    forwards, then for j = 0 .. N_m - 1: F(s, warm_s + j) while there is one, and B(s, j). So
+    after the warm-ups, sweep j runs every stage's j-th turn, last stage first: B(s, j) waits
+    for B(s + 1, j) of this sweep, F(s, warm_s + j) for stage s - 1's turn of the sweep before
+    (warm_(s-1) = warm_s + 1 wherever stage s still has forwards). B(s, m) needs no wait for
+    F(s, m): that ran earlier on the same stage.
+    """
     n = len(forward)
     fwd = [max(x, _MIN_SECONDS) for x in forward]
     bwd = [max(x, _MIN_SECONDS) for x in backward]
     size = n * n_micro
     f_start, f_end, b_start, b_end = [0.0] * size, [0.0] * size, [0.0] * size, [0.0] * size
+    warm = [min(n - s - 1, n_micro) for s in range(n)]
     free = [0.0] * n
-    for i, s, is_f, dep, link in _steps(n, n_micro):
-        ready = free[s]
-        if is_f:
-            if dep >= 0:
-                arrives = f_end[dep] + comm[link]
+    for s in range(n):
+        for i in range(s * n_micro, s * n_micro + warm[s]):
+            ready = free[s]
+            if s:
+                arrives = f_end[i - n_micro] + comm[s - 1]
                 if arrives > ready:
                     ready = arrives
             f_start[i] = ready
             free[s] = f_end[i] = ready + fwd[s]
-        else:
-            if dep >= 0:
-                arrives = b_end[dep] + comm[link]
+    for j in range(n_micro):
+        for s in range(n - 1, -1, -1):
+            ready = free[s]
+            if warm[s] + j < n_micro:
+                i = s * n_micro + warm[s] + j
+                if s:
+                    arrives = f_end[i - n_micro] + comm[s - 1]
+                    if arrives > ready:
+                        ready = arrives
+                f_start[i] = ready
+                ready = f_end[i] = ready + fwd[s]
+            i = s * n_micro + j
+            if s + 1 < n:
+                arrives = b_end[i + n_micro] + comm[s]
                 if arrives > ready:
                     ready = arrives
-            if f_end[i] > ready:
-                ready = f_end[i]
             b_start[i] = ready
             free[s] = b_end[i] = ready + bwd[s]
     return f_start, f_end, b_start, b_end
@@ -192,11 +167,53 @@ def pipeline_seconds(
 def stage_finishes(
     forward: Sequence[float], backward: Sequence[float], comm: Sequence[float], n_micro: int
 ) -> list[float]:
-    """When each stage of one pipeline ends its last backward (its gradients are complete)."""
+    """When each stage of one pipeline ends its last backward (its gradients are complete).
+
+    `_longest_path`'s sweeps reduced to what this asks, with the same floating-point operations
+    on the same values, so the same bits: no op table, only each stage's free time and latest
+    forward; B(s, j) takes B(s + 1, j) from the stage just swept (`below`). A stage's last op is
+    a backward, so its free time at the end is when its gradients are complete.
+    """
+    n = len(forward)
     if n_micro <= 0 or not forward:
-        return [0.0] * len(forward)
-    b_end = _longest_path(forward, backward, comm, n_micro)[3]
-    return [max(b_end[s * n_micro : (s + 1) * n_micro]) for s in range(len(forward))]
+        return [0.0] * n
+    fwd = [max(x, _MIN_SECONDS) for x in forward]
+    bwd = [max(x, _MIN_SECONDS) for x in backward]
+    warm = [min(n - s - 1, n_micro) for s in range(n)]
+    free = [0.0] * n
+    latest = [0.0] * (n + 1)  # latest[s + 1]: end of stage s's latest forward; latest[0]: none
+    before: list[float] = []  # the previous stage's warm-up forward ends
+    for s in range(n):
+        t, c, f, ends = 0.0, comm[s - 1] if s else 0.0, fwd[s], []
+        for m in range(warm[s]):
+            if s:
+                a = before[m] + c
+                if a > t:
+                    t = a
+            t += f
+            ends.append(t)
+        free[s] = latest[s + 1] = t
+        before = ends
+    turns = [
+        (s, fwd[s], bwd[s], comm[s - 1] if s else 0.0, comm[s] if s + 1 < n else 0.0, warm[s])
+        for s in range(n - 1, -1, -1)
+    ]
+    for j in range(n_micro):
+        below = 0.0
+        for s, f, b, c_up, c_down, w in turns:
+            t = free[s]
+            if w + j < n_micro:
+                a = latest[s] + c_up
+                if a > t:
+                    t = a
+                t += f
+                latest[s + 1] = t
+            a = below + c_down
+            if a > t:
+                t = a
+            t += b
+            free[s] = below = t
+    return free
 
 
 def overlapped_sync_end(
@@ -220,9 +237,10 @@ class Estimator:
         self.table = LayerTable(spec)
         self._host = {w.id: w.host for w in spec.workers}
         self._memory = {w.id: w.memory_bytes for w in spec.workers}
-        self._memo: dict[
-            tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int], list[float]
-        ] = {}
+        self._memo: dict[PathKey, list[float]] = {}
+        # The failure-free longest path of rerouted pipelines, by shape: a job's pipelines of one
+        # length and micro-batch count on links alike are timed once per decision.
+        self._ideal: dict[PathKey, tuple[list[float], list[float], list[float], list[float]]] = {}
 
     def link(self, a: str, b: str) -> LinkSpec:
         return self.spec.intra_host if self._host[a] == self._host[b] else self.spec.inter_host
@@ -282,7 +300,10 @@ class Estimator:
             bwd = [t.backward_seconds(st.first_layer, st.end_layer) for st in pipe.stages]
             owners = [st.worker for st in pipe.stages]
             comm = [self.transfer_seconds(pipe, s, owners[s], owners[s + 1]) for s in range(n - 1)]
-            f_start, f_end, b_start, b_end = _longest_path(fwd, bwd, comm, nm)
+            key = (tuple(fwd), tuple(bwd), tuple(comm), nm)
+            if key not in self._ideal:
+                self._ideal[key] = _longest_path(fwd, bwd, comm, nm)
+            f_start, f_end, b_start, b_end = self._ideal[key]
             for i in range(n * nm):
                 s, m = divmod(i, nm)
                 keyed.append((f_start[i], f_end[i], k, s, 0, m))
