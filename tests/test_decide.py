@@ -20,6 +20,7 @@ from chameleond.core.decide import (
     decision_to_dict,
     initial_plan,
     own_layout,
+    own_layout_rerouted,
     select,
 )
 from chameleond.core.holdings import of_plan
@@ -190,6 +191,24 @@ def test_rejoin_takes_the_worker_back_with_a_scale_up_plan() -> None:
     assert dyn.step_seconds < first.plan.estimates.step_seconds  # one more worker helps
     assert back.selected == "dynamic"
     assert back.candidates[0].plan is not None and "w3" in back.candidates[0].plan.excluded
+
+
+def test_a_returning_worker_takes_its_own_slot_back_under_the_kept_layout() -> None:
+    spec = job(4, 2, 8, 16)
+    start = initial_plan(spec)
+    first = decide(spec, start, ["w3"], mtbf_seconds=1e6, generation=2, force="reroute")
+    assert first.plan is not None and "w3" in first.plan.excluded
+    back = decide(spec, first.plan, [], mtbf_seconds=1e6, generation=3, joined=["w3"],
+                  holdings=of_plan(first.plan))  # fmt: skip
+    keep = back.candidates[0]
+    assert keep.plan is not None and keep.plan.routing == start.routing  # w3 runs its slot again
+    assert keep.plan.excluded == () and keep.step_seconds == pytest.approx(
+        start.estimates.step_seconds
+    )
+    w3 = next(st for p in start.pipelines for st in p.stages if st.worker == "w3")
+    assert [(t.dst, t.layers) for t in keep.plan.migration] == [
+        ("w3", tuple(range(w3.first_layer, w3.end_layer)))
+    ]  # its layers come from a peer: the new process holds nothing
 
 
 def test_fault_during_a_transition_plans_from_the_published_plan() -> None:
@@ -377,3 +396,41 @@ def test_a_scale_up_takes_the_jobs_own_layout_when_it_steps_faster() -> None:
     assert found.layout is not None and found.layout.shape != tuple(
         tuple((st.first_layer, st.end_layer) for st in p.stages) for p in start.pipelines
     )
+
+
+def test_a_partial_return_takes_the_jobs_own_layout_with_the_missing_host_rerouted() -> None:
+    """64 hosts of examples/cluster-8192.toml: 32 pipelines of 16 stages, each on two hosts.
+    Two hosts of different pipelines lost, the job re-partitioned; one comes back. The job's own
+    layout is not whole, so before it was never offered; now it is priced with the still-missing
+    host's slots rerouted to their same-stage peers, and the dynamic candidate keeps it: it
+    steps faster than the search's layout over the survivors."""
+    doc = tomllib.loads((EXAMPLES / "cluster-8192.toml").read_text())
+    doc["workers"] = doc["workers"][: 8 * 64]
+    doc["training"]["global_batch"] = 8 * 32
+    spec = parse_spec(doc)
+    start = initial_plan(spec)
+    first, second = [f"w{i}" for i in range(8)], [f"w{i}" for i in range(16, 24)]
+    dropped = decide(spec, start, first + second, mtbf_seconds=1e6, generation=2,
+                     force="dynamic")  # fmt: skip
+    assert dropped.plan is not None
+    running = {st.worker for p in dropped.plan.pipelines for st in p.stages}
+    back = [w.id for w in spec.workers if w.id not in running and w.id not in second]
+    held = of_plan(dropped.plan)
+    survivors = sorted(running | set(back))
+    around = own_layout_rerouted(spec, dropped.plan, survivors, held)
+    assert around is not None
+    pipelines, migration, _, routing = around
+    assert list(pipelines) == list(start.pipelines)
+    assert not {w for pipe in routing for stage in pipe for w in stage} & set(second)
+    assert {t.dst for t in migration} >= set(first)  # the returning host receives its layers
+    rerouted = decide(spec, start, second, mtbf_seconds=1e6, generation=2, force="reroute").plan
+    assert rerouted is not None and rerouted.routing == routing
+    up = decide(spec, dropped.plan, second, mtbf_seconds=1e6, generation=3, joined=back,
+                holdings=held)  # fmt: skip
+    dyn = up.candidates[1].plan
+    assert dyn is not None and dyn.pipelines == start.pipelines and dyn.routing == routing
+    assert dyn.estimates.step_seconds == pytest.approx(rerouted.estimates.step_seconds)
+    assert dyn.estimates.step_seconds < dropped.plan.estimates.step_seconds
+    assert up.selected == "dynamic"
+    # With the current plan already on the job's own slots, the reroute candidate is that plan.
+    assert own_layout_rerouted(spec, dyn, survivors, of_plan(dyn)) is None

@@ -11,6 +11,7 @@ layer costs seconds and, with D = 10 s, the dynamic plan cannot pay for its tran
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -253,3 +254,27 @@ def test_a_join_grows_a_dropped_job_back_with_the_whole_pipelines() -> None:
     # A fixed batch never grows back this way: it never dropped.
     assert FIXED_BATCH in decide(job(None), initial_plan(job(None)), ["w0"], mtbf_seconds=10.0,
                                  generation=2).candidates[2].reason  # fmt: skip
+
+
+def test_a_fault_on_a_layout_across_hosts_drops_to_the_jobs_own_whole_pipelines() -> None:
+    """The running layout pairs each pipeline's first stage with the next host's second stage,
+    so host h0's loss (w0, w1) breaks two of its pipelines; of the job's own host-aligned
+    pipelines it breaks one. The drop candidate is the better of the two: the own 7 whole
+    pipelines (14 samples), and nothing moves since every second stage holds the same layers."""
+    spec = job()
+    own = initial_plan(spec)
+    pipes = own.pipelines
+    crossed = tuple(
+        replace(p, stages=(p.stages[0], pipes[(i + 1) % PIPES].stages[1]))
+        for i, p in enumerate(pipes)
+    )
+    routing = tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in crossed)
+    current = replace(own, pipelines=crossed, routing=routing)
+    d = decide(spec, current, ["w0", "w1"], mtbf_seconds=10.0, generation=2, force="drop")
+    assert d.selected == Policy.DROP and d.plan is not None
+    plan = d.plan
+    assert plan.global_batch == 14 and plan.pipelines == own.pipelines[1:]
+    assert plan.migration == () and plan.excluded == ("w0", "w1")
+    # Dropping from the running layout would have kept 6 pipelines, 12 samples.
+    kept = [p for p in crossed if not {"w0", "w1"} & {st.worker for st in p.stages}]
+    assert len(kept) == 6

@@ -25,7 +25,9 @@ drop, then dynamic. Beyond the paper (docs/planner.md):
    `follow_up_after_seconds`. It is offered only if D > prep + that; whoever switches re-checks
    the remaining window when the plan is ready.
 2. Rejoin: `joined` workers are survivors of the dynamic candidate (a scale-up plan); reroute is
-   then "keep the current layout" (the joined workers stay idle), scored the same way. With every
+   then "keep the current layout": a joined worker that owns a slot of it (it was excluded when
+   it failed) takes that slot back, receiving its layers from a peer (ReCycle's rejoin), the
+   others stay idle; scored the same way. With every
    worker of `spec.layout` live, the dynamic candidate also prices that layout (`own_layout`) and
    keeps the faster of it and the search's: the search prices every boundary at the slowest link,
    the estimator each at its own.
@@ -52,12 +54,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from chameleond.core import restorer, selector
-from chameleond.core.drop import drop, regrow
+from chameleond.core.drop import FIXED_BATCH, drop, regrow
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Held, of_pipelines, of_plan
 from chameleond.core.plan import Estimates, Pipeline, Plan, Stage, Transfer
 from chameleond.core.policy import CANDIDATES, Policy
-from chameleond.core.reroute import reroute
+from chameleond.core.reroute import RoutingTable, reroute
 from chameleond.core.search import ShapeModel, micro_batch_floor, search
 from chameleond.core.spec import JobSpec
 
@@ -333,15 +335,24 @@ def decide(
                         generation, cause, note=note)  # fmt: skip
 
     held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
-    rr = _reroute_candidate(spec, est, current, fenced, held, generation, mtbf, cause)
+    # A returning worker whose slot the current layout still has takes it back (ReCycle).
+    reclaim = back & owners
+    rr = _reroute_candidate(spec, est, current, fenced - reclaim, held, generation, mtbf, cause)
     dyn, switch, search_seconds, considered = _dynamic_candidate(
         spec, est, current, survivors, held, generation, mtbf, cause, fenced
     )
 
-    if back and not out - set(current.excluded):  # a join, no new fault
-        dr = _regrow_candidate(spec, est, current, survivors, fenced, held, generation, mtbf, cause)
-    else:
-        dr = _drop_candidate(spec, est, current, out, held, generation, mtbf, cause)
+    joining = bool(back) and not out - set(current.excluded)  # a join, no new fault
+    grown = _regrow_candidate(
+        spec, est, current, survivors, fenced, held, generation, mtbf, cause, joining
+    )
+    dr = grown
+    if not joining:
+        kept = _drop_candidate(spec, est, current, out, held, generation, mtbf, cause)
+        # The current plan without its broken pipelines, or the job's own pipelines that are
+        # whole (when the current layout crosses hosts, one host's fault breaks several of its
+        # pipelines and only one of the job's own): the higher score; nothing moves on ties.
+        dr = kept if not grown.feasible or kept.score >= grown.score else grown
     cands = (rr, dyn, dr)
 
     selected, note = select(cands, forced)
@@ -472,14 +483,18 @@ def _regrow_candidate(
     generation: int,
     mtbf: float,
     cause: str,
+    joining: bool,
 ) -> Candidate:
-    """On a join, with a smaller batch running: the job's own pipelines whose workers are all
-    live again (core.drop.regrow), the returning workers receiving their slots' layers."""
+    """The job's own pipelines whose workers are all live (core.drop.regrow), the workers
+    receiving the layers of their slots they do not hold: on a join, with a smaller batch
+    running, the job grows back; on a fault, an alternative to dropping from the current plan."""
+    if spec.training.fixed_batch:
+        return _infeasible(Policy.DROP, FIXED_BATCH, spec.rebuild_seconds)
     try:
         own = layout_pipelines(spec)
     except DecisionError as e:
         return _infeasible(Policy.DROP, str(e))
-    result = regrow(spec, current, own, survivors)
+    result = regrow(spec, current, own, survivors, joining=joining)
     if result.routing is None:
         return _infeasible(Policy.DROP, result.reason, spec.rebuild_seconds)
     try:
@@ -524,13 +539,17 @@ def _dynamic_candidate(
     excluded = sorted((known | fenced) - set(survivors), key=order.__getitem__)
 
     def priced(
-        pipelines: Sequence[Pipeline], migration: tuple[Transfer, ...], moving: float
+        pipelines: Sequence[Pipeline],
+        migration: tuple[Transfer, ...],
+        moving: float,
+        routing: RoutingTable | None = None,
     ) -> tuple[Plan, str | None, float]:
         # Chosen now: search, migration and rebuild stop training. As a follow-up the search is
         # hidden; the migration still stops training (the state it moves changes every step).
         switch_seconds = moving + spec.rebuild_seconds
         plan, oom = _plan(
-            spec, est, Policy.DYNAMIC, generation, pipelines, _own_routing(pipelines), excluded,
+            spec, est, Policy.DYNAMIC, generation, pipelines,
+            _own_routing(pipelines) if routing is None else routing, excluded,
             migration, search_seconds + switch_seconds, mtbf, cause,
         )  # fmt: skip
         return plan, oom, switch_seconds
@@ -538,9 +557,14 @@ def _dynamic_candidate(
     plan, oom, switch_seconds = priced(
         restored.pipelines, restored.migration, restored.migration_seconds
     )
+    # The job's own layout, whole or rerouted around its missing workers, beside the search's.
+    alt = None
     own = own_layout(spec, survivors, held)
     if own is not None:
         alt = priced(*own)
+    elif (around := own_layout_rerouted(spec, current, survivors, held)) is not None:
+        alt = priced(*around)
+    if alt is not None:
         faster = (alt[0].estimates.step_seconds, alt[2]) < (plan.estimates.step_seconds,
                                                              switch_seconds)  # fmt: skip
         if alt[1] is None and (oom is not None or faster):
@@ -588,6 +612,37 @@ def own_layout(
     except (DecisionError, restorer.LostLayers):
         return None
     return tuple(pipelines), migration, seconds
+
+
+def own_layout_rerouted(
+    spec: JobSpec, current: Plan, survivors: Sequence[str], held: Held
+) -> tuple[tuple[Pipeline, ...], tuple[Transfer, ...], float, RoutingTable] | None:
+    """The job's own layout with some of its workers out, their micro-batches rerouted to their
+    same-stage peers (core.reroute), and the migration that gives each executing worker the
+    layers of its slot it lacks: priced beside the search's layout for the reason `own_layout`
+    gives. None when every worker of it is live (`own_layout`), when the current plan already has
+    its slots (the reroute candidate is this plan), or when some stage has no live peer."""
+    live = set(survivors)
+    layout_workers = {w for pipe in spec.layout for w in pipe}
+    if layout_workers <= live:
+        return None
+    try:
+        pipelines = tuple(layout_pipelines(spec))
+    except DecisionError:
+        return None
+    slots = [(st.worker, st.first_layer, st.end_layer) for p in pipelines for st in p.stages]
+    if slots == [(st.worker, st.first_layer, st.end_layer) for p in current.pipelines
+                 for st in p.stages]:  # fmt: skip
+        return None
+    result = reroute(spec, replace(current, pipelines=pipelines), layout_workers - live)
+    if result.routing is None:
+        return None
+    running = {w for pipe in result.routing for stage in pipe for w in stage}
+    try:
+        migration, seconds = restorer.repairs(spec, pipelines, running, held)
+    except restorer.LostLayers:
+        return None
+    return pipelines, migration, seconds, result.routing
 
 
 def restore_seconds(

@@ -18,7 +18,10 @@ On a join the candidate grows back (`regrow`, TorchFT's rejoin): the job's own p
 (`spec.layout`) whose workers are all live, each training its own micro-batch ids, the returning
 workers receiving their slots' layers from a replica. Offered while fewer than all of them are
 whole (with all of them it is the job's own layout, which the dynamic candidate prices at the
-full batch) and when it trains more samples per step than the current plan.
+full batch) and when it trains more samples per step than the current plan. On a fault the same
+set is the alternative to the current plan's unbroken pipelines, and the higher score is the drop
+candidate: a layout that crosses hosts (the search's) loses several pipelines to one host's
+fault, the job's own host-aligned layout one.
 """
 
 from __future__ import annotations
@@ -84,10 +87,16 @@ def drop(spec: JobSpec, current: Plan, failed: Collection[str], held: Held) -> D
 
 
 def regrow(
-    spec: JobSpec, current: Plan, own: Sequence[Pipeline], survivors: Collection[str]
+    spec: JobSpec,
+    current: Plan,
+    own: Sequence[Pipeline],
+    survivors: Collection[str],
+    *,
+    joining: bool = True,
 ) -> Dropping:
     """The job's own pipelines `own` whose workers are all in `survivors`, with their own
-    routing (the caller prices the layers the returning workers lack)."""
+    routing (the caller prices the layers the workers lack). On a join (`joining`) only when
+    they train more samples than the current plan."""
     if spec.training.fixed_batch:
         return Dropping((), None, FIXED_BATCH)
     live = set(survivors)
@@ -96,7 +105,7 @@ def regrow(
         return Dropping((), None, "every pipeline of the job is whole: the full batch trains")
     pipelines = tuple(own[p] for p in whole)
     samples = sum(p.micro_batches for p in pipelines) * spec.training.micro_batch
-    if samples <= current.global_batch:
+    if joining and samples <= current.global_batch:
         return Dropping(
             (), None, f"the whole pipelines train {samples} samples per step, the current plan "
             f"{current.global_batch}",
