@@ -626,13 +626,12 @@ def own_layout_rerouted(
     layout_workers = {w for pipe in spec.layout for w in pipe}
     if layout_workers <= live:
         return None
+    owners = [[st.worker for st in p.stages] for p in current.pipelines]
+    if owners == [list(p) for p in spec.layout]:
+        return None  # the current plan runs the job's own layout: the reroute candidate is this
     try:
         pipelines = tuple(layout_pipelines(spec))
     except DecisionError:
-        return None
-    slots = [(st.worker, st.first_layer, st.end_layer) for p in pipelines for st in p.stages]
-    if slots == [(st.worker, st.first_layer, st.end_layer) for p in current.pipelines
-                 for st in p.stages]:  # fmt: skip
         return None
     result = reroute(spec, replace(current, pipelines=pipelines), layout_workers - live)
     if result.routing is None:
