@@ -56,3 +56,12 @@ def test_a_fault_publishes_a_drop_plan_with_the_kept_pipelines_and_their_batch(
     assert daemon.metric('chameleon_policy_decisions_total{policy="drop"}') == 1
     state = json.loads(running_job.client.hget("chameleon:default:state", "snapshot") or "{}")
     assert "w1" in state["machine"]["standby"]  # alive, idle until a later plan takes it
+
+    # Alive on standby, w1 is offered to the next decision: a fault of another pipeline's
+    # worker names w3's fault alone and w1 as joined.
+    workers.ready(2, [w for w in WORKERS if w not in ("w0", "w1")])
+    wait_for(lambda: daemon.status()["state"] == "training", 15, "training")
+    workers.send(type="fault", worker="w3", cause="ECC")
+    wait_for(lambda: workers.generation() == 3, 15, "generation 3")
+    answer = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
+    assert json.loads(answer["faults"]) == ["w3"] and json.loads(answer["joined"]) == ["w1"]

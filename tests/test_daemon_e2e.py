@@ -151,26 +151,18 @@ def test_rejoin_takes_a_repaired_worker_back(running_job: RunningJob) -> None:
     assert json.loads(decision["joined"]) == ["w1"] and "w1 rejoined" in decision["cause"]
 
 
-def test_a_worker_kept_out_stays_on_standby_offered_to_the_next_decision(
-    running_job: RunningJob,
-) -> None:
-    # Forced reroute keeps the current plan at a rejoin: w1 comes back but is kept out.
-    daemon, workers = w1_lost_then_back(running_job, "--policy", "reroute")
-
-    def decisions() -> list[dict[str, str]]:
-        return [d for d in workers.decisions() if d.get("kind") == "decision"]
-
-    wait_for(lambda: json.loads(decisions()[-1].get("joined", "[]")) == ["w1"], 15, "a decision")
-    assert workers.generation() == 2 and decisions()[-1]["selected"] == ""  # kept out
-    # Alive and offered back: waiting, not a fenced worker "declared failed but still heartbeating".
-    wait_for(lambda: daemon.status()["workers"]["w1"]["state"] == "waiting", 5, "w1 waiting")
-    workers.send(type="fault", worker="w3", cause="ECC")
+def test_under_reroute_a_returning_worker_takes_its_own_slot_back(running_job: RunningJob) -> None:
+    """ReCycle's rejoin: the rerouted layout is kept, and w1, back, runs its own slot again,
+    receiving its layers from a peer (it is a new process: it holds nothing)."""
+    _, workers = w1_lost_then_back(running_job, "--policy", "reroute")
     wait_for(lambda: workers.generation() == 3, 15, "generation 3")
-    answer = decisions()[-1]
-    # The fault's decision names w3's fault alone, and offers w1 back without a new rejoin.
-    assert json.loads(answer["faults"]) == ["w3"] and json.loads(answer["joined"]) == ["w1"]
-    assert answer["cause"].startswith("w3: ECC") and "rejoined" not in answer["cause"]
-    assert "fenced w1" not in daemon.output()
+    third = workers.plan()
+    assert third is not None and third["policy"] == "reroute" and "w1" not in third["excluded"]
+    slots = [st for p in third["pipelines"] for st in p["stages"] if st["worker"] == "w1"]
+    executors = {w for pipe in third["routing"] for row in pipe for w in row}
+    assert slots and "w1" in executors
+    received = {layer for t in third["migration"] if t["dst"] == "w1" for layer in t["layers"]}
+    assert received == {x for st in slots for x in range(st["first_layer"], st["end_layer"])}
 
 
 def w1_planned_back(job: RunningJob) -> tuple[Daemon, Workers, set[str]]:
