@@ -30,6 +30,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from chameleond.core.holdings import Held
+from chameleond.core.layout import own_routing
 from chameleond.core.plan import Pipeline, Plan
 from chameleond.core.reroute import RoutingTable
 from chameleond.core.spec import JobSpec
@@ -115,6 +116,6 @@ def regrow(
             (), None, f"{samples} samples per step, below min_global_batch "
             f"{spec.training.min_global_batch}",
         )  # fmt: skip
-    routing = tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in pipelines)
+    routing = own_routing(pipelines)
     dropped = tuple(p for p in range(len(own)) if p not in set(whole))
     return Dropping(pipelines, routing, "", dropped)

@@ -19,6 +19,7 @@ from chameleond.core import restorer, selector
 from chameleond.core.decide import Decision, decide, initial_plan, restore_seconds
 from chameleond.core.estimator import Estimator, pipeline_seconds
 from chameleond.core.holdings import Held, of_plan
+from chameleond.core.layout import own_routing
 from chameleond.core.plan import Pipeline, Plan
 from chameleond.core.spec import JobSpec
 from chameleond.sim.timeline import Phase, Timeline
@@ -333,7 +334,7 @@ class DropReplica(Policy):
         live = tuple(p for p in plan.pipelines if not any(st.worker in down for st in p.stages))
         if not live:
             return live, 0.0, INF
-        routing = tuple(tuple((st.worker,) * p.micro_batches for st in p.stages) for p in live)
+        routing = own_routing(live)
         groups = restorer.sync_groups(live, ())
         step = self.est.step_seconds(live, routing, groups)
         samples = sum(p.micro_batches for p in live) * self.spec.training.micro_batch
