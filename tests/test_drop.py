@@ -11,6 +11,7 @@ layer costs seconds and, with D = 10 s, the dynamic plan cannot pay for its tran
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -278,3 +279,47 @@ def test_a_fault_on_a_layout_across_hosts_drops_to_the_jobs_own_whole_pipelines(
     # Dropping from the running layout would have kept 6 pipelines, 12 samples.
     kept = [p for p in crossed if not {"w0", "w1"} & {st.worker for st in p.stages}]
     assert len(kept) == 6
+
+
+def test_a_join_scores_growing_back_by_its_rebuild_since_keeping_owes_the_fetch_too() -> None:
+    """Keeping the dropped batch on a join only defers the returning workers' layers: the next
+    change fetches them. So the regrow is scored with its rebuild alone (its transition is still
+    the whole fetch), and it is taken at windows where gain x D exceeds the rebuild, not only
+    where it exceeds the rebuild and the fetch."""
+    spec = job()
+    first = decide(spec, initial_plan(spec), ["w0", "w2"], mtbf_seconds=10.0, generation=2,
+                   force="drop")  # fmt: skip
+    assert first.plan is not None and first.plan.global_batch == 12
+    dropped = first.plan
+
+    def at(window: float) -> Any:
+        return decide(spec, dropped, ["w2"], mtbf_seconds=window, generation=3,
+                      joined=["w0", "w1", "w3"], holdings=of_plan(dropped))  # fmt: skip
+
+    probe = at(1e6)
+    keep, grow = probe.candidates[0], probe.candidates[2]
+    assert keep.transition_seconds == 0.0 and keep.plan is not None
+    assert keep.plan.global_batch == 12 and grow.plan is not None and grow.plan.global_batch == 14
+    full = grow.transition_seconds
+    assert full > 10 * REBUILD  # 4 GB of layers to each of two returning workers
+
+    def break_even(transition: float) -> float:  # 14/s_g (1 - t/D) = 12/s_k
+        return transition / (1 - 12 * grow.step_seconds / (14 * keep.step_seconds))
+
+    low, high = break_even(REBUILD), break_even(full)
+    window = math.sqrt(low * high)  # between the two break-evens
+    d = at(window)
+    keep, grow = d.candidates[0], d.candidates[2]
+    assert grow.transition_seconds == pytest.approx(full)
+    assert grow.score == pytest.approx(selector.score(14, grow.step_seconds, REBUILD, window))
+    assert selector.score(14, grow.step_seconds, full, window) < keep.score < grow.score
+    assert d.selected == Policy.DROP and d.plan is grow.plan
+    # Below the rebuild's break-even keeping wins; on a fault the whole transition is scored.
+    assert at(low / 2).selected == Policy.REROUTE
+    fault = decide(spec, dropped, ["w2", "w4"], mtbf_seconds=window, generation=3,
+                   joined=["w0", "w1", "w3"], holdings=of_plan(dropped))  # fmt: skip
+    dr = fault.candidates[2]
+    assert dr.plan is not None
+    assert dr.score == pytest.approx(
+        selector.score(dr.plan.global_batch, dr.step_seconds, dr.transition_seconds, window)
+    )

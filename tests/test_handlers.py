@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, replace
 from typing import get_args
 
@@ -279,3 +280,27 @@ def test_a_fault_seen_before_the_worker_came_back_is_about_its_earlier_process()
     assert send(job(), type="fault", worker="w3").label == "handled"
     with pytest.raises(EventError, match="'generation'"):
         send(j, type="fault", worker="w3", generation="x")
+
+
+def test_a_return_feeds_the_window_and_survives_a_restart() -> None:
+    """w3 is out from t=2 to t=1002: a 1,000 s repair (with two earlier ones of 1,000 s, enough
+    to expect returns). When w4 has been out 900 s, the window is the time to the next fault or
+    w4's return 100 s later, whichever first."""
+    j = training_job()
+    assert j.window(5.0) == j.mtbf(5.0)  # nobody out
+    send(j, "7-0", type="fault", worker="w3", cause="x", now=2.0)
+    assert j.workers["w3"].down_since == 2.0
+    assert j.window(500.0) == j.mtbf(500.0)  # no repair seen yet: no return expected
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
+    j.repair_seconds = [1000.0, 1000.0]
+    send(j, "8-0", type="rejoin", worker="w3", now=1002.0)
+    assert j.repair_seconds == [1000.0] * 3 and j.workers["w3"].down_since == 0.0
+    send(j, "9-0", type="fault", worker="w4", cause="x", now=1100.0)
+    d = j.mtbf(2000.0)
+    assert j.window(2000.0) == pytest.approx(d * (1 - math.exp(-100.0 / d)))
+    again = job()
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
+    assert again.repair_seconds == [1000.0] * 3 and again.workers["w4"].down_since == 1100.0
+    assert again.window(2000.0) == j.window(2000.0)

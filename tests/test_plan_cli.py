@@ -19,7 +19,8 @@ CANDIDATE_KEYS = {
 }  # fmt: skip
 DECISION_KEYS = {
     "selected", "candidates", "search_seconds", "generation", "plan_generation", "cause",
-    "unrecoverable", "mtbf_seconds", "plans_considered", "follow_up", "note", "plan",
+    "unrecoverable", "mtbf_seconds", "window_seconds", "plans_considered", "follow_up", "note",
+    "plan",
 }  # fmt: skip
 
 

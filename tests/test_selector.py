@@ -1,4 +1,5 @@
-"""The selector: the published score example, the break-even D, and the online D estimator."""
+"""The selector: the published score example, the break-even D, the online D estimator and the
+window to the next fault or return."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from chameleond.core import selector
 from chameleond.core.selector import break_even_seconds, estimate_mtbf, fault_events, score
 
 
@@ -129,3 +131,41 @@ def test_mtbf_rejects_bad_input(kwargs: dict[str, object], message: str) -> None
     args.update(kwargs)
     with pytest.raises(ValueError, match=message):
         estimate_mtbf(**args)  # type: ignore[arg-type]
+
+
+def test_window_without_enough_repairs_seen_is_the_time_to_the_next_fault() -> None:
+    assert selector.window_seconds(8000.0, [], [100.0]) == 8000.0
+    assert selector.window_seconds(8000.0, [14400.0] * 3, []) == 8000.0  # nobody is out
+    # Out longer than every repair seen: not expected back.
+    assert selector.window_seconds(8000.0, [3600.0] * 3, [4000.0]) == 8000.0
+    # Fewer than RETURN_SUPPORT repairs lasted longer than the time out: no return expected.
+    assert selector.RETURN_SUPPORT == 3
+    assert selector.window_seconds(8000.0, [14400.0, 14400.0, 60.0], [100.0]) == 8000.0
+
+
+def test_a_return_due_soon_ends_the_window() -> None:
+    """Hosts come back after 4 h; one has been out 13,253 s, so it returns in 1,147 s:
+    E[min(T_fault, 1147)] with faults of mean 8,000 s is 8000 (1 - e^(-1147/8000))."""
+    d = selector.window_seconds(8000.0, [14400.0] * 3, [13253.0, 10.0])
+    assert d == pytest.approx(8000.0 * (1 - math.exp(-1147.0 / 8000.0)), rel=1e-12)
+    assert 1060 < d < 1147
+    # The residual is the mean over the repairs longer than the time out: (600+1600+1100) / 3.
+    d = selector.window_seconds(math.inf, [1000.0, 2000.0, 1500.0, 100.0], [400.0])
+    assert d == pytest.approx(1100.0)
+    # A return far off barely shortens it.
+    assert selector.window_seconds(60.0, [14400.0] * 3, [0.0]) == pytest.approx(60.0, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0.0, [], []), "mtbf_seconds"),
+        ((10.0, [-1.0], []), "repair_seconds"),
+        ((10.0, [1.0], [math.nan]), "down_for"),
+    ],
+)
+def test_window_rejects_bad_input(
+    args: tuple[float, list[float], list[float]], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        selector.window_seconds(*args)

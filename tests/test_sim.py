@@ -5,6 +5,7 @@ daemon's core for the same cluster state."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -226,3 +227,38 @@ def test_drop_replica_rejoin_is_priced_as_its_quorum_step() -> None:
     assert after[0].end - after[0].start == pytest.approx(min(step, 0.62))
     assert after[1].end - after[1].start == pytest.approx(0.62 - min(step, 0.62))
     assert after[0].throughput < after[2].throughput  # 3 pipelines, then 4
+
+
+def test_the_simulator_and_the_daemon_expect_the_same_window() -> None:
+    """The same faults and returns give the simulator's policy and the daemon's Job the same D
+    and the same window to the next fault or return (Job's clock starts at T0, the trace's at 0)."""
+    from chameleond.core.machine import PolicyMachine
+    from chameleond.jobstate.job import Job
+
+    spec = job(mtbf_prior_seconds=3600.0)
+    t0 = 1000.0
+    history = [(10.0, "w1", 1010.0), (1100.0, "w2", 2100.0), (2200.0, "w3", 3200.0)]
+    events = sorted(
+        [JobEvent(a, frozenset({w}), frozenset()) for a, w, _ in history]
+        + [JobEvent(b, frozenset(), frozenset({w})) for _, w, b in history]
+        + [JobEvent(5000.0, frozenset({"w4"}), frozenset())],
+        key=lambda e: e.seconds,
+    )
+    pol = Choose(spec, SimConfig(), "chameleon", None)
+    tl = pol.start()
+    daemon = Job("t", spec, policy="adaptive", machine=PolicyMachine())
+    daemon.started = t0
+    down: frozenset[str] = frozenset()
+    for ev in events:
+        tl.play(ev.seconds)
+        down = (down | ev.failed) - ev.joined
+        pol.event(tl, ev, down)
+        for w in ev.failed:
+            daemon.count_fault(w, t0 + ev.seconds)
+        for w in ev.joined:
+            daemon.count_return(w, t0 + ev.seconds)
+    now = 5400.0  # w4 out 400 s; three repairs of 1,000 s: back in 600 s
+    d = pol.mtbf(now)
+    assert daemon.mtbf(t0 + now) == pytest.approx(d)
+    assert daemon.window(t0 + now) == pytest.approx(pol.window(now))
+    assert pol.window(now) == pytest.approx(d * (1 - math.exp(-600.0 / d)))

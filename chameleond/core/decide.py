@@ -44,6 +44,13 @@ drop, then dynamic. Beyond the paper (docs/planner.md):
    checkpoint_step) x the current plan's step, when `step` is given) + the rebuild. Without
    one, selected=None and `unrecoverable` names the layers and the failed workers that held
    them. Never an exception.
+5. The window: a decision that answers a fault scores its candidates over `window_seconds`, the
+   expected time to the next fault or return (docs/restorer.md, "The window ends at a fault or a
+   return"): a rerouted plan hands a slot back when its worker returns, so a re-partition's
+   faster steps count only until then. On a join the regrow (drop's grow back) is scored over the
+   window too, with its rebuild only (_regrow_candidate): growing back at the next fault or
+   return shares that change's rebuild. A join's reroute and dynamic candidates are scored over
+   D (docs/simulator.md says what deferring those to the next expected return measured).
 """
 
 from __future__ import annotations
@@ -104,6 +111,7 @@ class Decision:
     follow_up: Plan | None = None  # dynamic plan to switch to once prepared (rule 1 above)
     follow_up_after_seconds: float | None = None  # remaining window above which switching pays
     note: str = ""  # e.g. why a forced policy was not taken
+    window_seconds: float | None = None  # the window a fault's candidates, or a regrow, used
 
 
 def _infeasible(policy: Policy, reason: str, transition: float = 0.0) -> Candidate:
@@ -154,9 +162,12 @@ def _plan(
     transition: float,
     mtbf: float,
     cause: str,
+    owed: float = 0.0,
 ) -> tuple[Plan, str | None]:
     """A plan with its estimates, and the out-of-memory reason if a worker does not fit. Its
-    global batch is the samples its pipelines train per step (the spec's B but for a drop plan)."""
+    global batch is the samples its pipelines train per step (the spec's B but for a drop plan).
+    `owed`: seconds of the transition that the alternatives pay too, later; the score leaves
+    them out (a regrow's fetch, _regrow_candidate)."""
     groups = restorer.sync_groups(pipelines, excluded)
     step = est.step_seconds(pipelines, routing, groups)
     memory = est.peak_memory(pipelines, routing, excluded)
@@ -177,7 +188,7 @@ def _plan(
             score=selector.score(
                 batch,
                 step,
-                transition,
+                transition - owed,
                 mtbf,
                 at_risk(pipelines, routing),
                 spec.restart_seconds,
@@ -241,6 +252,7 @@ def decide(
     mtbf_seconds: float,
     generation: int,
     joined: Iterable[str] = (),
+    window_seconds: float | None = None,
     force: Policy | str | None = None,
     cause: str = "",
     holdings: Held | None = None,
@@ -250,7 +262,10 @@ def decide(
     """Every candidate for the cumulative failed set (and any joined workers), and the choice.
     `holdings`: who holds which layers (core.holdings); by default what `current` gives them.
     `checkpoint_step`: the newest checkpoint that covers every layer, if the job has one;
-    `step`: the job's newest committed step (prices the work a restore loses)."""
+    `step`: the job's newest committed step (prices the work a restore loses).
+    `mtbf_seconds`: D, the expected time to the next fault; `window_seconds`: the expected time to
+    the next fault or return (selector.window_seconds; default D). A decision that answers a
+    fault scores every candidate over the window, a join its regrow only (rule 5)."""
     order = _order(spec)
     out, back = set(failed), set(joined)
     unknown = sorted((out | back) - set(order))
@@ -258,6 +273,8 @@ def decide(
         raise DecisionError(f"unknown worker(s): {', '.join(unknown)}")
     if not (mtbf_seconds > 0):
         raise DecisionError(f"mtbf_seconds: must be > 0, got {mtbf_seconds!r}")
+    if window_seconds is not None and not (0 < window_seconds <= mtbf_seconds):
+        raise DecisionError(f"window_seconds: must be in (0, mtbf_seconds], got {window_seconds!r}")
     if generation <= current.generation:
         raise DecisionError(
             f"generation {generation} does not follow the current plan's {current.generation}"
@@ -268,7 +285,9 @@ def decide(
     back -= out
     # Workers fenced by the current plan hold nothing usable, even when they come back.
     fenced = out | set(current.excluded)
-    mtbf = float(mtbf_seconds)
+    joining = bool(back) and not out - set(current.excluded)  # a join, no new fault
+    window = float(mtbf_seconds if window_seconds is None else window_seconds)
+    mtbf = float(mtbf_seconds) if joining else window
     every = of_plan(current) if holdings is None else holdings
 
     owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
@@ -278,7 +297,8 @@ def decide(
     if lost is not None:
         cands = tuple(_infeasible(p, lost) for p in CANDIDATES)
         if checkpoint_step is None:
-            return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause)
+            return Decision(None, None, cands, lost, mtbf, 0.0, 0, generation, cause,
+                            window_seconds=window)  # fmt: skip
         # Every survivor loads its layers from the checkpoint: any of them suits any slot.
         anywhere = {w: [(0, len(spec.layers))] for w in survivors}
         dyn, _, search_seconds, considered = _dynamic_candidate(
@@ -287,7 +307,7 @@ def decide(
         if dyn.plan is None:
             why = f"{lost}; no plan to restore step {checkpoint_step} on: {dyn.reason}"
             return Decision(None, None, cands, why, mtbf, search_seconds, considered, generation,
-                            cause)  # fmt: skip
+                            cause, window_seconds=window)  # fmt: skip
         transition = restore_seconds(spec, current, dyn.plan, checkpoint_step, step)
         estimates = replace(
             dyn.plan.estimates,
@@ -302,7 +322,7 @@ def decide(
         )
         note = f"{lost}: every worker loads the checkpoint of step {checkpoint_step}"
         return Decision(Policy.RESTORE, plan, cands, None, mtbf, search_seconds, considered,
-                        generation, cause, note=note)  # fmt: skip
+                        generation, cause, note=note, window_seconds=window)  # fmt: skip
 
     held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
     # A returning worker whose slot the current layout still has takes it back (ReCycle).
@@ -312,9 +332,8 @@ def decide(
         spec, est, current, survivors, held, generation, mtbf, cause, fenced
     )
 
-    joining = bool(back) and not out - set(current.excluded)  # a join, no new fault
     grown = _regrow_candidate(
-        spec, est, current, survivors, fenced, held, generation, mtbf, cause, joining
+        spec, est, current, survivors, fenced, held, generation, window, cause, joining
     )
     dr = grown
     if not joining:
@@ -332,7 +351,7 @@ def decide(
         reason = "no feasible plan: " + "; ".join(f"{c.policy}: {c.reason}" for c in weighed)
         return Decision(
             None, None, cands, reason, mtbf, search_seconds, considered, generation, cause,
-            note=note,
+            note=note, window_seconds=window,
         )  # fmt: skip
 
     follow_up, after = None, None
@@ -356,6 +375,7 @@ def decide(
         follow_up,
         after,
         note,
+        window,
     )
 
 
@@ -457,7 +477,13 @@ def _regrow_candidate(
 ) -> Candidate:
     """The job's own pipelines whose workers are all live (core.drop.regrow), the workers
     receiving the layers of their slots they do not hold: on a join, with a smaller batch
-    running, the job grows back; on a fault, an alternative to dropping from the current plan."""
+    running, the job grows back; on a fault, an alternative to dropping from the current plan.
+
+    On a join the score counts the rebuild only. Keeping the smaller batch defers the returning
+    workers' layers, it does not avoid them: the next change (the next fault's or return's plan)
+    takes them back and fetches them then, with the rebuild it makes anyway. Over the window and
+    that later fetch, growing now is ahead by gain x D and behind by one rebuild, which is what
+    the score with the rebuild alone weighs against keeping."""
     if spec.training.fixed_batch:
         return _infeasible(Policy.DROP, FIXED_BATCH, spec.rebuild_seconds)
     try:
@@ -474,7 +500,7 @@ def _regrow_candidate(
     excluded = sorted(fenced - set(survivors), key=_order(spec).__getitem__)
     plan, oom = _plan(
         spec, est, Policy.DROP, generation, result.pipelines, result.routing, excluded, migration,
-        spec.rebuild_seconds + seconds, mtbf, cause,
+        spec.rebuild_seconds + seconds, mtbf, cause, owed=seconds if joining else 0.0,
     )  # fmt: skip
     return _candidate(Policy.DROP, plan, oom)
 
@@ -612,6 +638,7 @@ def decision_to_dict(d: Decision) -> dict[str, Any]:
         "cause": d.cause,
         "unrecoverable": d.unrecoverable,
         "mtbf_seconds": _finite(d.mtbf_seconds),
+        "window_seconds": None if d.window_seconds is None else _finite(d.window_seconds),
         "search_seconds": d.search_seconds,
         "plans_considered": d.plans_considered,
         "candidates": [candidate_to_dict(c) for c in d.candidates],

@@ -7,6 +7,10 @@ layer's state (p = the share of the plan's workers that are a layer's only holde
 resumes only after a restart from checkpoint, R = `restart_seconds` later; that expected pause
 belongs to the window. With every layer held twice, p = 0 and the score is the paper's. The
 estimator of D and its choices are documented in docs/restorer.md ("The D estimator").
+
+The window ends at the next fault or at the next return of a worker that is out (`window_seconds`):
+either way the job plans again, and a layout chosen for fewer workers is given up for one that
+takes the returning worker back.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from collections.abc import Sequence
 # Faults this close to the previous counted fault are one event (one host losing all its devices,
 # one switch taking down a rack): they cost one decision and one transition, not several.
 BURST_SECONDS = 1.0
+# A return is expected only from at least this many repairs that lasted longer than the worker
+# has been out: one or two tail repairs say little about when the next one ends.
+RETURN_SUPPORT = 3
 
 
 def _finite(name: str, value: float, *, positive: bool = False) -> float:
@@ -128,3 +135,31 @@ def estimate_mtbf(
     if events:
         end = max(end, events[-1])
     return (weight * prior + (end - start)) / (weight + len(events))
+
+
+def window_seconds(
+    mtbf_seconds: float, repair_seconds: Sequence[float], down_for: Sequence[float]
+) -> float:
+    """D for the score: the expected time to the next fault or the next return, whichever first.
+
+    `mtbf_seconds`: the expected time to the next fault (estimate_mtbf); `repair_seconds`: how
+    long this job's workers that came back were out; `down_for`: how long each worker now out
+    has been. A worker out for a seconds is expected back after the mean of (r - a) over the
+    repairs r longer than a (the job's own repairs, no assumed distribution; a worker out longer
+    than every repair seen is not expected back). With r the soonest such return and faults a
+    Poisson process of mean D, the window is E[min(T_fault, r)] = D (1 - e^(-r/D)).
+    """
+    d = float(mtbf_seconds)
+    if math.isnan(d) or d <= 0:
+        raise ValueError(f"mtbf_seconds: must be > 0, got {mtbf_seconds!r}")
+    repairs = [_finite("repair_seconds", r) for r in repair_seconds]
+    soonest = math.inf
+    for a in (_finite("down_for", x) for x in down_for):
+        rest = [r - a for r in repairs if r > a]
+        if len(rest) >= RETURN_SUPPORT:
+            soonest = min(soonest, sum(rest) / len(rest))
+    if math.isinf(soonest):
+        return d
+    if math.isinf(d):
+        return soonest
+    return d * -math.expm1(-soonest / d)

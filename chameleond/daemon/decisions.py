@@ -133,7 +133,8 @@ class Decisions:
         job = self.job
         spec, current, force = job.spec, job.plan, job.force()
         assert current is not None  # next_request asks only once a plan exists
-        mtbf = job.mtbf(time.time())
+        now = time.time()
+        mtbf, window = job.mtbf(now), job.window(now)
         # A copy: handlers move on while it plans. A restore some worker could not load leaves
         # no copy that counts: the others loaded a step the job does not go back to after all.
         holdings = {} if request.unrestorable else dict(job.machine.holdings.held)
@@ -145,7 +146,7 @@ class Decisions:
             decision = await loop.run_in_executor(
                 None,
                 lambda: decide(
-                    spec, current, request.failed, mtbf_seconds=mtbf,
+                    spec, current, request.failed, mtbf_seconds=mtbf, window_seconds=window,
                     generation=request.generation, joined=request.joined,
                     force=force, cause=request.cause, holdings=holdings,
                     checkpoint_step=checkpoint,
@@ -175,7 +176,8 @@ class Decisions:
                 decisions_log.info("superseded generation=%d cause=%s", request.generation,
                                    request.cause)  # fmt: skip
             else:
-                record = self._record(request, decision, plan, result, error, mtbf, now)
+                used = decision.mtbf_seconds if decision is not None else window
+                record = self._record(request, decision, plan, result, error, used, now)
                 acks = job.acks_for(request)
                 if plan is None:
                     if result.unrecoverable is not None:
@@ -204,7 +206,8 @@ class Decisions:
         mtbf: float,
         now: float,
     ) -> dict[str, str]:
-        """The decision record (both candidates, D) and the status's last decision."""
+        """The decision record (the candidates, the D they were scored over) and the status's
+        last decision."""
         job = self.job
         summary: dict[str, Any] = decision_to_dict(decision) if decision is not None else {}
         summary.update(
@@ -246,7 +249,7 @@ class Decisions:
             if job.switch_due() is not follow_up:
                 return  # a fault arrived meanwhile: a decision answers it instead
             now = time.time()
-            mtbf = job.mtbf(now)
+            mtbf = job.window(now)
             job.follow_up = None
             self.committer.note(SNAPSHOT)
             if mtbf <= follow_up.after_seconds:

@@ -76,6 +76,7 @@ def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
             "waiting_for_step": sorted(m.awaiting_step),
         },
         "mtbf_seconds": job.mtbf(now),
+        "window_seconds": job.window(now),
         "progress": progress(job),
         "estimated_samples_per_second": job.plan.samples_per_second if job.plan else None,
         "model_samples_per_second": _model_throughput(job),

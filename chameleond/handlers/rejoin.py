@@ -21,7 +21,7 @@ def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
     # A new process: only a later generation can run it, so a fault seen up to this one is
     # about the process before it (chameleond/handlers/fault.py).
     job.worker(worker).since_generation = job.machine.generation + 1
-    change |= SNAPSHOT
+    change |= SNAPSHOT | job.count_return(worker, now)
     if job.pending(worker):
         job.owe(worker, entry_id)
         return HANDLED_OWED.having(change)

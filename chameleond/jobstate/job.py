@@ -28,6 +28,8 @@ from chameleond.jobstate.records import (
     WorkerRecord,
 )
 
+REPAIRS = 1000  # the repair durations kept (and persisted) for the window estimate
+
 
 class Job:
     def __init__(
@@ -51,6 +53,7 @@ class Job:
         self.plan: Plan | None = None
         self.started = 0.0  # when the initial plan was made: start of the MTBF exposure window
         self.fault_times: list[float] = []
+        self.repair_seconds: list[float] = []  # how long each worker that came back was out
         # The time of each fault a decision has not yet answered: its entry is still pending, so
         # a restarted daemon reads it again and must not find it already counted.
         self.undecided_faults: dict[str, float] = {}
@@ -247,6 +250,12 @@ class Job:
             self.fault_times, max(now, started), started, self.spec.mtbf_prior_seconds
         )
 
+    def window(self, now: float) -> float:
+        """The D a decision scores over: the expected time to the next fault or the next return
+        of a worker that is out, from this job's own repairs (selector.window_seconds)."""
+        out = [max(0.0, now - r.down_since) for r in self.workers.values() if r.down_since]
+        return selector.window_seconds(self.mtbf(now), self.repair_seconds, out)
+
     def drop_stale_follow_up(self) -> Change:
         """A plan of another generation than the follow-up's (a later fault) makes it stale."""
         fu = self.follow_up
@@ -303,6 +312,17 @@ class Job:
         self.fault_times.append(now)
         if self.pending(worker):
             self.undecided_faults[worker] = now
+        rec = self.worker(worker)
+        rec.down_since = rec.down_since or now
+        return SNAPSHOT
+
+    def count_return(self, worker: str, now: float) -> Change:
+        """A worker that was out is back: how long it was out feeds the window (Job.window)."""
+        rec = self.worker(worker)
+        if not rec.down_since:
+            return UNCHANGED
+        self.repair_seconds = [*self.repair_seconds, max(0.0, now - rec.down_since)][-REPAIRS:]
+        rec.down_since = 0.0
         return SNAPSHOT
 
     def waiting_faults(self) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ class WorkerRecord:
     # that makes a failed worker `fenced` (alive); a heartbeat from before it was declared, or the
     # restart of the daemon, does not.
     heard_while_failed: float = 0.0
+    down_since: float = 0.0  # when its current fault was counted (0: not out); see Job.window
 
     def to_json(self) -> dict[str, Any]:
         """The durable part (the soft state, heartbeats, starts again on a restart)."""
@@ -45,6 +46,7 @@ class WorkerRecord:
             "stopped_generation": self.stopped_generation,
             "since_generation": self.since_generation,
             "ended": self.ended,
+            "down_since": self.down_since,
             "profile": profile_to_json(self.profile),
         }
 
@@ -54,6 +56,7 @@ class WorkerRecord:
         self.stopped_generation = int(d["stopped_generation"])
         self.since_generation = int(d.get("since_generation", 0))
         self.ended = str(d.get("ended", ""))
+        self.down_since = float(d.get("down_since", 0.0))
         self.profile = profile_from_json(d["profile"])
 
 

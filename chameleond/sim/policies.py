@@ -80,6 +80,8 @@ class Policy:
         self.initial = initial_plan(spec)
         self.batch = spec.training.global_batch
         self.fault_times: list[float] = []
+        self.down_since: dict[str, float] = {}  # worker out -> when it failed
+        self.repair_seconds: list[float] = []  # how long each worker that came back was out
         self.generation = self.initial.generation
         self.records: list[Record] = []
         self.ids = [w.id for w in spec.workers]
@@ -131,6 +133,11 @@ class Policy:
     def mtbf(self, now: float) -> float:
         return selector.estimate_mtbf(self.fault_times, now, 0.0, self.spec.mtbf_prior_seconds)
 
+    def window(self, now: float) -> float:
+        """The expected time to the next fault or return (selector.window_seconds)."""
+        out = [now - t for t in self.down_since.values()]
+        return selector.window_seconds(self.mtbf(now), self.repair_seconds, out)
+
     def next_generation(self, plan: Plan) -> int:
         self.generation = max(self.generation, plan.generation) + 1
         return self.generation
@@ -146,6 +153,11 @@ class Policy:
     def event(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         if ev.failed:
             self.fault_times.append(ev.seconds)
+        for w in ev.failed:
+            self.down_since.setdefault(w, ev.seconds)
+        for w in ev.joined:
+            if w in self.down_since:
+                self.repair_seconds.append(ev.seconds - self.down_since.pop(w))
         if not isinstance(self, Restart):  # the interval follows D (Young, D estimated online)
             self.interval = self.checkpoint_seconds(self.mtbf(ev.seconds))
             tl.checkpoint_seconds = self.interval
@@ -179,7 +191,8 @@ class Policy:
         ckpt, step = self.checkpoint(tl)
         d = decide(
             self.spec, plan, sorted(down), mtbf_seconds=self.mtbf(now),
-            generation=self.next_generation(plan), joined=self.joined_for(plan, down),
+            window_seconds=self.window(now), generation=self.next_generation(plan),
+            joined=self.joined_for(plan, down),
             force=force, holdings=state.held if holdings is None else holdings,
             checkpoint_step=ckpt, step=step,
         )  # fmt: skip
