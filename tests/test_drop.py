@@ -11,14 +11,13 @@ layer costs seconds and, with D = 10 s, the dynamic plan cannot pay for its tran
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from chameleond.core import selector
-from chameleond.core.decide import decide, initial_plan
+from chameleond.core.decide import DecisionError, decide, initial_plan
 from chameleond.core.drop import FIXED_BATCH
 from chameleond.core.holdings import of_plan
 from chameleond.core.plan import Plan, PlanError, check_batch, plan_from_dict, plan_to_dict
@@ -281,45 +280,49 @@ def test_a_fault_on_a_layout_across_hosts_drops_to_the_jobs_own_whole_pipelines(
     assert len(kept) == 6
 
 
-def test_a_join_scores_growing_back_by_its_rebuild_since_keeping_owes_the_fetch_too() -> None:
-    """Keeping the dropped batch on a join only defers the returning workers' layers: the next
-    change fetches them. So the regrow is scored with its rebuild alone (its transition is still
-    the whole fetch), and it is taken at windows where gain x D exceeds the rebuild, not only
-    where it exceeds the rebuild and the fetch."""
+def test_a_join_scores_growing_back_over_the_window_and_re_partitioning_over_d() -> None:
+    """On a join the grow back is scored over the window to the next fault or return: a
+    pipeline not grown back now goes back with the next change. The dynamic candidate of the
+    same join keeps D. With a window shorter than the grow back's break-even, keeping the
+    dropped batch scores higher; with the window at D, growing back does."""
     spec = job()
     first = decide(spec, initial_plan(spec), ["w0", "w2"], mtbf_seconds=10.0, generation=2,
                    force="drop")  # fmt: skip
     assert first.plan is not None and first.plan.global_batch == 12
     dropped = first.plan
 
-    def at(window: float) -> Any:
-        return decide(spec, dropped, ["w2"], mtbf_seconds=window, generation=3,
-                      joined=["w0", "w1", "w3"], holdings=of_plan(dropped))  # fmt: skip
+    def at(d: float, window: float | None) -> Any:
+        return decide(spec, dropped, ["w2"], mtbf_seconds=d, window_seconds=window,
+                      generation=3, joined=["w0", "w1", "w3"],
+                      holdings=of_plan(dropped))  # fmt: skip
 
-    probe = at(1e6)
-    keep, grow = probe.candidates[0], probe.candidates[2]
+    keep, _, grow = at(1e6, None).candidates
     assert keep.transition_seconds == 0.0 and keep.plan is not None
     assert keep.plan.global_batch == 12 and grow.plan is not None and grow.plan.global_batch == 14
-    full = grow.transition_seconds
-    assert full > 10 * REBUILD  # 4 GB of layers to each of two returning workers
-
-    def break_even(transition: float) -> float:  # 14/s_g (1 - t/D) = 12/s_k
-        return transition / (1 - 12 * grow.step_seconds / (14 * keep.step_seconds))
-
-    low, high = break_even(REBUILD), break_even(full)
-    window = math.sqrt(low * high)  # between the two break-evens
-    d = at(window)
-    keep, grow = d.candidates[0], d.candidates[2]
-    assert grow.transition_seconds == pytest.approx(full)
-    assert grow.score == pytest.approx(selector.score(14, grow.step_seconds, REBUILD, window))
-    assert selector.score(14, grow.step_seconds, full, window) < keep.score < grow.score
-    assert d.selected == Policy.DROP and d.plan is grow.plan
-    # Below the rebuild's break-even keeping wins; on a fault the whole transition is scored.
-    assert at(low / 2).selected == Policy.REROUTE
-    fault = decide(spec, dropped, ["w2", "w4"], mtbf_seconds=window, generation=3,
-                   joined=["w0", "w1", "w3"], holdings=of_plan(dropped))  # fmt: skip
-    dr = fault.candidates[2]
-    assert dr.plan is not None
-    assert dr.score == pytest.approx(
-        selector.score(dr.plan.global_batch, dr.step_seconds, dr.transition_seconds, window)
-    )
+    # 14/s_g (1 - t/D) = 12/s_k: the window at which growing back pays.
+    even = grow.transition_seconds / (1 - 12 * grow.step_seconds / (14 * keep.step_seconds))
+    d = 2 * even
+    long, short = at(d, None), at(d, even / 2)
+    for decision, window in ((long, d), (short, even / 2)):
+        kept, dyn, grown = decision.candidates
+        assert grown.score == pytest.approx(
+            selector.score(14, grow.step_seconds, grow.transition_seconds, window)
+        )
+        assert dyn.score == pytest.approx(  # the join's re-partition keeps D
+            selector.score(16, dyn.step_seconds, dyn.transition_seconds, d)
+        )
+        assert kept.score == pytest.approx(12 / keep.step_seconds)
+    assert long.candidates[2].score > long.candidates[0].score
+    assert short.candidates[2].score < short.candidates[0].score
+    assert short.mtbf_seconds == d and short.window_seconds == even / 2
+    # A fault scores every candidate over the window.
+    fault = decide(spec, dropped, ["w2", "w4"], mtbf_seconds=d, window_seconds=even / 2,
+                   generation=3, holdings=of_plan(dropped))  # fmt: skip
+    assert fault.mtbf_seconds == even / 2
+    for c in fault.candidates:
+        assert c.plan is not None
+        want = selector.score(c.plan.global_batch, c.step_seconds, c.transition_seconds, even / 2,
+                              c.at_risk, spec.restart_seconds)  # fmt: skip
+        assert c.score == pytest.approx(want)
+    with pytest.raises(DecisionError, match="window_seconds"):
+        at(d, 2 * d)

@@ -48,9 +48,10 @@ drop, then dynamic. Beyond the paper (docs/planner.md):
    expected time to the next fault or return (docs/restorer.md, "The window ends at a fault or a
    return"): a rerouted plan hands a slot back when its worker returns, so a re-partition's
    faster steps count only until then. On a join the regrow (drop's grow back) is scored over the
-   window too, with its rebuild only (_regrow_candidate): growing back at the next fault or
-   return shares that change's rebuild. A join's reroute and dynamic candidates are scored over
-   D (docs/simulator.md says what deferring those to the next expected return measured).
+   window too: a pipeline not grown back now is grown back with the next change (a fault's drop
+   or another return's regrow), its transfer beside that change's, at no more than its own
+   transition. A join's reroute and dynamic candidates are scored over D (docs/restorer.md says
+   what deferring those to the next expected return measured).
 """
 
 from __future__ import annotations
@@ -162,12 +163,9 @@ def _plan(
     transition: float,
     mtbf: float,
     cause: str,
-    owed: float = 0.0,
 ) -> tuple[Plan, str | None]:
     """A plan with its estimates, and the out-of-memory reason if a worker does not fit. Its
-    global batch is the samples its pipelines train per step (the spec's B but for a drop plan).
-    `owed`: seconds of the transition that the alternatives pay too, later; the score leaves
-    them out (a regrow's fetch, _regrow_candidate)."""
+    global batch is the samples its pipelines train per step (the spec's B but for a drop plan)."""
     groups = restorer.sync_groups(pipelines, excluded)
     step = est.step_seconds(pipelines, routing, groups)
     memory = est.peak_memory(pipelines, routing, excluded)
@@ -188,7 +186,7 @@ def _plan(
             score=selector.score(
                 batch,
                 step,
-                transition - owed,
+                transition,
                 mtbf,
                 at_risk(pipelines, routing),
                 spec.restart_seconds,
@@ -478,12 +476,7 @@ def _regrow_candidate(
     """The job's own pipelines whose workers are all live (core.drop.regrow), the workers
     receiving the layers of their slots they do not hold: on a join, with a smaller batch
     running, the job grows back; on a fault, an alternative to dropping from the current plan.
-
-    On a join the score counts the rebuild only. Keeping the smaller batch defers the returning
-    workers' layers, it does not avoid them: the next change (the next fault's or return's plan)
-    takes them back and fetches them then, with the rebuild it makes anyway. Over the window and
-    that later fetch, growing now is ahead by gain x D and behind by one rebuild, which is what
-    the score with the rebuild alone weighs against keeping."""
+    Scored over the window to the next fault or return (`mtbf` here: rule 5)."""
     if spec.training.fixed_batch:
         return _infeasible(Policy.DROP, FIXED_BATCH, spec.rebuild_seconds)
     try:
@@ -500,7 +493,7 @@ def _regrow_candidate(
     excluded = sorted(fenced - set(survivors), key=_order(spec).__getitem__)
     plan, oom = _plan(
         spec, est, Policy.DROP, generation, result.pipelines, result.routing, excluded, migration,
-        spec.rebuild_seconds + seconds, mtbf, cause, owed=seconds if joining else 0.0,
+        spec.rebuild_seconds + seconds, mtbf, cause,
     )  # fmt: skip
     return _candidate(Policy.DROP, plan, oom)
 
