@@ -141,14 +141,31 @@ def w1_lost_then_back(job: RunningJob, *args: str) -> tuple[Daemon, Workers]:
     return daemon, workers
 
 
-def test_rejoin_takes_a_repaired_worker_back(running_job: RunningJob) -> None:
-    _, workers = w1_lost_then_back(running_job, "--policy", "dynamic")
+def test_rejoin_takes_a_repaired_worker_back(
+    running_job: RunningJob, redis_client: redis.Redis
+) -> None:
+    daemon, workers = w1_lost_then_back(running_job, "--policy", "dynamic")
     wait_for(lambda: workers.generation() == 3, 15, "generation 3")
     plan = workers.plan()
     assert plan is not None and "w1" not in plan["excluded"]
     assert any(st["worker"] == "w1" for p in plan["pipelines"] for st in p["stages"])
     decision = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
     assert json.loads(decision["joined"]) == ["w1"] and "w1 rejoined" in decision["cause"]
+    # How long w1 was out is durable: it feeds the window to the next fault or return
+    # (selector.window_seconds), and a restarted daemon reads it back.
+    stored = json.loads(redis_client.hget("chameleon:default:state", "snapshot") or "{}")
+    (repair,) = stored["repair_seconds"]
+    assert 0 < repair < 60 and stored["workers"]["w1"]["down_since"] == 0.0
+    status = daemon.status()
+    assert 0 < status["window_seconds"] <= status["mtbf_seconds"]
+    daemon.kill()
+    again = running_job.start()
+    wait_for(lambda: again.status()["generation"] == 3, 15, "the restarted daemon at generation 3")
+    workers.send(type="fault", worker="w3", cause="power")  # its commit writes a new snapshot
+    wait_for(lambda: workers.generation() == 4, 15, "generation 4")
+    stored = json.loads(redis_client.hget("chameleon:default:state", "snapshot") or "{}")
+    assert stored["machine"]["generation"] == 4
+    assert stored["repair_seconds"] == [repair] and stored["workers"]["w3"]["down_since"] > 0
 
 
 def test_under_reroute_a_returning_worker_takes_its_own_slot_back(running_job: RunningJob) -> None:
