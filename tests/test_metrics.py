@@ -24,6 +24,8 @@ NAMES = {
     "chameleon_training_throughput_samples_per_second": "gauge",
     "chameleon_estimated_throughput_samples_per_second": "gauge",
     "chameleon_model_throughput_samples_per_second": "gauge",
+    "chameleon_expected_fault_seconds": "gauge",
+    "chameleon_decision_window_seconds": "gauge",
     "chameleon_workers": "gauge",
     "chameleon_plan_generation": "gauge",
     "chameleon_generation_attempt": "gauge",
@@ -45,6 +47,8 @@ def populated() -> Metrics:
     m.training_throughput.set(280.5)
     m.estimated_throughput.set(290.0)
     m.model_throughput.set(285.0)
+    m.expected_fault_seconds.set(11160.0)
+    m.decision_window_seconds.set(1067.0)
     m.set_workers({"w0": "active", "w1": "fenced", "w2": "failed"})
     m.generation.set(3)
     m.attempt.set(2)

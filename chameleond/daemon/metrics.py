@@ -92,6 +92,17 @@ class Metrics:
             "The current plan's throughput under the newest measured profiles (the model now).",
             registry=r,
         )
+        self.expected_fault_seconds = Gauge(
+            "chameleon_expected_fault_seconds",
+            "D: the expected time to the next fault, from the job's fault history and its prior.",
+            registry=r,
+        )
+        self.decision_window_seconds = Gauge(
+            "chameleon_decision_window_seconds",
+            "The window a fault's decision scores over: the expected time to the next fault or "
+            "to the next return of a worker that is out, from the job's repairs.",
+            registry=r,
+        )
         self.workers = Gauge(
             "chameleon_workers", "Workers of the job by state.", ["state"], registry=r
         )

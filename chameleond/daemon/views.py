@@ -96,5 +96,8 @@ def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
     metrics.training_throughput.set(job.meter.samples_per_second)
     metrics.estimated_throughput.set(job.plan.samples_per_second if job.plan else 0.0)
     metrics.model_throughput.set(_model_throughput(job) or 0.0)
+    now = time.time()
+    metrics.expected_fault_seconds.set(job.mtbf(now))
+    metrics.decision_window_seconds.set(job.window(now))
     newest = job.checkpoints.newest(len(job.spec.layers))
     metrics.checkpoint_step.set(-1 if newest is None else newest)
