@@ -154,8 +154,8 @@ def test_rejoin_takes_a_repaired_worker_back(
     # How long w1 was out is durable: it feeds the window to the next fault or return
     # (selector.window_seconds), and a restarted daemon reads it back.
     stored = json.loads(redis_client.hget("chameleon:default:state", "snapshot") or "{}")
-    (repair,) = stored["repair_seconds"]
-    assert 0 < repair < 60 and stored["workers"]["w1"]["down_since"] == 0.0
+    ((went_out, repair),) = stored["repairs"]
+    assert 0 < repair < 60 and went_out > 0 and stored["workers"]["w1"]["down_since"] == 0.0
     status = daemon.status()
     assert 0 < status["window_seconds"] <= status["mtbf_seconds"]
     daemon.kill()
@@ -165,7 +165,7 @@ def test_rejoin_takes_a_repaired_worker_back(
     wait_for(lambda: workers.generation() == 4, 15, "generation 4")
     stored = json.loads(redis_client.hget("chameleon:default:state", "snapshot") or "{}")
     assert stored["machine"]["generation"] == 4
-    assert stored["repair_seconds"] == [repair] and stored["workers"]["w3"]["down_since"] > 0
+    assert stored["repairs"] == [[went_out, repair]] and stored["workers"]["w3"]["down_since"] > 0
 
 
 def test_under_reroute_a_returning_worker_takes_its_own_slot_back(running_job: RunningJob) -> None:

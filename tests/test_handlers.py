@@ -294,13 +294,13 @@ def test_a_return_feeds_the_window_and_survives_a_restart() -> None:
     request, _ = j.machine.next_request(2.0)
     assert request is not None
     j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 3.0)
-    j.repair_seconds = [1000.0, 1000.0]
+    j.repairs = [(-5000.0, 1000.0), (-3000.0, 1000.0)]
     send(j, "8-0", type="rejoin", worker="w3", now=1002.0)
-    assert j.repair_seconds == [1000.0] * 3 and j.workers["w3"].down_since == 0.0
+    assert j.repairs[-1] == (2.0, 1000.0) and j.workers["w3"].down_since == 0.0
     send(j, "9-0", type="fault", worker="w4", cause="x", now=1100.0)
     d = j.mtbf(2000.0)
     assert j.window(2000.0) == pytest.approx(d * (1 - math.exp(-100.0 / d)))
     again = job()
     restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
-    assert again.repair_seconds == [1000.0] * 3 and again.workers["w4"].down_since == 1100.0
+    assert again.repairs == j.repairs and again.workers["w4"].down_since == 1100.0
     assert again.window(2000.0) == j.window(2000.0)

@@ -156,6 +156,17 @@ def test_a_return_due_soon_ends_the_window() -> None:
     assert selector.window_seconds(60.0, [14400.0] * 3, [0.0]) == pytest.approx(60.0, rel=1e-9)
 
 
+def test_a_hosts_workers_back_from_one_fault_are_one_repair() -> None:
+    """Eight workers out within a second of each other and back a few seconds apart: one repair
+    event of their mean time out; another host's, out at another time, is a second."""
+    host = [(100.0 + 0.1 * i, 3600.0 + i) for i in range(8)]
+    assert selector.repair_events([*host, (5000.0, 60.0)]) == [3603.5, 60.0]
+    # One host's repair is one event: short of RETURN_SUPPORT, no return is expected from it.
+    assert selector.window_seconds(8000.0, selector.repair_events(host), [10.0]) == 8000.0
+    with pytest.raises(ValueError, match="repair_seconds"):
+        selector.repair_events([(1.0, -2.0)])
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -238,10 +238,15 @@ def test_the_simulator_and_the_daemon_expect_the_same_window() -> None:
     spec = job(mtbf_prior_seconds=3600.0)
     t0 = 1000.0
     history = [(10.0, "w1", 1010.0), (1100.0, "w2", 2100.0), (2200.0, "w3", 3200.0)]
+    # w5 and w6 out together (one event, 1,000 s on average), w7 out alone and not back.
+    history += [(3300.0, "w5", 4290.0), (3300.5, "w6", 4310.0)]
     events = sorted(
         [JobEvent(a, frozenset({w}), frozenset()) for a, w, _ in history]
         + [JobEvent(b, frozenset(), frozenset({w})) for _, w, b in history]
-        + [JobEvent(5000.0, frozenset({"w4"}), frozenset())],
+        + [
+            JobEvent(5000.0, frozenset({"w4"}), frozenset()),
+            JobEvent(5100.0, frozenset({"w7"}), frozenset()),
+        ],
         key=lambda e: e.seconds,
     )
     pol = Choose(spec, SimConfig(), "chameleon", None)
@@ -257,8 +262,9 @@ def test_the_simulator_and_the_daemon_expect_the_same_window() -> None:
             daemon.count_fault(w, t0 + ev.seconds)
         for w in ev.joined:
             daemon.count_return(w, t0 + ev.seconds)
-    now = 5400.0  # w4 out 400 s; three repairs of 1,000 s: back in 600 s
+    now = 5400.0  # w4 out 400 s; repair events of 1,000 s (three) and 999.75 s (w5 and w6)
     d = pol.mtbf(now)
     assert daemon.mtbf(t0 + now) == pytest.approx(d)
     assert daemon.window(t0 + now) == pytest.approx(pol.window(now))
-    assert pol.window(now) == pytest.approx(d * (1 - math.exp(-600.0 / d)))
+    back = (3 * 600.0 + 599.75) / 4  # w4's expected return; w7's (out 300 s) is later
+    assert pol.window(now) == pytest.approx(d * (1 - math.exp(-back / d)))

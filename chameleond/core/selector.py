@@ -21,8 +21,8 @@ from collections.abc import Sequence
 # Faults this close to the previous counted fault are one event (one host losing all its devices,
 # one switch taking down a rack): they cost one decision and one transition, not several.
 BURST_SECONDS = 1.0
-# A return is expected only from at least this many repairs that lasted longer than the worker
-# has been out: one or two tail repairs say little about when the next one ends.
+# A return is expected only from at least this many repair events that lasted longer than the
+# worker has been out: one or two tail repairs say little about when the next one ends.
 RETURN_SUPPORT = 3
 
 
@@ -137,17 +137,37 @@ def estimate_mtbf(
     return (weight * prior + (end - start)) / (weight + len(events))
 
 
+def repair_events(
+    repairs: Sequence[tuple[float, float]], burst_seconds: float = BURST_SECONDS
+) -> list[float]:
+    """How long each repair event lasted, from (went out, seconds out) per worker that came back:
+    workers that went out within `burst_seconds` of the first of them (a host's devices) are one
+    event, as their faults are (fault_events), lasting their mean time out. Sorted by when the
+    event began."""
+    window = _finite("burst_seconds", burst_seconds)
+    events: list[tuple[float, list[float]]] = []
+    for start, seconds in sorted(
+        (_finite_time(a), _finite("repair_seconds", b)) for a, b in repairs
+    ):
+        if events and start - events[-1][0] <= window:
+            events[-1][1].append(seconds)
+        else:
+            events.append((start, [seconds]))
+    return [sum(d) / len(d) for _, d in events]
+
+
 def window_seconds(
     mtbf_seconds: float, repair_seconds: Sequence[float], down_for: Sequence[float]
 ) -> float:
     """D for the score: the expected time to the next fault or the next return, whichever first.
 
     `mtbf_seconds`: the expected time to the next fault (estimate_mtbf); `repair_seconds`: how
-    long this job's workers that came back were out; `down_for`: how long each worker now out
-    has been. A worker out for a seconds is expected back after the mean of (r - a) over the
-    repairs r longer than a (the job's own repairs, no assumed distribution; a worker out longer
-    than every repair seen is not expected back). With r the soonest such return and faults a
-    Poisson process of mean D, the window is E[min(T_fault, r)] = D (1 - e^(-r/D)).
+    long this job's repairs lasted, one per event (repair_events); `down_for`: how long each
+    worker now out has been. A worker out for a seconds is expected back after the mean of
+    (r - a) over the repairs r longer than a (the job's own repairs, no assumed distribution; a
+    worker out longer than every repair seen is not expected back). With r the soonest such
+    return and faults a Poisson process of mean D, the window is E[min(T_fault, r)] =
+    D (1 - e^(-r/D)).
     """
     d = float(mtbf_seconds)
     if math.isnan(d) or d <= 0:

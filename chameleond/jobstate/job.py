@@ -28,7 +28,7 @@ from chameleond.jobstate.records import (
     WorkerRecord,
 )
 
-REPAIRS = 1000  # the repair durations kept (and persisted) for the window estimate
+REPAIRS = 1000  # the workers' repairs kept (and persisted) for the window estimate
 
 
 class Job:
@@ -53,7 +53,8 @@ class Job:
         self.plan: Plan | None = None
         self.started = 0.0  # when the initial plan was made: start of the MTBF exposure window
         self.fault_times: list[float] = []
-        self.repair_seconds: list[float] = []  # how long each worker that came back was out
+        # (went out, seconds out) of each worker that came back: the repairs (Job.window).
+        self.repairs: list[tuple[float, float]] = []
         # The time of each fault a decision has not yet answered: its entry is still pending, so
         # a restarted daemon reads it again and must not find it already counted.
         self.undecided_faults: dict[str, float] = {}
@@ -254,7 +255,8 @@ class Job:
         """The D a decision scores over: the expected time to the next fault or the next return
         of a worker that is out, from this job's own repairs (selector.window_seconds)."""
         out = [max(0.0, now - r.down_since) for r in self.workers.values() if r.down_since]
-        return selector.window_seconds(self.mtbf(now), self.repair_seconds, out)
+        repairs = selector.repair_events(self.repairs)
+        return selector.window_seconds(self.mtbf(now), repairs, out)
 
     def drop_stale_follow_up(self) -> Change:
         """A plan of another generation than the follow-up's (a later fault) makes it stale."""
@@ -321,7 +323,8 @@ class Job:
         rec = self.worker(worker)
         if not rec.down_since:
             return UNCHANGED
-        self.repair_seconds = [*self.repair_seconds, max(0.0, now - rec.down_since)][-REPAIRS:]
+        repair = (rec.down_since, max(0.0, now - rec.down_since))
+        self.repairs = [*self.repairs, repair][-REPAIRS:]
         rec.down_since = 0.0
         return SNAPSHOT
 

@@ -24,7 +24,7 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
         "machine": job.machine.snapshot(),
         "started": job.started,
         "fault_times": job.decided_fault_times()[-1000:],
-        "repair_seconds": job.repair_seconds,
+        "repairs": [list(r) for r in job.repairs],
         "last_decision": job.last_decision,
         "waiting_faults": job.waiting_faults(),  # shown by status, never restored
         "follow_up": job.follow_up.to_json() if job.follow_up is not None else None,
@@ -47,7 +47,7 @@ def restore(job: Job, snap: dict[str, Any], plan: Plan | None, *, ready_timeout:
     job.plan = plan
     job.started = float(snap.get("started", 0.0))
     job.fault_times = [float(t) for t in snap.get("fault_times", [])]
-    job.repair_seconds = [float(t) for t in snap.get("repair_seconds", [])]
+    job.repairs = [(float(a), float(b)) for a, b in snap.get("repairs", [])]
     job.last_decision = snap.get("last_decision")
     fu = snap.get("follow_up")
     job.follow_up = FollowUp.from_json(fu) if fu else None

@@ -81,7 +81,7 @@ class Policy:
         self.batch = spec.training.global_batch
         self.fault_times: list[float] = []
         self.down_since: dict[str, float] = {}  # worker out -> when it failed
-        self.repair_seconds: list[float] = []  # how long each worker that came back was out
+        self.repairs: list[tuple[float, float]] = []  # (went out, seconds out) per return
         self.generation = self.initial.generation
         self.records: list[Record] = []
         self.ids = [w.id for w in spec.workers]
@@ -136,7 +136,8 @@ class Policy:
     def window(self, now: float) -> float:
         """The expected time to the next fault or return (selector.window_seconds)."""
         out = [now - t for t in self.down_since.values()]
-        return selector.window_seconds(self.mtbf(now), self.repair_seconds, out)
+        repairs = selector.repair_events(self.repairs)
+        return selector.window_seconds(self.mtbf(now), repairs, out)
 
     def next_generation(self, plan: Plan) -> int:
         self.generation = max(self.generation, plan.generation) + 1
@@ -157,7 +158,8 @@ class Policy:
             self.down_since.setdefault(w, ev.seconds)
         for w in ev.joined:
             if w in self.down_since:
-                self.repair_seconds.append(ev.seconds - self.down_since.pop(w))
+                start = self.down_since.pop(w)
+                self.repairs.append((start, ev.seconds - start))
         if not isinstance(self, Restart):  # the interval follows D (Young, D estimated online)
             self.interval = self.checkpoint_seconds(self.mtbf(ev.seconds))
             tl.checkpoint_seconds = self.interval
