@@ -146,6 +146,14 @@ class Workers:
         event = signed({k: str(v) for k, v in fields.items()}, self.job)
         return str(self.client.xadd(self.stream, event))  # type: ignore[arg-type]
 
+    def send_together(self, events: list[dict[str, Any]]) -> None:
+        """Several events in one transaction: the daemon reads them in one batch (one host's
+        workers failing at once), not one decision apiece."""
+        pipe = self.client.pipeline(transaction=True)
+        for fields in events:
+            pipe.xadd(self.stream, signed({k: str(v) for k, v in fields.items()}, self.job))  # type: ignore[arg-type]
+        pipe.execute()
+
     def register(self, workers: tuple[str, ...] = WORKERS) -> None:
         for w in workers:
             self.send(type="register", worker=w, host="localhost", memory_bytes=2**31)

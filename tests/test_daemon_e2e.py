@@ -217,8 +217,10 @@ def test_a_receiver_that_never_acknowledged_holds_nothing_when_its_sources_die(
     running_job: RunningJob,
 ) -> None:
     daemon, workers, holders = w1_planned_back(running_job)
-    for w in sorted(holders):  # every copy of the layers w1 was to receive dies before w1's ack
-        workers.send(type="fault", worker=w, cause="preempted")
+    # Every copy of the layers w1 was to receive dies before w1's ack, at once.
+    workers.send_together(
+        [{"type": "fault", "worker": w, "cause": "preempted"} for w in sorted(holders)]
+    )
     wait_for(lambda: daemon.status()["state"] == "unrecoverable", 15, "unrecoverable")
     assert workers.generation() == 3  # no plan on a w1 that holds nothing
     last = [d for d in workers.decisions() if d["kind"] == "decision"][-1]
@@ -231,8 +233,9 @@ def test_a_receiver_that_acknowledged_holds_its_layers_when_its_sources_die(
     daemon, workers, holders = w1_planned_back(running_job)
     workers.ready(3, ["w1"])  # w1 finished the migration: it holds the layers now
     wait_for(lambda: "w1" not in daemon.status().get("awaiting_ready", ["w1"]), 15, "w1's ack")
-    for w in sorted(holders):
-        workers.send(type="fault", worker=w, cause="preempted")
+    workers.send_together(
+        [{"type": "fault", "worker": w, "cause": "preempted"} for w in sorted(holders)]
+    )
 
     def without_sources() -> dict[str, Any] | None:
         plan = workers.plan()
