@@ -138,6 +138,10 @@ class Record:
     events: list[dict[str, str]] = field(default_factory=list)
     plans: list[Plan] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # When the reader last issued a read that returned the whole stream: every event written
+    # before then is in `events`. A heartbeat lapse is measured up to then, so a reader that was
+    # not scheduled for a while (a loaded machine) does not see live workers as lapsed.
+    caught_up_at: float = 0.0
 
     def of(self, *kinds: str) -> list[dict[str, str]]:
         with self.lock:
@@ -165,6 +169,7 @@ class EventReader(threading.Thread):
     def run(self) -> None:
         last = "0"
         while not self.stopped.is_set():
+            issued = time.time()
             try:
                 got = self.client.xread({self.keys.events: last}, count=500, block=100)
             except redis.RedisError:
@@ -180,6 +185,8 @@ class EventReader(threading.Thread):
                         self.record.events.append(fields)
                     for cb in self.on_event:
                         cb(fields)
+            if sum(len(entries) for _, entries in streams) < 500:
+                self.record.caught_up_at = issued
 
     def stop(self) -> None:
         self.stopped.set()
@@ -326,7 +333,7 @@ class Controller:
         for e in self.record.of("ack"):
             if e["phase"] == "stopped":
                 last.pop(e["worker"], None)
-        now = time.time()
+        now = self.record.caught_up_at
         return {
             w for w in self.current.workers if w in last and now - last[w] > self.heartbeat_lapse
         }
