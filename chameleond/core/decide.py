@@ -285,7 +285,7 @@ def decide(
     fenced = out | set(current.excluded)
     joining = bool(back) and not out - set(current.excluded)  # a join, no new fault
     window = float(mtbf_seconds if window_seconds is None else window_seconds)
-    mtbf = float(mtbf_seconds) if joining else window
+    mtbf = float(mtbf_seconds) if joining else window  # what the candidates are scored over
     every = of_plan(current) if holdings is None else holdings
 
     owners = {st.worker for pipe in current.pipelines for st in pipe.stages}

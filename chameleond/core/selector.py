@@ -183,3 +183,15 @@ def window_seconds(
     if math.isinf(d):
         return soonest
     return d * -math.expm1(-soonest / d)
+
+
+def window_at(
+    now: float,
+    mtbf_seconds: float,
+    repairs: Sequence[tuple[float, float]],
+    went_out: Sequence[float],
+) -> float:
+    """`window_seconds` at `now`, from (went out, seconds out) per worker that came back and when
+    each worker now out went out: what the daemon's Job and the simulator both keep."""
+    out = [max(0.0, now - t) for t in went_out]
+    return window_seconds(mtbf_seconds, repair_events(repairs), out)

@@ -243,32 +243,33 @@ class Decisions:
 
     async def _switch(self, follow_up: FollowUp) -> None:
         """Publish the prepared plan once the reroute plan trains, if the switch still pays: under
-        the Poisson model the expected remaining window is D itself, re-estimated now."""
+        the Poisson model the expected remaining window is the window to the next fault or
+        return itself, re-estimated now."""
         job, m = self.job, self.job.machine
         async with self.committer.lock:
             if job.switch_due() is not follow_up:
                 return  # a fault arrived meanwhile: a decision answers it instead
             now = time.time()
-            mtbf = job.window(now)
+            window = job.window(now)
             job.follow_up = None
             self.committer.note(SNAPSHOT)
-            if mtbf <= follow_up.after_seconds:
+            if window <= follow_up.after_seconds:
                 cause = (
                     f"switch to the prepared {follow_up.plan.policy} plan dropped: "
-                    f"D {mtbf:.0f} s no longer exceeds {follow_up.after_seconds:.0f} s"
+                    f"D {window:.0f} s no longer exceeds {follow_up.after_seconds:.0f} s"
                 )
-                record = _record(m.generation, "", cause, now, mtbf_seconds=f"{mtbf:.3f}")
+                record = _record(m.generation, "", cause, now, mtbf_seconds=f"{window:.3f}")
                 await self.committer.record([record], [])
                 decisions_log.info("%s", cause)
                 return
             generation = m.generation + 1
-            why = f"switch pays after {follow_up.after_seconds:.1f} s (D {mtbf:.0f} s)"
+            why = f"switch pays after {follow_up.after_seconds:.1f} s (D {window:.0f} s)"
             plan = replace(follow_up.plan, generation=generation,
                            cause=f"switch to the prepared plan: {why}")  # fmt: skip
             self.committer.note(
                 recorded(m.switch(generation, plan.workers, now, plan.cause, of_plan(plan)))
             )
-            record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{mtbf:.3f}")
+            record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{window:.3f}")
             published = await self.committer.publish(plan, record, [])
         self._published(published, published.cause, None)
 

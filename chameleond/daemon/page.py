@@ -97,8 +97,8 @@ def _summary(s: Mapping[str, Any]) -> str:
             f"measured {_num(prog.get('samples_per_second'), 1)}, estimated "
             f"{_num(s.get('estimated_samples_per_second'), 1)}",
         ),
-        ("Expected s to next fault", _num(s.get("mtbf_seconds"), 0)),
-        ("D (expected s to next fault or return)", _num(s.get("window_seconds"), 0)),
+        ("D (expected s to next fault)", _num(s.get("mtbf_seconds"), 0)),
+        ("Window (expected s to next fault or return)", _num(s.get("window_seconds"), 0)),
         ("Workers registered", f"{e(s.get('workers_registered'))} of {e(s.get('workers_needed'))}"),
     ]
     return _table(("", ""), rows, header=False, id_="summary")

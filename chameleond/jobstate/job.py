@@ -254,9 +254,8 @@ class Job:
     def window(self, now: float) -> float:
         """The D a decision scores over: the expected time to the next fault or the next return
         of a worker that is out, from this job's own repairs (selector.window_seconds)."""
-        out = [max(0.0, now - r.down_since) for r in self.workers.values() if r.down_since]
-        repairs = selector.repair_events(self.repairs)
-        return selector.window_seconds(self.mtbf(now), repairs, out)
+        out = [r.down_since for r in self.workers.values() if r.down_since]
+        return selector.window_at(now, self.mtbf(now), self.repairs, out)
 
     def drop_stale_follow_up(self) -> Change:
         """A plan of another generation than the follow-up's (a later fault) makes it stale."""

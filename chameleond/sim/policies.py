@@ -135,9 +135,7 @@ class Policy:
 
     def window(self, now: float) -> float:
         """The expected time to the next fault or return (selector.window_seconds)."""
-        out = [now - t for t in self.down_since.values()]
-        repairs = selector.repair_events(self.repairs)
-        return selector.window_seconds(self.mtbf(now), repairs, out)
+        return selector.window_at(now, self.mtbf(now), self.repairs, list(self.down_since.values()))
 
     def next_generation(self, plan: Plan) -> int:
         self.generation = max(self.generation, plan.generation) + 1
