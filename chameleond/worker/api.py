@@ -12,24 +12,42 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
 Batch = Any  # what `collate` returns: a Mapping[str, Tensor], a tuple of tensors, or a tensor
 Loss = Callable[[torch.Tensor, Batch], torch.Tensor]
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+# (name, parameter) pairs of one layer's trainable parameters, under the model's own state_dict
+# names: torch's optimizers take them as they are (`AdamW(named, lr=...)`), and param groups are
+# built from the names ("no weight decay on norms and biases").
+NamedParameters = list[tuple[str, nn.Parameter]]
+OptimizerFactory = Callable[[NamedParameters], torch.optim.Optimizer]
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]  # -> torch.optim.lr_scheduler.LRScheduler
 
 
-class Dataset(Protocol):
+class MapDataset(Protocol):
     """Map-style: `len()` samples, sample `i` by `dataset[i]` (torch.utils.data.Dataset, a
     Hugging Face datasets.Dataset, a list)."""
 
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> Any: ...
+
+
+class StreamDataset(Protocol):
+    """A stream: iterating it gives the samples in one fixed order (a torch IterableDataset, a
+    Hugging Face datasets.IterableDataset from `streaming=True`, a generator function's
+    iterable). Sample position p is the p-th sample of the stream; it restarts as a new epoch
+    when it ends (chameleond.worker.sampler)."""
+
+    def __iter__(self) -> Any: ...
+
+
+Dataset = MapDataset | StreamDataset
 
 
 class ModelError(ValueError):
@@ -58,6 +76,9 @@ class Layers:
 
     modules: Sequence[nn.Module]
     ties: Sequence[Tie] = ()
+    # Per layer, {parameter name inside the layer's module: the name in the whole model's
+    # state_dict} (`split` fills it); missing: "{layer index}.{name inside the layer}".
+    names: Sequence[Mapping[str, str]] = ()
 
 
 @dataclass(frozen=True)
@@ -95,7 +116,15 @@ def split(
             f"the split of {type(module).__name__} into {len(modules)} layers drops parameters "
             f"{shown}: every parameter must belong to a layer"
         )
-    return Layers(modules, tuple(ties))
+    owner = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    names = [
+        {
+            local: owner.get(id(p), f"{i}.{local}")
+            for local, p in m.named_parameters(remove_duplicate=False)
+        }
+        for i, m in enumerate(modules)
+    ]
+    return Layers(modules, tuple(ties), names)
 
 
 def default_collate(samples: list[Any]) -> Batch:
@@ -116,6 +145,48 @@ def default_inputs(batch: Batch) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class StepInfo:
+    """One committed step, as `Training.on_step` receives it on every worker of the plan (log it
+    from the worker whose `rank` is 0: each step has exactly one)."""
+
+    step: int
+    generation: int
+    worker: str
+    rank: int  # this worker's rank in the plan's world
+    loss: float  # the mean per-sample loss over the samples the step trained
+    grad_norm: float  # the global gradient norm before clipping (clip_grad_norm_'s return value)
+    learning_rate: float  # the first param group's, of the lowest layer this worker holds
+    samples: int  # trained this step: the job's global batch, or fewer under a drop plan
+    skipped_samples: int  # the job's global batch minus `samples` (a drop plan's dropped ids)
+    tokens: int  # `Training.tokens` summed over the step's micro-batches
+    seconds: float  # this worker's wall time for the step
+    overflow: bool = False  # fp16: inf/nan gradients somewhere; the update was skipped
+    loss_scale: float = 1.0  # fp16: the loss scale the step ran with
+    eval_loss: float | None = None  # `Training.evaluation` ran after this step: its mean loss
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Every `every` committed steps, the mean per-sample loss of the model on `dataset` (a
+    held-out map-style dataset), forward only; the first `samples` of it (default: all, rounded
+    down to whole global batches). Reported as `StepInfo.eval_loss` and the step event's
+    `eval_loss`."""
+
+    dataset: MapDataset
+    every: int
+    samples: int = 0
+
+
+def default_tokens(batch: Batch) -> int:
+    """Tokens in a micro-batch: the ones of its `attention_mask` when the batch has one, else the
+    elements of its input tensor."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
+        return int(batch["attention_mask"].sum().item())
+    inputs = default_inputs(batch)
+    return int(inputs.numel()) if isinstance(inputs, torch.Tensor) else 0
+
+
+@dataclass(frozen=True)
 class Training:
     """One training job, as the user's script describes it.
 
@@ -124,13 +195,26 @@ class Training:
       The library sums them over the step's samples and divides by `global_batch` once, so a
       rerouted or re-partitioned step makes the same update as a failure-free one (a step of a
       `drop` plan, which trains fewer micro-batches, divides by the samples it trained).
-    - `dataset`: map-style, indexed by sample id; step s trains ids [s*B, (s+1)*B) modulo its
-      length; `collate(samples) -> batch`; `inputs(batch)` picks layer 0's input.
-    - `optimizer(params)`: any torch.optim optimizer, built once PER LAYER, so that moving a layer
+    - `dataset`: map-style or a stream; step s trains positions [s*B, (s+1)*B);
+      `collate(samples) -> batch`; `inputs(batch)` picks layer 0's input. Without `shuffle`,
+      position p of a map-style dataset is sample p modulo its length; with `shuffle`,
+      positions map to sample ids through a permutation per epoch drawn from `seed`. A stream
+      (an IterableDataset) is read in its own order, position p its p-th sample.
+    - `optimizer(named)`: any torch.optim optimizer over (name, parameter) pairs of the layer's
+      trainable parameters (model state_dict names), built once PER LAYER, so that moving a layer
       moves its optimizer state; `scheduler(optimizer)`, optional, is stepped once per committed
-      step for each layer.
+      step for each layer. Frozen parameters (requires_grad False) get no gradient, no sync and
+      no optimizer state.
     - `global_batch`, `micro_batch`: samples per step and per micro-batch; they must equal the job
       spec's [training] (the planner plans with those).
+    - `precision`: "fp32", or autocast to "bf16" / "fp16" in every layer's forward and the loss;
+      fp16 scales the loss dynamically, one overflow decision per step for the whole job.
+    - `max_grad_norm`: clip the gradients by their norm over the whole model (every stage, tied
+      weights once), as `clip_grad_norm_` in a one-process loop; None: no clipping.
+    - `on_step(info)`: called on every worker after each committed step (StepInfo).
+    - `evaluation`: a held-out loss every N steps (Evaluation).
+    - `tokens(batch)`: the tokens of a micro-batch, for the tokens/s figures.
+    - `prefetch`: micro-batches each worker prepares ahead of its step in a background thread.
     - `name`: what the model is called in logs and checkpoints (default: layer 0's class).
     """
 
@@ -144,6 +228,14 @@ class Training:
     inputs: Callable[[Batch], torch.Tensor] = default_inputs
     scheduler: SchedulerFactory | None = None
     name: str = ""
+    precision: Precision = "fp32"
+    max_grad_norm: float | None = None
+    shuffle: bool = False
+    seed: int = 0
+    on_step: Callable[[StepInfo], None] | None = None
+    evaluation: Evaluation | None = None
+    tokens: Callable[[Batch], int] = default_tokens
+    prefetch: int = 4
 
 
 @dataclass(frozen=True)
