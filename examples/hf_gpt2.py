@@ -87,7 +87,7 @@ def training(job: Job, cache_dir: Path) -> Training:
         loss=causal_lm_loss,
         dataset=text(arch, cache_dir),
         collate=collate,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+        optimizer=lambda named: torch.optim.AdamW(named, lr=lr),
         global_batch=job.global_batch,
         micro_batch=job.micro_batch,
         name="GPT2LMHeadModel",

@@ -80,8 +80,8 @@ def loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return per_token.mean(dim=1)  # one loss per sample
 
 
-def sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+def sgd(named: list[tuple[str, nn.Parameter]]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(named, lr=0.1, momentum=0.9)
 
 
 def step_lr(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:

@@ -13,6 +13,7 @@ BENCHES = {
     "chaos": "chameleond.cli.bench_chaos",
     "policies": "chameleond.cli.bench_policies",
     "worker": "chameleond.cli.bench_worker",
+    "training": "chameleond.cli.bench_training",
     "sim-check": "chameleond.cli.bench_simcheck",
 }
 

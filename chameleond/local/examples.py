@@ -24,6 +24,7 @@ class Example:
     about: str
     model: str  # the model class it trains, as reports name it
     needs: tuple[str, ...] = ()  # modules it imports beyond the worker library (an extra)
+    extra: str = "hf"  # the extra that brings them
 
 
 EXAMPLES = {
@@ -34,6 +35,15 @@ EXAMPLES = {
         "a Hugging Face GPT2LMHeadModel on a BPE of the standard library's sources",
         "GPT2LMHeadModel",
         ("transformers", "tokenizers"),
+    ),
+    "recipe": Example(
+        "recipe",
+        "recipe.py",
+        "recipe.toml",
+        "a Hugging Face GPT2LMHeadModel trained as teams train: named param groups, warm-up + "
+        "cosine, global clipping, shuffled data, a precision",
+        "GPT2LMHeadModel",
+        ("transformers", "datasets"),
     ),
 }
 
@@ -74,6 +84,6 @@ def find_example(name: str) -> FoundExample:
     missing = [m for m in ex.needs if find_spec(m) is None]
     if missing:
         raise ExampleError(
-            f"--example {name} needs {', '.join(missing)}: pip install 'chameleond[{name}]'"
+            f"--example {name} needs {', '.join(missing)}: pip install 'chameleond[{ex.extra}]'"
         )
     return FoundExample(ex, script, spec)

@@ -155,7 +155,8 @@ class StepInfo:
     rank: int  # this worker's rank in the plan's world
     loss: float  # the mean per-sample loss over the samples the step trained
     grad_norm: float  # the global gradient norm before clipping (clip_grad_norm_'s return value)
-    learning_rate: float  # the first param group's, of the lowest layer this worker holds
+    learning_rate: float  # the step's (before the scheduler steps): the first param group's, of
+    # the lowest layer this worker holds with trainable parameters
     samples: int  # trained this step: the job's global batch, or fewer under a drop plan
     skipped_samples: int  # the job's global batch minus `samples` (a drop plan's dropped ids)
     tokens: int  # `Training.tokens` summed over the step's micro-batches
@@ -163,6 +164,11 @@ class StepInfo:
     overflow: bool = False  # fp16: inf/nan gradients somewhere; the update was skipped
     loss_scale: float = 1.0  # fp16: the loss scale the step ran with
     eval_loss: float | None = None  # `Training.evaluation` ran after this step: its mean loss
+    synced_bytes: int = 0  # gradient bytes this worker all-reduced in the step's sync
+    sample_ids: tuple[int, ...] = ()  # ids of the samples whose first stage this worker ran
+    # The share of this worker's data preparation (reading, collating) so far that the prefetch
+    # thread hid behind compute; None while it has read nothing.
+    data_overlap: float | None = None
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,8 @@ class Training:
     - `global_batch`, `micro_batch`: samples per step and per micro-batch; they must equal the job
       spec's [training] (the planner plans with those).
     - `precision`: "fp32", or autocast to "bf16" / "fp16" in every layer's forward and the loss;
-      fp16 scales the loss dynamically, one overflow decision per step for the whole job.
+      fp16 scales the loss dynamically from `loss_scale`, one overflow decision per step for the
+      whole job.
     - `max_grad_norm`: clip the gradients by their norm over the whole model (every stage, tied
       weights once), as `clip_grad_norm_` in a one-process loop; None: no clipping.
     - `on_step(info)`: called on every worker after each committed step (StepInfo).
@@ -229,6 +236,7 @@ class Training:
     scheduler: SchedulerFactory | None = None
     name: str = ""
     precision: Precision = "fp32"
+    loss_scale: float = 2.0**16  # fp16: the initial loss scale (GradScaler's init_scale)
     max_grad_norm: float | None = None
     shuffle: bool = False
     seed: int = 0

@@ -9,6 +9,7 @@ every plan generation's groups are plain objects that can be dropped when the ge
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("chameleon.worker")
 
 
 class BackendUnavailable(RuntimeError):
@@ -93,26 +96,47 @@ def parse_device(text: str) -> DeviceChoice:
 
 
 def check_device(dev: DeviceChoice) -> None:
-    """Make the device current, or raise BackendUnavailable explaining what is missing."""
+    """Make the device current, or raise BackendUnavailable saying, in one line naming the
+    device, what is missing."""
     if dev.kind == "cuda":
         if not torch.cuda.is_available():
-            raise BackendUnavailable("cuda requested but torch sees no CUDA device")
-        if dev.index >= torch.cuda.device_count():
+            build = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
             raise BackendUnavailable(
-                f"cuda:{dev.index} requested, {torch.cuda.device_count()} seen"
+                f"device {dev} is not there: torch {torch.__version__} ({build}) sees no CUDA "
+                "device on this machine"
             )
+        if dev.index >= (n := torch.cuda.device_count()):
+            raise BackendUnavailable(f"device {dev} is not there: {_seen('cuda', n)}")
         if not dist.is_nccl_available():
-            raise BackendUnavailable("this torch build has no NCCL backend")
-        torch.cuda.set_device(dev.index)
+            raise BackendUnavailable(f"device {dev}: this torch build has no NCCL backend")
+        try:
+            torch.cuda.set_device(dev.index)
+        except RuntimeError as e:  # a device that is listed but cannot be used (busy, broken)
+            raise BackendUnavailable(f"device {dev} cannot be used: {_first_line(e)}") from None
         # By default a timed-out NCCL operation ends the process (3: tear down). A survivor of a
         # peer's death must live on to the next plan: abort the communicator only, so that the
         # pending operation fails and the worker reports the fault.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     elif dev.kind == "npu":
-        npu = _torch_npu()
+        try:
+            npu = _torch_npu()
+        except BackendUnavailable as e:
+            raise BackendUnavailable(f"device {dev}: {e}") from None
         if not npu.npu.is_available():  # pragma: no cover - needs Ascend hardware
-            raise BackendUnavailable("torch_npu is installed but sees no NPU device")
+            raise BackendUnavailable(f"device {dev} is not there: torch_npu sees no NPU device")
+        if dev.index >= (n := npu.npu.device_count()):  # pragma: no cover
+            raise BackendUnavailable(f"device {dev} is not there: {_seen('npu', n)}")
         npu.npu.set_device(dev.index)  # pragma: no cover
+
+
+def _seen(kind: str, n: int) -> str:
+    """What this machine has of a kind of device, as a user names them."""
+    names = f"{kind}:0" if n == 1 else f"{kind}:0 to {kind}:{n - 1}"
+    return f"this machine has {n} {kind.upper()} device{'s' if n != 1 else ''} ({names})"
+
+
+def _first_line(e: BaseException) -> str:
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _torch_npu() -> Any:
@@ -120,7 +144,7 @@ def _torch_npu() -> Any:
         return importlib.import_module("torch_npu")
     except ImportError as e:
         raise BackendUnavailable(
-            "npu requested but torch_npu is not installed: pip install 'chameleond[npu]' "
+            "torch_npu is not installed: pip install 'chameleond[npu]' "
             f"(torch-npu matching torch {torch.__version__.split('+')[0]}) ({e})"
         ) from None
     except Exception as e:  # a broken install raises anything at import time
@@ -167,6 +191,17 @@ def _new_group(
     npu = _torch_npu()  # pragma: no cover - needs Ascend hardware
     hccl = npu._C._distributed_c10d.ProcessGroupHCCL  # pragma: no cover
     return hccl(store, rank, size, timeout)  # pragma: no cover
+
+
+def abort_group(group: Any) -> bool:
+    """Fail every pending and later operation of `group` (its generation ended, or a member is
+    gone); False when the backend cannot abort a group (dropping it still closes it)."""
+    try:
+        group.abort()
+    except RuntimeError as e:
+        log.debug("group abort: %s", e)
+        return False
+    return True
 
 
 def build_communicator(group: Any, dev: DeviceChoice) -> None:

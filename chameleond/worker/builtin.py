@@ -46,8 +46,8 @@ def loss(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return sample_losses(logits, rows[:, 1:].contiguous())
 
 
-def adamw(lr: float, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr)
+def adamw(lr: float, named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(named, lr=lr)
 
 
 def training(

@@ -22,7 +22,7 @@ import redis
 from chameleond.core.plan import Plan, SyncGroup
 from chameleond.core.schedule import BACKWARD, Op, build_schedule, idle_before
 from chameleond.protocol import Keys
-from chameleond.worker.backend import DeviceChoice, build_communicator, new_group
+from chameleond.worker.backend import DeviceChoice, abort_group, build_communicator, new_group
 from chameleond.worker.p2p import Batch, rendezvous_fault, step_batches
 from chameleond.worker.rendezvous import join_generation
 from chameleond.worker.store import RedisStore
@@ -200,7 +200,4 @@ class Generation:
 
 def _abort(groups: list[Any]) -> None:
     for g in groups:
-        try:
-            g.abort()
-        except RuntimeError as e:  # not every backend supports abort; dropping still closes
-            log.debug("group abort: %s", e)
+        abort_group(g)  # not every backend supports abort; dropping the group still closes it

@@ -2,9 +2,13 @@
 committed step it reflects.
 
 Per-layer optimizers are exactly one optimizer over all parameters for every element-wise
-optimizer (SGD, Adam, AdamW, ...) without global gradient clipping. Moving a layer moves its whole
-state: the module's state_dict (parameters and buffers), the optimizer's and the scheduler's, as
-one serialized byte buffer (`state_buffer`), bit for bit.
+optimizer (SGD, Adam, AdamW, ...); global gradient clipping is one factor for every layer, decided
+at the step's commit (chameleond.worker.commit). Moving a layer moves its whole state: the module's
+state_dict (buffers and trainable parameters), the optimizer's and the scheduler's, and in fp16
+the loss scale, as one serialized byte buffer (`state_buffer`), bit for bit. Frozen parameters
+(requires_grad False) never change in training: they are left out, and a layer that arrives
+takes them from its build (the initial or pretrained weights), so a LoRA model moves and
+checkpoints its adapters only.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any
 import torch
 
 from chameleond.worker.api import ModelError
+from chameleond.worker.commit import LossScale
 from chameleond.worker.trainable import Trainable
 
 CHUNK_BYTES = 1 << 20  # a checkpoint writes a layer's buffer in pieces of this size
@@ -30,23 +35,44 @@ class LayerState:
         self.index = index
         self.device = device
         self.module = model.build(index).to(device)
-        self.optimizer, self.scheduler = model.optimize(self.module)
+        self.optimizer, self.scheduler = model.optimize(index, self.module)
+        named = self.module.named_parameters(remove_duplicate=False)
+        self.frozen = frozenset(n for n, p in named if not p.requires_grad)
+        fp16 = model.training.precision == "fp16"
+        self.loss_scale = LossScale(model.training.loss_scale) if fp16 else None
         self.version = version  # -1: initial weights, no step applied yet
 
     def params(self) -> list[torch.nn.Parameter]:
-        return list(self.module.parameters())
+        """The trainable parameters: the ones with gradients, synced and updated."""
+        return [p for p in self.module.parameters() if p.requires_grad]
 
-    def apply_update(self, global_batch: int, step: int) -> None:
-        """Gradients hold the SUM over the global batch: divide once by B, then the optimizer and
-        the scheduler step."""
-        for p in self.params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.div_(global_batch)
-        self.optimizer.step()
+    def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.loss_scale is None else self.loss_scale.scale
+
+    def apply_update(
+        self, global_batch: int, step: int, factor: float = 1.0, overflow: bool = False
+    ) -> None:
+        """Gradients hold the SUM over the global batch: divide once by B and multiply by
+        `factor` (unscale and clip, chameleond.worker.commit), then the optimizer and the
+        scheduler step. An fp16 `overflow` skips the optimizer's step (GradScaler's rule); the
+        scheduler steps all the same, as a one-process loop steps it every iteration."""
+        if not overflow:
+            for p in self.params():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.div_(global_batch)
+                if factor != 1.0:
+                    p.grad.mul_(factor)
+            self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow)
         self.version = step
 
     def discard_gradients(self) -> None:
@@ -55,10 +81,12 @@ class LayerState:
     # Migration and checkpoints: the whole state as one byte buffer ------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        module = {k: v for k, v in self.module.state_dict().items() if k not in self.frozen}
         return {
-            "module": self.module.state_dict(),
+            "module": module,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "scaler": None if self.loss_scale is None else self.loss_scale.state_dict(),
         }
 
     def state_buffer(self) -> torch.Tensor:
@@ -89,10 +117,18 @@ class LayerState:
         raw = buf.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes()
         try:
             state = torch.load(io.BytesIO(raw), map_location=self.device, weights_only=True)
-            self.module.load_state_dict(state["module"])
+            found = self.module.load_state_dict(state["module"], strict=False)
+            missing = set(found.missing_keys) - self.frozen
+            if missing or found.unexpected_keys:
+                raise KeyError(
+                    f"module state: missing {sorted(missing)}, unexpected "
+                    f"{sorted(found.unexpected_keys)}"
+                )
             self.optimizer.load_state_dict(state["optimizer"])
             if self.scheduler is not None and state["scheduler"] is not None:
                 self.scheduler.load_state_dict(state["scheduler"])
+            if self.loss_scale is not None and state.get("scaler") is not None:
+                self.loss_scale.load_state_dict(state["scaler"])
         except (
             RuntimeError,
             KeyError,
@@ -123,7 +159,7 @@ def _refuse_unsafe(index: int, module: torch.nn.Module, saved: io.BytesIO) -> No
         )
 
 
-def run_layers(layers: list[LayerState], x: torch.Tensor) -> torch.Tensor:
+def run_layers(layers: list[LayerState], x: Any) -> Any:
     for layer in layers:
         x = layer.module(x)
     return x

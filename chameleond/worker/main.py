@@ -8,7 +8,8 @@ Exit codes (docs/worker.md):
      --bind-address of no local interface)
   3  Redis unreachable, or lost for good
   4  the job spec is missing, malformed, or its [model.arch] is unusable
-  5  the device's collective backend is unavailable (e.g. nccl without CUDA, npu without torch_npu)
+  5  the device is not there (cuda:3 on a machine with one GPU, cuda without CUDA), or its
+     collective backend is unavailable (npu without torch_npu, a torch without NCCL)
   6  the training data is unavailable, or differs from the other workers' (the built-in corpus:
      the standard library's sources)
   7  this worker's own computation failed
@@ -79,7 +80,8 @@ def build_parser(prog: str = "chameleon-worker") -> argparse.ArgumentParser:
         description="Train one slot of a chameleond job: profile, register, follow the plans.",
         epilog="exit codes: 0 fenced, finished or stopped by a signal; 2 bad command line; "
         "3 Redis unreachable at start, a write refused, or away too long to keep the events; "
-        "4 bad or missing job spec; 5 the device's backend is unavailable; 6 no training "
+        "4 bad or missing job spec; 5 the device is not there or its backend is unavailable; "
+        "6 no training "
         "data, or other data than the job's; 7 this worker's own computation failed (it "
         "reported itself first); 8 a malformed model. "
         "Redis restarts do not stop training (docs/worker.md).",
@@ -301,7 +303,7 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
         log.error("%s", e)
         return EXIT_USAGE
     except BackendUnavailable as e:
-        log.error("backend unavailable: %s", e)
+        log.error("%s", e)
         return EXIT_BACKEND
     if (why := _bind_error(args.bind_address, device)) is not None:
         log.error("%s", why)

@@ -6,8 +6,9 @@
    committed steps. A commit vote may have completed on some workers only; every worker that voted
    had finished the gradient sync, so whoever holds a pending update for exactly that step applies
    it now (divided by the global batch of the plan it was summed under, which the new plan may
-   have changed), and a pending update for a later step (whose vote completed nowhere) is
-   discarded.
+   have changed; unscaled, clipped or skipped as the step's `Commit` says, which the workers whose
+   vote completed hand over in their rows), and a pending update for a later step (whose vote
+   completed nowhere) is discarded.
 2. Migrate. A worker needs every layer the plan gives it whose copy is not at the committed step.
    Each missing layer comes from the plan's Transfer when its source really holds a current copy,
    and otherwise from the lowest-ranked worker that does (a fault in the middle of an earlier
@@ -27,6 +28,7 @@ order (NCCL, HCCL; every op carries tag 0) need.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +36,7 @@ import torch
 
 from chameleond.core.plan import Plan
 from chameleond.worker.backend import P2POp, allreduce_sum, communicating, exchange
+from chameleond.worker.commit import Commit
 from chameleond.worker.generation import Generation
 from chameleond.worker.layer import LayerState
 from chameleond.worker.state import WorkerState
@@ -73,7 +76,26 @@ def _rows(gen: Generation, state: WorkerState) -> torch.Tensor:
         mine[0, 2 + i] = layer.version
     for i in state.pending_layers:
         mine[1, 2 + i] = 1.0
+    # The outcome of the vote of this worker's last committed step, for a peer whose vote did not
+    # complete: [sum of squares, overflow] (overflow -1: not known here).
+    last = state.last_commit
+    if last is not None and last.step == state.committed_step:
+        mine[1, 0] = 0.0 if last.overflow else last.grad_sq
+        mine[1, 1] = 1.0 if last.overflow else 0.0
+    else:
+        mine[1, 1] = -1.0
     return rows
+
+
+def handed_commit(rows: torch.Tensor, step: int) -> Commit | None:
+    """Pure: step `step`'s Commit from the rows of the workers that committed it (None: none of
+    them knows its outcome, e.g. all loaded it from a checkpoint)."""
+    for r in range(rows.shape[0]):
+        if int(rows[r, 0, 0].item()) == step and rows[r, 1, 1] >= 0:
+            overflow = bool(rows[r, 1, 1] > 0)
+            grad_sq = math.inf if overflow else float(rows[r, 1, 0].item())
+            return Commit(step, math.nan, grad_sq, 0, overflow)
+    return None
 
 
 def plan_moves(
@@ -139,10 +161,18 @@ def reconcile(
     result = plan_moves(plan, rows, gen.world, job_trained=job_trained)
     applied: int | None = None
     if state.pending_step is not None:
+        commit = None
         if state.pending_step == result.committed_step:
+            commit = handed_commit(rows, result.committed_step)
+            if commit is None:
+                log.warning(
+                    "step %d committed elsewhere, but no worker knows its vote's outcome: "
+                    "its layers are fetched instead", state.pending_step,
+                )  # fmt: skip
+        if commit is not None:
             # With the batch the step's gradients were summed over, not this plan's: a plan that
             # changed B would scale the late update wrongly.
-            applied = state.apply_pending()
+            applied = state.apply_pending(commit=commit)
             log.info("applied step %d late: its commit vote reached other workers", applied)
         else:
             state.discard_step()

@@ -101,8 +101,7 @@ def profile_layer(
     """One layer's costs on input `x` (the real micro-batch's activation at this layer): the median
     of `repeats` timed repetitions after an untimed one; and its output, the next layer's input."""
     layer = LayerState(model, index, device)
-    params = layer.params()
-    param_ptrs = {p.data_ptr() for p in params}
+    param_ptrs = {p.data_ptr() for p in layer.module.parameters()}
     last = index == model.n_layers - 1
     micro_batch = x.shape[0]
     clock = op_clock(device)
@@ -124,7 +123,7 @@ def profile_layer(
         saved.clear()
         _sync(device)
         t0 = clock()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), model.autocast(device):
             out = layer.module(inp)
             loss = model.loss_sum(out, batch, micro_batch) if last else None
         _sync(device)
@@ -157,7 +156,7 @@ def profile_layer(
         "forward_seconds": statistics.median(fwd or [0.0]),
         "backward_seconds": statistics.median(bwd or [0.0]),
         "update_seconds": statistics.median(upd or [0.0]),
-        "param_bytes": sum(_tensor_bytes(p) for p in params),
+        "param_bytes": sum(_tensor_bytes(p) for p in layer.module.parameters()),
         "optimizer_bytes": optimizer_bytes,
         "activation_bytes": activation_bytes,
         "output_bytes": out_bytes,

@@ -10,9 +10,10 @@ generation by generation.
     left out, not excluded (a drop plan's pipelines, spares) -> wait on standby for a plan
 
 A step commits on every worker or on none: after the gradient sync, every worker of the plan joins
-a vote (a SUM all-reduce of [loss, 1, newest plan generation seen]); only when the vote completes
-does a worker apply its update. The vote also carries the newest generation anyone has seen, so
-all workers switch to a newer plan after the same step.
+a vote (a SUM all-reduce of [loss, 1, newest plan generation seen, gradient sum of squares,
+tokens]); only when the vote completes does a worker apply its update, clipped and (fp16)
+unscaled or skipped as the vote's totals say (chameleond.worker.commit). The vote also carries
+the newest generation anyone has seen, so all workers switch to a newer plan after the same step.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from chameleond.core.plan import Plan, check_batch
 from chameleond.protocol import Keys
 from chameleond.worker import checkpoint
 from chameleond.worker.absence import ABSENT_ATTEMPTS, Absences
-from chameleond.worker.api import Training, TrainingOf
+from chameleond.worker.api import StepInfo, Training, TrainingOf
 from chameleond.worker.backend import (
     CollectiveFailed,
     DeviceChoice,
@@ -43,6 +44,8 @@ from chameleond.worker.backend import (
     check_device_health,
     computing,
 )
+from chameleond.worker.commit import Commit, overflowed
+from chameleond.worker.evaluate import Evaluator
 from chameleond.worker.events import (
     Heartbeat,
     PeerWatch,
@@ -82,6 +85,9 @@ FAULTS: tuple[type[BaseException], ...] = (
 )
 # Those, and the ones follow_plans answers apart, that end a generation (their time is noted).
 FAILS_GENERATION: tuple[type[BaseException], ...] = (*FAULTS, GenerationAbandoned, DeviceFailed)
+# A worker's row of the commit vote: [loss sum, 1 (it voted), newest plan generation it has seen,
+# sum of squares of the gradients it counts, tokens] (chameleond.worker.commit).
+VOTE_COLUMNS = 5
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,7 @@ class WorkerRuntime:
                 # the plans without being declared failed.
                 fields = {"generation": self._member_of, "phase": "stopped", "reason": "left"}
                 self.reporter.send("ack", fields)
+            joined.model.close()  # the data prefetch thread
             self.heartbeat.stop()
             self.watcher.stop()
             for thread in (self.heartbeat, self.watcher):
@@ -444,6 +451,10 @@ class WorkerRuntime:
             plan.generation,
         )
         runner = StepRunner(gen, state, joined.outputs, meter)
+        evaluation = state.model.training.evaluation
+        evaluator = None
+        if evaluation is not None:
+            evaluator = Evaluator(gen, state, joined.outputs, evaluation)
         owned = plan.owned_layers(gen.me)
         after_vote = vote_hook(self.cfg.kill_at)
         on_op = step_hook(self.cfg.kill_at)
@@ -457,9 +468,15 @@ class WorkerRuntime:
                 t0 = time.perf_counter()
                 result = runner.run(step, on_op=on_op, bubble=bubble)
                 state.mark_pending(step, result.layers)
-                vote = torch.zeros((len(gen.world), 3), dtype=torch.float64)
+                vote = torch.zeros((len(gen.world), VOTE_COLUMNS), dtype=torch.float64)
                 vote[gen.rank] = torch.tensor(
-                    [result.loss_sum, 1.0, float(self.watcher.newest_generation)],
+                    [
+                        result.loss_sum,
+                        1.0,
+                        float(self.watcher.newest_generation),
+                        result.grad_sq,
+                        float(result.tokens),
+                    ],
                     dtype=torch.float64,
                 )
                 voted = time.perf_counter()
@@ -469,19 +486,34 @@ class WorkerRuntime:
                     after_vote(step)
                 vote_seconds = time.perf_counter() - voted
                 meter.vote(vote_seconds)
-                loss = float(vote[:, 0].sum().item()) / plan.global_batch
+                grad_sq = float(vote[:, 3].sum().item())
+                commit = Commit(
+                    step,
+                    loss_sum=float(vote[:, 0].sum().item()),
+                    grad_sq=grad_sq,
+                    tokens=int(vote[:, 4].sum().item()),
+                    overflow=overflowed(grad_sq, state.model.training.precision == "fp16"),
+                )
                 if saver is not None:
                     saver.flush()  # the update changes what it writes: finish it first
+                scale = state.loss_scale()  # the step's, before the update moves them
+                lr = state.learning_rate()
                 meter.begin()
                 with computing():
-                    state.apply_pending(plan.global_batch)
+                    state.apply_pending(plan.global_batch, commit)
                 meter.update(result.layers)
                 seconds = time.perf_counter() - t0
                 if first:
                     dropped = state.drop_except(owned)
                     if dropped:
                         log.info("dropped layers %s: their new owners committed a step", dropped)
-                self._report_step(plan, step, loss, seconds, vote_seconds)
+                eval_loss = None
+                if evaluator is not None and evaluator.due(step):
+                    eval_loss = evaluator.run_all()
+                self._report_step(
+                    gen, state, commit, (scale, lr), seconds, vote_seconds, runner.synced_bytes,
+                    state.model.read_ids(step, result.first_stage), eval_loss,
+                )  # fmt: skip
                 if first:
                     meter.restart()  # the first step pays for the generation's warm-up
                     first = False
@@ -503,15 +535,60 @@ class WorkerRuntime:
                 saver.flush()  # the checkpoint under way is of a committed step: finish it
 
     def _report_step(
-        self, plan: Plan, step: int, loss: float, seconds: float, vote_seconds: float
+        self,
+        gen: Generation,
+        state: WorkerState,
+        commit: Commit,
+        scale_lr: tuple[float, float],
+        seconds: float,
+        vote_seconds: float,
+        synced_bytes: int,
+        sample_ids: tuple[int, ...],
+        eval_loss: float | None,
     ) -> None:
+        """The step event, and the training's `on_step` callback with the same figures."""
+        plan = gen.plan
+        training = state.model.training
+        scale, lr = scale_lr
+        data = state.model.data_stats()
+        info = StepInfo(
+            step=commit.step,
+            generation=plan.generation,
+            worker=gen.me,
+            rank=gen.rank,
+            loss=commit.loss_sum / plan.global_batch,
+            grad_norm=commit.grad_norm(plan.global_batch, scale),
+            learning_rate=lr,
+            samples=plan.global_batch,  # trained this step: B, or fewer under a drop plan
+            skipped_samples=training.global_batch - plan.global_batch,
+            tokens=commit.tokens,
+            seconds=seconds,
+            overflow=commit.overflow,
+            loss_scale=scale,
+            synced_bytes=synced_bytes,
+            sample_ids=sample_ids,
+            data_overlap=data["overlap"] if data["prepare_seconds"] > 0 else None,
+            eval_loss=eval_loss,
+        )
         fields: dict[str, object] = {
             "generation": plan.generation,
-            "step": step,
-            "samples": plan.global_batch,  # trained this step: B, or fewer under a drop plan
+            "step": info.step,
+            "samples": info.samples,
             "seconds": f"{seconds:.6f}",
             "vote_seconds": f"{vote_seconds:.6f}",
-            "loss": repr(loss),
+            "loss": repr(info.loss),
+            "lr": repr(info.learning_rate),
+            "tokens": info.tokens,
+            "skipped": info.skipped_samples,
             "at": f"{time.time():.3f}",
         }
+        if math.isfinite(info.grad_norm):
+            fields["grad_norm"] = repr(info.grad_norm)
+        if eval_loss is not None:
+            fields["eval_loss"] = repr(eval_loss)
+        if training.precision == "fp16":
+            fields["overflow"] = int(info.overflow)
+            fields["loss_scale"] = repr(scale)
         self.reporter.send("step", fields)
+        if training.on_step is not None:
+            training.on_step(info)

@@ -39,6 +39,7 @@ from chameleond.worker.validate import Output, check_model
 
 log = logging.getLogger("chameleon.worker")
 PROFILE_TOGETHER_SECONDS = 10.0  # how long a new job's worker waits for its host's others
+SPEC_NOTE_SECONDS = 10.0  # how often a worker waiting for its job's spec says so
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,17 @@ def wait_for_spec(
     refused: Refused | None = None,
 ) -> JobSpec:
     """The job's spec, once the daemon stored it. With a keyring, one without the job's signature
-    is refused (counted and logged) and waited past, as if it were not there yet."""
-    deadline = time.monotonic() + timeout_seconds
+    is refused (counted and logged) and waited past, as if it were not there yet. While there is
+    none, the worker says so at once and every SPEC_NOTE_SECONDS: a daemon running another job
+    name (or none) is the usual cause, and silence would hide it."""
+    start = time.monotonic()
+    deadline, note_at = start + timeout_seconds, start
     while True:
         raw = client.get(keys.spec)
+        now = time.monotonic()
+        if raw is None and now >= note_at:
+            log.info("%s", no_spec_yet(client, keys))
+            note_at = now + SPEC_NOTE_SECONDS
         if raw is not None:
             try:
                 doc = json.loads(raw)
@@ -85,9 +93,50 @@ def wait_for_spec(
                 (refused or Refused()).note(f"the spec under {keys.spec}", raw, str(e))
             except (json.JSONDecodeError, SpecError) as e:
                 raise SpecError(f"{keys.spec}: {e}") from e
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no job spec under {keys.spec}")
+        if now > deadline:
+            raise TimeoutError(f"gave up after {timeout_seconds:.0f} s {no_spec_yet(client, keys)}")
         time.sleep(0.1)
+
+
+def no_spec_yet(client: redis.Redis, keys: Keys) -> str:
+    """Why a worker waits: the job named, the Redis it looks in (no password), what to check, and
+    the jobs that Redis does hold a spec of."""
+    job = keys.job
+    line = (
+        f"waiting for job {job}: no spec in Redis at {_where(client)} yet; "
+        f"is chameleond running with --job {job}?"
+    )
+    others = [j for j in _jobs_with_spec(client) if j != job]
+    if others:
+        line += f" (that Redis holds the spec of job {', '.join(others)})"
+    return line
+
+
+def _where(client: redis.Redis) -> str:
+    kw = client.connection_pool.connection_kwargs
+    if "path" in kw:
+        return f"unix://{kw['path']}"
+    scheme = (
+        "rediss"
+        if issubclass(client.connection_pool.connection_class, redis.SSLConnection)
+        else "redis"
+    )
+    return f"{scheme}://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{kw.get('db', 0)}"
+
+
+def _jobs_with_spec(client: redis.Redis, most: int = 5) -> list[str]:
+    """The jobs whose spec this Redis holds (a few; none where the ACL allows no SCAN)."""
+    head, tail = Keys("\0").spec.split("\0")
+    found: list[str] = []
+    try:
+        for key in client.scan_iter(match=f"{head}*{tail}", count=1000):
+            name = key.decode() if isinstance(key, bytes) else str(key)
+            found.append(name[len(head) : len(name) - len(tail)])
+            if len(found) >= most:
+                break
+    except redis.ResponseError:  # NOPERM: a job's ACL user sees its own keys only
+        return []
+    return sorted(found)
 
 
 def profile_together(

@@ -1,14 +1,18 @@
 """What a worker holds between plan generations: its layers, the last committed step, and at most
 one pending update (gradients fully summed over the layer owners, not yet applied because the step's
 commit vote did not reach this worker). A pending update keeps the global batch its gradients were
-summed over: it may be applied under a later plan, whose batch can differ."""
+summed over: it may be applied under a later plan, whose batch can differ. Applying it needs the
+step's `Commit` (its gradient norm and overflow decision): the workers whose vote completed keep
+theirs (`last_commit`) and hand it over in the next generation's reconciliation."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
+from chameleond.worker.commit import Commit
 from chameleond.worker.layer import LayerState
 from chameleond.worker.trainable import Trainable
 
@@ -25,6 +29,7 @@ class WorkerState:
         self.pending_step: int | None = None
         self.pending_layers: tuple[int, ...] = ()
         self.pending_batch: int | None = None  # the global batch of the pending update's step
+        self.last_commit: Commit | None = None  # the vote's outcome of the last applied step
 
     def layer(self, index: int) -> LayerState:
         try:
@@ -47,17 +52,47 @@ class WorkerState:
         self.pending_layers = tuple(layers)
         self.pending_batch = self.global_batch if global_batch is None else global_batch
 
-    def apply_pending(self, global_batch: int | None = None) -> int:
-        """Apply the pending update (the step committed), dividing its gradient sums by
-        `global_batch` (default: the batch recorded with it); returns the step."""
+    def loss_scale(self) -> float:
+        """The fp16 loss scale of the layers held (1.0 otherwise): every layer at the committed
+        step holds the same one."""
+        scales = {self.layers[i].scale for i in sorted(self.layers)}
+        if len(scales) > 1:
+            raise RuntimeError(f"layers hold different loss scales {sorted(scales)}")
+        return scales.pop() if scales else 1.0
+
+    def learning_rate(self) -> float:
+        """The first param group's learning rate of the lowest layer held with trainable
+        parameters (nan when none is)."""
+        for i in sorted(self.layers):
+            layer = self.layers[i]
+            if layer.params():
+                return float(layer.optimizer.param_groups[0]["lr"])
+        return math.nan
+
+    def apply_pending(self, global_batch: int | None = None, commit: Commit | None = None) -> int:
+        """Apply the pending update (the step committed, as `commit` says), dividing its gradient
+        sums by `global_batch` (default: the batch recorded with it) and unscaling and clipping
+        them as the commit decides; returns the step. Without clipping or fp16 the commit changes
+        nothing and may be left out."""
         if self.pending_step is None:
             raise RuntimeError("no pending update to apply")
         batch = self.pending_batch if global_batch is None else global_batch
         if batch is None:
             raise RuntimeError(f"step {self.pending_step}: no global batch to divide its sums by")
         step = self.pending_step
+        training = self.model.training
+        if commit is None:
+            if training.max_grad_norm is not None or training.precision == "fp16":
+                raise RuntimeError(f"step {step}: clipping and fp16 need the step's commit")
+            commit = Commit(step, math.nan, math.nan, 0, overflow=False)
+        if commit.step != step:
+            raise RuntimeError(f"commit of step {commit.step} for pending step {step}")
+        max_norm = training.max_grad_norm
         for i in self.pending_layers:
-            self.layer(i).apply_update(batch, step)
+            layer = self.layer(i)
+            factor = commit.factor(batch, layer.scale, max_norm)
+            layer.apply_update(batch, step, factor, commit.overflow)
+        self.last_commit = commit
         self.committed_step = step
         self.pending_step = None
         self.pending_layers = ()

@@ -15,7 +15,14 @@ Gradients accumulate as SUMs over every micro-batch a worker executes for a laye
 all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds; then tied
 parameters add their two layers' sums (chameleond.worker.ties). The division by the plan's global
 batch (the samples its steps train: B, or fewer under a drop plan) happens once, at commit
-(LayerState.apply_update)."""
+(LayerState.apply_update), with the clipping factor and the fp16 overflow decision the commit vote
+gives every worker alike (chameleond.worker.commit): this step contributes the sum of squares of
+the gradients of the layers this worker is the first owner of, and the tokens of its stage-0
+micro-batches.
+
+Forwards (layers and loss) run under the training's autocast (bf16, fp16); in fp16 the loss sum is
+scaled by the layers' loss scale before its backward. Only trainable parameters have gradients:
+frozen ones (a LoRA model's base weights) are neither synced nor counted."""
 
 from __future__ import annotations
 
@@ -49,6 +56,9 @@ from chameleond.worker.validate import Output
 class StepResult:
     loss_sum: float  # SUM over the samples whose last stage this worker executed
     layers: tuple[int, ...]  # layers whose gradients this step produced (and synced)
+    grad_sq: float = 0.0  # sum of squares of the gradient sums this worker counts (commit.py)
+    tokens: int = 0  # of the micro-batches whose first stage this worker executed
+    first_stage: tuple[int, ...] = ()  # those micro-batches' global ids
 
 
 class StepRunner:
@@ -72,6 +82,16 @@ class StepRunner:
         # its sends and the gradient sync: the bubbles as they really are (chameleond.worker.saver).
         self.waits = [0.0] * (len(gen.ops) + 1)
         self._waiting_since = 0.0
+        self.synced_bytes = 0  # gradient bytes all-reduced by the last step's sync
+        # The layers whose gradients this worker counts in the step's norm: those it is the first
+        # owner of, in the world's order (every owner holds the same sums after the sync).
+        plan, me = gen.plan, gen.me
+        owners = {w: set(plan.owned_layers(w)) for w in gen.world}
+        self._counted = [
+            j for j in sorted(owners[me]) if next(w for w in gen.world if j in owners[w]) == me
+        ]
+        # A tie's second copy holds the first's gradient after sync_ties: counted once.
+        self._tie_copies = {t.second for t in state.model.trained_ties}
 
     # point-to-point ---------------------------------------------------------------------------
 
@@ -125,11 +145,16 @@ class StepRunner:
 
     def _run(self, step: int, on_op: Any, bubble: Any) -> StepResult:
         plan, st = self.gen.plan, self.state
+        self._expect(step)
         dev = st.device
         stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Summed on the device, in float64 (what Python's float sum of the float32 losses gives),
         # and read once per step: a read per micro-batch would wait for an accelerator each time.
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        tokens = 0
+        first_stage: list[int] = []
+        autocast = self.model.autocast(dev)
+        scale = st.loss_scale()
         batches = iter(self.gen.batches)
         batch = next(batches, None)
         for i, op in enumerate(self.gen.ops):
@@ -153,10 +178,12 @@ class StepRunner:
                 data = self._batch(op, step) if op.stage == 0 else None
                 if data is not None:
                     x = self.model.inputs(data)
+                    tokens += self.model.tokens(data)
+                    first_stage.append(op.micro_batch)
                 else:
                     x = self._recv(*_present(forward_input(op))).requires_grad_()
                 self._inputs_ready(i)
-                with computing():
+                with computing(), autocast:
                     out = run_layers(layers, x)
                     if last:
                         if data is None:
@@ -170,9 +197,12 @@ class StepRunner:
                 x, out = stash.pop(key)
                 grad_in = backward_input(op, len(stages))
                 grad = None if grad_in is None else self._recv(*grad_in)  # None: from the loss
+                if grad is None and scale != 1.0:
+                    grad = torch.full_like(out, scale)  # fp16: the scaled loss's backward
                 self._inputs_ready(i)
                 with computing():
-                    out.backward(grad)
+                    if out.requires_grad:  # not: a first stage whose parameters are all frozen
+                        out.backward(grad)
                 grad_out = backward_output(op)
                 if grad_out is not None:
                     assert x.grad is not None
@@ -198,7 +228,23 @@ class StepRunner:
         self._waited(len(self.gen.ops))
         with computing():
             total = float(loss_sum.item())
-        return StepResult(total, plan.owned_layers(self.gen.me))
+            grad_sq = self._grad_sq()
+        return StepResult(
+            total, plan.owned_layers(self.gen.me), grad_sq, tokens, tuple(first_stage)
+        )
+
+    def _grad_sq(self) -> float:
+        """The sum of squares of the gradients this worker counts, as clip_grad_norm_ forms the
+        norm: each parameter's 2-norm, then their squares summed (in float64)."""
+        grads = []
+        for j in self._counted:
+            for name, p in self.state.layer(j).named_params():
+                if (j, name) not in self._tie_copies and p.grad is not None:
+                    grads.append(p.grad)
+        if not grads:
+            return 0.0
+        norms = torch._foreach_norm(grads, 2.0)
+        return float(torch.stack(norms).double().square().sum().item())
 
     def _waited(self, i: int) -> None:
         self.waits[i] = time.perf_counter() - self._waiting_since
@@ -216,8 +262,24 @@ class StepRunner:
             step, op.micro_batch, job_batch, self.gen.plan.micro_batch, self.state.device
         )
 
+    def _expect(self, step: int) -> None:
+        """Tells the data prefetcher the micro-batches this worker reads in `step` (if it was not
+        told yet) and in the next: one read per forward of a first stage (its inputs) or of a last
+        stage (the loss's batch; a one-stage pipeline reads once)."""
+        plan = self.gen.plan
+        reads = [
+            op.micro_batch
+            for op in self.gen.ops
+            if op.kind == FORWARD
+            and (op.stage == 0 or op.stage == len(plan.pipelines[op.pipeline].stages) - 1)
+        ]
+        job_batch = self.model.training.global_batch
+        for s in (step, step + 1):
+            self.model.expect(s, reads, job_batch, plan.micro_batch)
+
     def _sync_gradients(self) -> None:
         """All-reduce SUM of each of this worker's SyncGroups, in round order."""
+        self.synced_bytes = 0
         for index, group in sync_order(self.gen.plan):
             pg = self.gen.sync_groups.get(index)
             if pg is None:
@@ -229,6 +291,7 @@ class StepRunner:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            self.synced_bytes += flat.numel() * flat.element_size()
             with communicating():
                 pg.allreduce([flat]).wait()
             off = 0

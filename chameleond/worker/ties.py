@@ -29,7 +29,7 @@ def _grad(state: WorkerState, layer: int, name: str) -> torch.Tensor:
 
 
 def sync_ties(gen: Generation, state: WorkerState) -> None:
-    ties = state.model.ties
+    ties = state.model.trained_ties  # a frozen tied parameter has no gradient to share
     if not ties:
         return
     plan, me = gen.plan, gen.me
@@ -54,7 +54,8 @@ def sync_ties(gen: Generation, state: WorkerState) -> None:
         return next(w for w in gen.world if layer in owners[w])
 
     parts = []
-    for tie, (shape, dtype) in zip(ties, state.model.tie_shapes, strict=True):
+    for tie in ties:
+        shape, dtype = state.model.tie_shapes[tie]
         buf = torch.zeros(shape, dtype=dtype, device=state.device)
         for layer, name in (tie.first, tie.second):
             if first_owner(layer) == me:

@@ -9,6 +9,7 @@ two diverging copies of it). The checks that need one are in chameleond.worker.v
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from collections.abc import Mapping, Sequence
@@ -17,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from chameleond.worker import samples
-from chameleond.worker.api import Batch, Factory, Layers, ModelError, Tie, Training
+from chameleond.worker import sampler, samples
+from chameleond.worker.api import PRECISIONS, Batch, Factory, Layers, ModelError, Tie, Training
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
@@ -45,6 +46,7 @@ class Trainable:
             self.n_layers = model.count
             self.ties: tuple[Tie, ...] = tuple(model.ties)
             self._factory = model.layer
+            self._names: list[Mapping[str, str]] = []
         else:
             modules = list(model.modules if isinstance(model, Layers) else model)
             if not modules:
@@ -54,6 +56,7 @@ class Trainable:
                     raise ModelError(f"layer {i} is a {type(m).__name__}, not a torch.nn.Module")
             self.n_layers = len(modules)
             self.ties = tuple(model.ties) if isinstance(model, Layers) else ()
+            self._names = list(model.names) if isinstance(model, Layers) else []
             self._modules = modules
         for name in ("global_batch", "micro_batch"):
             v = getattr(training, name)
@@ -64,8 +67,35 @@ class Trainable:
                 f"Training.global_batch {training.global_batch} is not a multiple of "
                 f"micro_batch {training.micro_batch}"
             )
-        if len(training.dataset) < 1:
-            raise ModelError("the dataset is empty")
+        # The data: ModelError for a dataset the library cannot read (chameleond.worker.sampler).
+        prefetch = training.prefetch
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise ModelError(f"Training.prefetch must be an integer >= 0, got {prefetch!r}")
+        self.reader = sampler.reader_for(
+            training.dataset, training.shuffle, training.seed, training.global_batch
+        )
+        self._prefetcher = sampler.Prefetcher(self._prepare, prefetch)
+        # Set to a list to record every micro-batch the training thread reads (sampler.Read): a
+        # benchmark counts lost and repeated samples from the workers' own logs.
+        self.read_log: list[sampler.Read] | None = None
+        self._read_ids: dict[tuple[int, int], tuple[int, ...]] = {}  # (step, micro-batch) ->
+        if training.precision not in PRECISIONS:
+            raise ModelError(
+                f"Training.precision must be one of {', '.join(PRECISIONS)}, got "
+                f"{training.precision!r}"
+            )
+        self.autocast_dtype: torch.dtype | None = {
+            "fp32": None,
+            "bf16": torch.bfloat16,
+            "fp16": torch.float16,
+        }[training.precision]
+        scale = training.loss_scale
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not scale > 0:
+            raise ModelError(f"Training.loss_scale must be > 0, got {scale!r}")
+        norm = training.max_grad_norm
+        if norm is not None and (isinstance(norm, bool) or not norm > 0):
+            raise ModelError(f"Training.max_grad_norm must be > 0 (or None), got {norm!r}")
+        self.evaluation_steps()  # refuses a held-out set that cannot be evaluated
         self._check_ties()
         if self._modules is not None:
             _check_shared(self._modules, self.ties)
@@ -86,17 +116,46 @@ class Trainable:
             raise ModelError(f"layer {index}: the factory returned a {type(module).__name__}")
         return module
 
-    def optimize(self, module: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
-        """Layer `module`'s own optimizer and scheduler (None without one). A layer without
-        parameters (an activation, a reshape) gets a plain SGD over one empty placeholder: torch's
-        optimizers refuse an empty parameter list, and the runtime treats every layer alike."""
-        params = list(module.parameters())
-        if not params:
+    def param_names(self, index: int, module: nn.Module) -> dict[str, str]:
+        """{name inside layer `index`'s module: its name in the model's state_dict}."""
+        names = self._names[index] if index < len(self._names) else {}
+        return {
+            local: names.get(local, f"{index}.{local}")
+            for local, _ in module.named_parameters(remove_duplicate=False)
+        }
+
+    def optimize(self, index: int, module: nn.Module) -> tuple[torch.optim.Optimizer, Any]:
+        """Layer `module`'s own optimizer and scheduler (None without one), over its trainable
+        parameters as (model name, parameter) pairs: frozen ones (requires_grad False) get no
+        optimizer state. A layer without trainable parameters (an activation, a reshape, a frozen
+        block) gets a plain SGD over one empty placeholder: torch's optimizers refuse an empty
+        parameter list, and the runtime treats every layer alike."""
+        names = self.param_names(index, module)
+        named = [(names[n], p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
             opt: torch.optim.Optimizer = torch.optim.SGD([nn.Parameter(torch.empty(0))], lr=0.0)
             return opt, None
-        opt = self.training.optimizer(params)
+        opt = self.training.optimizer(named)
         sched = None if self.training.scheduler is None else self.training.scheduler(opt)
         return opt, sched
+
+    def autocast(self, device: torch.device) -> Any:
+        """The context of a forward (layers and loss) in the training's precision: torch.autocast
+        to bf16 or fp16, nothing for fp32."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.autocast_dtype)
+
+    def check_precision(self, device: torch.device) -> None:
+        """ModelError naming the precision and the device when the device cannot run it."""
+        precision = self.training.precision
+        if self.autocast_dtype is None:
+            return
+        supported = torch.amp.is_autocast_available(device.type)
+        if supported and device.type == "cuda" and self.autocast_dtype == torch.bfloat16:
+            supported = torch.cuda.is_bf16_supported()
+        if not supported:
+            raise ModelError(f"precision {precision!r} is not supported on device {device}")
 
     def layer_name(self, index: int, module: nn.Module) -> str:
         return f"{index}:{type(module).__name__}"
@@ -104,20 +163,81 @@ class Trainable:
     # data -------------------------------------------------------------------------------------
 
     def sample_ids(self, step: int, micro_batch: int, global_batch: int, size: int) -> range:
-        """`global_batch` is the job's B, whatever a plan trains (chameleond.worker.samples)."""
+        """The sample POSITIONS of a micro-batch; `global_batch` is the job's B, whatever a plan
+        trains (chameleond.worker.samples). `reader` maps positions to samples."""
         return samples.sample_ids(step, micro_batch, global_batch, size)
+
+    def sample_id_list(
+        self, step: int, micro_batch: int, global_batch: int, size: int
+    ) -> list[int]:
+        """The sample ids a micro-batch reads, without reading them: map-style, dataset indexes
+        (shuffled or not); a stream, the positions."""
+        return self.reader.sample_ids(self.sample_ids(step, micro_batch, global_batch, size))
+
+    def expect(self, step: int, micro_batches: Sequence[int], job_batch: int, size: int) -> None:
+        """This worker reads `micro_batches` of `step` (one entry per read): the prefetcher prepares
+        them in its thread (sampler.Prefetcher.expect)."""
+        self._prefetcher.expect(step, micro_batches, job_batch, size)
 
     def batch(
         self, step: int, micro_batch: int, global_batch: int, size: int, device: torch.device
     ) -> Batch:
         """Global micro-batch `micro_batch` of step `step` of a job of global batch `global_batch`,
-        collated, on `device`."""
-        data, n = self.training.dataset, len(self.training.dataset)
-        ids = self.sample_ids(step, micro_batch, global_batch, size)
-        return to_device(self.training.collate([data[i % n] for i in ids]), device)
+        collated, on `device`: prefetched if it was expected, else read here."""
+        got = self._prefetcher.take((step, micro_batch, global_batch, size))
+        self._read_ids[(step, micro_batch)] = got.samples
+        if self.read_log is not None:
+            self.read_log.append(sampler.Read(step, micro_batch, got.positions, got.samples))
+        return to_device(got.batch, device)
+
+    def read_ids(self, step: int, micro_batches: Sequence[int]) -> tuple[int, ...]:
+        """The sample ids (a stream's: the index in its pass) of `micro_batches` of `step` as
+        this worker read them; forgets every read of `step` and before."""
+        ids = tuple(i for g in micro_batches for i in self._read_ids.get((step, g), ()))
+        for key in [k for k in self._read_ids if k[0] <= step]:
+            del self._read_ids[key]
+        return ids
+
+    def data_stats(self) -> dict[str, float]:
+        """Seconds spent preparing micro-batches (reading, collating), seconds the training thread
+        waited for one, and `overlap`: the share of preparation hidden behind compute."""
+        prepare, wait = self._prefetcher.prepare_seconds, self._prefetcher.wait_seconds
+        overlap = min(1.0, max(0.0, 1.0 - wait / prepare)) if prepare > 0 else 0.0
+        return {"prepare_seconds": prepare, "wait_seconds": wait, "overlap": overlap}
+
+    def close(self) -> None:
+        """Stops the prefetch thread; later reads are made in the reading thread."""
+        self._prefetcher.close()
+
+    def _prepare(self, key: sampler.Key) -> sampler.Prepared:
+        positions = self.sample_ids(*key)
+        ids, read = self.reader.read(positions)
+        return sampler.Prepared(positions, tuple(ids), self.training.collate(read))
 
     def inputs(self, batch: Batch) -> torch.Tensor:
         return self.training.inputs(batch)
+
+    def evaluation_steps(self) -> int:
+        """How many evaluation steps of B samples `Training.evaluation`'s held-out set gives (0:
+        no evaluation); ModelError naming what is wrong with it."""
+        evaluation = self.training.evaluation
+        if evaluation is None:
+            return 0
+        every = evaluation.every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ModelError(f"Evaluation.every must be an integer >= 1, got {every!r}")
+        n = len(evaluation.dataset)
+        samples = min(evaluation.samples or n, n)
+        if samples < self.training.global_batch:
+            raise ModelError(
+                f"the evaluation set has {samples} samples, fewer than one global batch of "
+                f"{self.training.global_batch}"
+            )
+        return samples // self.training.global_batch
+
+    def tokens(self, batch: Batch) -> int:
+        """The tokens of a micro-batch (`Training.tokens`), for the tokens/s figures."""
+        return int(self.training.tokens(batch))
 
     def loss_sum(self, output: torch.Tensor, batch: Batch, samples: int) -> torch.Tensor:
         """The sum of the micro-batch's per-sample losses (PAPER.md section 8)."""
@@ -132,8 +252,9 @@ class Trainable:
     def data_digest(self) -> str:
         """Names the data: the first micro-batch's tensors (two workers reading different data
         would pair one text's inputs with another's targets)."""
-        h = hashlib.sha256(str(len(self.training.dataset)).encode())
-        _digest(self.batch(0, 0, self.training.global_batch, 1, torch.device("cpu")), h)
+        h = hashlib.sha256(self.reader.name.encode())
+        first = self._prepare((0, 0, self.training.global_batch, self.training.micro_batch))
+        sampler.sample_digest(first.batch, h)
         return h.hexdigest()[:16]
 
     # checks -----------------------------------------------------------------------------------
@@ -147,7 +268,8 @@ class Trainable:
         return params[where[1]]
 
     def _check_ties(self) -> None:
-        self.tie_shapes: list[tuple[torch.Size, torch.dtype]] = []  # per tie: the parameter's
+        self.tie_shapes: dict[Tie, tuple[torch.Size, torch.dtype]] = {}  # the parameter's
+        self.trained_ties: tuple[Tie, ...] = ()  # the ties of trainable (not frozen) parameters
         for tie in self.ties:
             for i, _ in (tie.first, tie.second):
                 if not 0 <= i < self.n_layers:
@@ -161,7 +283,9 @@ class Trainable:
                     f"tie {tie}: layer {tie.first[0]}'s {tie.first[1]} and layer "
                     f"{tie.second[0]}'s {tie.second[1]} must start equal (same shape and values)"
                 )
-            self.tie_shapes.append((a.shape, a.dtype))
+            self.tie_shapes[tie] = (a.shape, a.dtype)
+            if a.requires_grad:
+                self.trained_ties += (tie,)
 
     def _fingerprint(self) -> str:
         """Names the model in checkpoints: layers, parameter names and shapes, optimizer."""
@@ -171,20 +295,6 @@ class Trainable:
             for name, p in module.named_parameters():
                 h.update(f"{i}.{name}:{tuple(p.shape)}:{p.dtype};".encode())
         return h.hexdigest()[:16]
-
-
-def _digest(value: Any, h: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        h.update(value.detach().contiguous().cpu().numpy().tobytes())
-    elif isinstance(value, Mapping):
-        for k in sorted(value):
-            h.update(str(k).encode())
-            _digest(value[k], h)
-    elif isinstance(value, tuple | list):
-        for v in value:
-            _digest(v, h)
-    else:
-        h.update(repr(value).encode())
 
 
 def _check_shared(modules: Sequence[nn.Module], ties: Sequence[Tie]) -> None:

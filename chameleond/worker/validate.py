@@ -28,7 +28,11 @@ class Output:
 
 
 def check_model(model: Trainable, micro_batch: int, device: torch.device) -> list[Output]:
-    """Each layer's output for one micro-batch; ModelError for a layer that breaks the rules."""
+    """Each layer's output for one micro-batch; ModelError for a layer that breaks the rules.
+    The layers run in the training's precision (autocast), so the shapes and dtypes found are the
+    messages' in training."""
+    model.check_precision(device)
+    autocast = model.autocast(device)
     global_batch = model.training.global_batch
     batches = [
         model.batch(0, g, global_batch, micro_batch, device)
@@ -44,7 +48,7 @@ def check_model(model: Trainable, micro_batch: int, device: torch.device) -> lis
     for i in range(model.n_layers):
         module = model.build(i).to(device)
         what = f"layer {i} ({type(module).__name__})"
-        with torch.no_grad():
+        with torch.no_grad(), autocast:
             ys = [module(x) for x in xs]
             again = module(xs[0])
         for y in (*ys, again):
@@ -72,6 +76,6 @@ def check_model(model: Trainable, micro_batch: int, device: torch.device) -> lis
             )
         outputs.append(Output(tuple(ys[0].shape), ys[0].dtype))
         xs = ys
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         model.loss_sum(xs[0], batches[0], micro_batch)
     return outputs

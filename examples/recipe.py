@@ -1,0 +1,319 @@
+"""A training recipe as teams write it, under chameleond: a Hugging Face GPT-2 (built from a config,
+random weights, no download), AdamW with named param groups (no weight decay on biases and norms),
+linear warm-up then cosine decay, global gradient clipping, shuffled data, mixed precision,
+optionally LoRA adapters (peft) on a frozen base model or a streaming dataset, and a per-step
+callback that a trainer would point at TensorBoard or W&B (here: one JSON line per step).
+
+    python examples/recipe.py --job J --worker-id w0       # one worker (chameleon-worker's flags)
+    python examples/recipe.py --plain --spec SPEC --steps N --out losses.json
+                                                           # the same recipe in a plain torch loop
+
+The job's spec gives the model and the recipe in `[model.arch]` (keys and defaults: `ARCH`). With
+RECIPE_LOG=DIR each worker appends its committed steps to DIR/<worker>.jsonl (`on_step`).
+
+`--plain` is this recipe without chameleond, as its team would write it: the whole model in one
+process, one AdamW over the model's named parameters, `torch.autocast` and `torch.amp.GradScaler`,
+`clip_grad_norm_`, the samples in the order the library's shuffle gives them
+(`chameleond.worker.sampler.permutation`, one permutation of the dataset per epoch from the seed).
+`chameleonctl bench training` compares the two step for step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from chameleond.hf import causal_lm_loss, split_causal_lm
+from chameleond.worker import Evaluation, Job, StepInfo, Training, run
+
+# [model.arch] keys and their defaults.
+ARCH: dict[str, Any] = {
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 2,
+    "seq_len": 16,
+    "vocab": 128,
+    "seed": 0,
+    "lr": 3e-3,
+    "weight_decay": 0.1,
+    "warmup": 4,  # steps of linear warm-up
+    "total_steps": 200,  # the cosine reaches 10% of lr here
+    "max_grad_norm": 0.5,
+    "precision": "fp32",
+    "loss_scale": 65536.0,  # fp16: the initial loss scale
+    "shuffle": True,
+    "samples": 600,  # dataset size (an epoch)
+    "stream": False,  # a streaming datasets.IterableDataset instead of a map-style one
+    "lora": False,  # LoRA adapters (r=4) on the attention and MLP projections, base frozen
+    "eval_every": 0,  # a held-out loss every N steps (0: none)
+    "eval_samples": 16,  # held-out samples (ids past the training set's)
+}
+
+
+def arch_of(table: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(table) - set(ARCH))
+    if unknown:
+        raise ValueError(f"model.arch: unknown keys {unknown}; known: {sorted(ARCH)}")
+    return {**ARCH, **table}
+
+
+def model_of(arch: Mapping[str, Any]) -> torch.nn.Module:
+    """The same initial model on every worker and in the plain loop: seeded, dropout off (a
+    rerouted micro-batch computes on another worker exactly what it computes on its own)."""
+    torch.manual_seed(arch["seed"])
+    config = GPT2Config(
+        vocab_size=arch["vocab"],
+        n_positions=arch["seq_len"],
+        n_embd=arch["n_embd"],
+        n_layer=arch["n_layer"],
+        n_head=arch["n_head"],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(config)
+    if arch["lora"]:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True)
+        model = get_peft_model(model, lora).base_model.model  # the LM with adapters inside
+    return model
+
+
+def sample(i: int, arch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Sample i: a token sequence with a pattern to learn (a start and a stride drawn from i)."""
+    g = torch.Generator().manual_seed(int(arch["seed"]) * 1_000_003 + i)
+    start = int(torch.randint(0, arch["vocab"], (1,), generator=g))
+    ids = (start + torch.arange(arch["seq_len"]) * (1 + i % 5)) % arch["vocab"]
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def dataset(arch: Mapping[str, Any]) -> Any:
+    """The data as a Hugging Face `datasets` dataset: map-style, or a stream."""
+    import datasets
+
+    n = int(arch["samples"])
+    if arch["stream"]:
+
+        def gen() -> Iterator[dict[str, Any]]:
+            for i in range(n):
+                yield {k: v.tolist() for k, v in sample(i, arch).items()}
+
+        return datasets.IterableDataset.from_generator(gen).with_format("torch")
+    rows = [sample(i, arch) for i in range(n)]
+    table = {k: [r[k].tolist() for r in rows] for k in ("input_ids", "labels")}
+    return datasets.Dataset.from_dict(table).with_format("torch")
+
+
+def held_out(arch: Mapping[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """Samples the training set does not hold: the ids after its last."""
+    n = int(arch["samples"])
+    return [sample(n + i, arch) for i in range(int(arch["eval_samples"]))]
+
+
+def param_groups(named: list[tuple[str, torch.nn.Parameter]], decay: float) -> list[dict[str, Any]]:
+    """No weight decay on biases and norms: the named groups of every LLM recipe."""
+
+    def no_decay(name: str) -> bool:
+        return name.endswith(".bias") or ".ln_" in name or "ln_f" in name
+
+    groups = [
+        {"params": [(n, p) for n, p in named if not no_decay(n)], "weight_decay": decay},
+        {"params": [(n, p) for n, p in named if no_decay(n)], "weight_decay": 0.0},
+    ]
+    # The optimizer is built per layer, and a layer may have no parameter of a group (the
+    # embeddings have no bias): torch refuses an empty named group.
+    return [g for g in groups if g["params"]]
+
+
+def optimizer_of(arch: Mapping[str, Any]) -> Any:
+    def make(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups(named, arch["weight_decay"]), lr=arch["lr"])
+
+    return make
+
+
+def schedule_of(arch: Mapping[str, Any]) -> Any:
+    warmup, total = int(arch["warmup"]), int(arch["total_steps"])
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def log_step(info: StepInfo) -> None:
+    """The trainer's callback: one JSON line per committed step and worker."""
+    where = os.environ.get("RECIPE_LOG")
+    if not where:
+        return
+    line = {
+        "step": info.step,
+        "generation": info.generation,
+        "rank": info.rank,
+        "loss": info.loss,
+        "grad_norm": info.grad_norm,
+        "lr": info.learning_rate,
+        "samples": info.samples,
+        "skipped": info.skipped_samples,
+        "tokens": info.tokens,
+        "overflow": info.overflow,
+        "loss_scale": info.loss_scale,
+        "synced_bytes": info.synced_bytes,
+        "sample_ids": list(info.sample_ids),
+        "data_overlap": info.data_overlap,
+        "eval_loss": info.eval_loss,
+    }
+    with open(Path(where) / f"{info.worker}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def training(job: Job) -> Training:
+    arch = arch_of(job.arch)
+    return Training(
+        model=split_causal_lm(model_of(arch)),
+        loss=causal_lm_loss,
+        dataset=dataset(arch),
+        optimizer=optimizer_of(arch),
+        scheduler=schedule_of(arch),
+        global_batch=job.global_batch,
+        micro_batch=job.micro_batch,
+        precision=arch["precision"],
+        loss_scale=float(arch["loss_scale"]),
+        max_grad_norm=arch["max_grad_norm"],
+        shuffle=bool(arch["shuffle"]) and not arch["stream"],  # a stream is read in its order
+        seed=int(arch["seed"]),
+        on_step=log_step,
+        evaluation=Evaluation(held_out(arch), every=arch["eval_every"])
+        if arch["eval_every"]
+        else None,
+        name="GPT2LMHeadModel",
+    )
+
+
+# -- the same recipe without chameleond ----------------------------------------------------------
+
+
+def plain(
+    spec_path: Path, steps: int, trained: Mapping[int, list[int]] | None = None
+) -> dict[str, Any]:
+    """`steps` steps of the recipe in one process: per step its mean loss, gradient norm (before
+    clipping), learning rate, whether fp16 overflowed, and the sample ids it trained.
+    `trained[step]`: the micro-batches the step trains (default: all), as a chameleond `drop`
+    plan trains fewer: the samples of the others are skipped, not moved."""
+    from chameleond.core.spec import load_spec
+    from chameleond.worker.sampler import permutation
+
+    torch.set_num_threads(1)  # the workers' kernels
+    spec = load_spec(spec_path)
+    arch = arch_of(spec.arch)
+    B, b = spec.training.global_batch, spec.training.micro_batch
+    model = model_of(arch)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = optimizer_of(arch)(named)
+    sched = schedule_of(arch)(opt)
+    precision = arch["precision"]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(
+        "cpu", init_scale=float(arch["loss_scale"]), enabled=precision == "fp16"
+    )
+    data = dataset(arch)
+    n = int(arch["samples"])
+    stream = iter(data) if arch["stream"] else None
+
+    def sample_id(position: int) -> int:
+        if arch["stream"] or not arch["shuffle"]:
+            return position % n
+        return int(permutation(n, int(arch["seed"]), position // n)[position % n])
+
+    keys = ("loss", "grad_norm", "lr", "overflow", "ids", "eval_loss")
+    out: dict[str, list[Any]] = {k: [] for k in keys}
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        ids = [sample_id(step * B + k) for k in range(B)]
+        rows_of = [next(stream) for _ in ids] if stream is not None else None
+        every = list(range(B // b))
+        micro_batches = every if trained is None else trained.get(step, every)
+        samples = len(micro_batches) * b
+        used: list[int] = []
+        for g in micro_batches:
+            part = ids[g * b : (g + 1) * b]
+            used += part
+            rows = rows_of[g * b : (g + 1) * b] if rows_of else [data[i] for i in part]
+            batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                logits = model(input_ids=batch["input_ids"]).logits
+                per_sample = causal_lm_loss(logits, batch)
+            loss = per_sample.sum() / samples
+            scaler.scale(loss).backward()
+            total += float(per_sample.detach().double().sum())
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(
+            [p for _, p in named], arch["max_grad_norm"] or math.inf
+        )
+        scale_before = scaler.get_scale() if scaler.is_enabled() else 1.0
+        scaler.step(opt)
+        scaler.update()
+        overflow = scaler.is_enabled() and scaler.get_scale() < scale_before
+        out["lr"].append(float(opt.param_groups[0]["lr"]))
+        sched.step()
+        out["loss"].append(total / samples)
+        out["grad_norm"].append(float(norm))
+        out["overflow"].append(bool(overflow))
+        out["ids"].append(used)
+        every = int(arch["eval_every"])
+        out["eval_loss"].append(
+            evaluate(model, arch, B) if every and (step + 1) % every == 0 else None
+        )
+    return out
+
+
+def evaluate(model: torch.nn.Module, arch: Mapping[str, Any], global_batch: int) -> float:
+    """The mean per-sample loss on the held-out samples (whole global batches), in eval mode."""
+    rows = held_out(arch)
+    rows = rows[: len(rows) // global_batch * global_batch]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(arch["precision"])
+    model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+        batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+        total = float(causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch).sum())
+    model.train()
+    return total / len(rows)
+
+
+def main() -> int:
+    if "--plain" not in sys.argv:
+        return run(training)
+    parser = argparse.ArgumentParser(description="the recipe in a plain torch loop")
+    parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--spec", type=Path, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--trained", type=Path, help="JSON {step: [micro-batch, ...]}: the steps a drop thinned"
+    )
+    args = parser.parse_args()
+    trained = None
+    if args.trained is not None:
+        trained = {int(s): gs for s, gs in json.loads(args.trained.read_text()).items()}
+    args.out.write_text(json.dumps(plain(args.spec, args.steps, trained)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
