@@ -65,16 +65,25 @@ class Profile:
 
 @dataclass(frozen=True)
 class Step:
-    """A worker committed a step of a generation."""
+    """A worker committed a step of a generation. Its seconds are the worker's own; what it trained
+    (samples, loss and the figures after it) is the whole step's, the same on every worker of the
+    plan. The figures after `vote_seconds` are optional on the wire (older workers send none)."""
 
     type: ClassVar[str] = "step"
     worker: str
     generation: int
     step: int
-    samples: int
+    samples: int  # trained: the job's global batch, or fewer under a drop plan
     seconds: float
     loss: float
     vote_seconds: float | None = None
+    grad_norm: float | None = None  # the global gradient norm before clipping; None: not sent
+    learning_rate: float | None = None  # wire `lr`
+    tokens: int | None = None  # trained in the step
+    skipped_samples: int = 0  # wire `skipped`: samples of the global batch a drop plan left out
+    overflow: bool = False  # fp16: inf/nan gradients, so the update was skipped
+    loss_scale: float | None = None  # fp16's dynamic loss scale the step ran with
+    eval_loss: float | None = None  # a held-out evaluation ran after this step: its mean loss
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,9 @@ MAX_SAMPLES = 2**40
 MAX_BYTES = 2**60  # memory and checkpoint sizes
 MAX_LAYER_ID = 2**20
 MAX_SECONDS = 1e9  # about 30 years
-MAX_LOSS = 1e30
+MAX_LOSS = 1e30  # `loss`, `eval_loss`
+MAX_FIGURE = 1e30  # `grad_norm`, `lr`, `loss_scale`: finite, so a gauge and JSON can hold them
+MAX_TOKENS = MAX_COUNT  # tokens of one step
 # Where every process of a job may take its Redis URL from instead of a flag, so that a password in
 # it stays out of the process list.
 REDIS_URL_ENV = "CHAMELEON_REDIS_URL"
@@ -328,6 +330,7 @@ def _profile(f: Mapping[str, str]) -> Profile:
 
 def _step(f: Mapping[str, str]) -> Step:
     worker = _ident(f, "worker")
+    overflow = _flag(f, "overflow")
     return Step(
         worker,
         generation=_int(f, "generation", minimum=1),
@@ -336,7 +339,39 @@ def _step(f: Mapping[str, str]) -> Step:
         seconds=_float(f, "seconds"),
         loss=_float(f, "loss", maximum=MAX_LOSS),
         vote_seconds=_float(f, "vote_seconds") if "vote_seconds" in f else None,
+        grad_norm=_grad_norm(f, overflow),
+        learning_rate=_float(f, "lr", maximum=MAX_FIGURE) if "lr" in f else None,
+        tokens=_int(f, "tokens", maximum=MAX_TOKENS) if "tokens" in f else None,
+        skipped_samples=_int(f, "skipped", maximum=MAX_SAMPLES) if "skipped" in f else 0,
+        overflow=overflow,
+        loss_scale=_positive(f, "loss_scale", MAX_FIGURE) if "loss_scale" in f else None,
+        eval_loss=_float(f, "eval_loss", maximum=MAX_LOSS) if "eval_loss" in f else None,
     )
+
+
+def _flag(f: Mapping[str, str], key: str) -> bool:
+    """An optional "1"/"0" field; absent is "0"."""
+    v = f.get(key, "0")
+    if v not in ("0", "1"):
+        raise EventError(f"field {key!r} must be 1 or 0, got {_show(v)}")
+    return v == "1"
+
+
+def _positive(f: Mapping[str, str], key: str, maximum: float) -> float:
+    v = _float(f, key, maximum=maximum)
+    if v == 0:
+        raise EventError(f"field {key!r} must be above 0, got {_show(f[key])}")
+    return v
+
+
+def _grad_norm(f: Mapping[str, str], overflow: bool) -> float | None:
+    """`grad_norm`, when sent. A step that overflowed had inf/nan gradients, so their norm is
+    inf or nan: accepted then, as no norm (None), rather than dead-lettering a committed step."""
+    if "grad_norm" not in f:
+        return None
+    if overflow and f["grad_norm"].strip().lower().lstrip("+-") in ("inf", "infinity", "nan"):
+        return None
+    return _float(f, "grad_norm", maximum=MAX_FIGURE)
 
 
 def _checkpoint(f: Mapping[str, str]) -> Checkpoint:

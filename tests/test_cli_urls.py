@@ -18,6 +18,7 @@ COMMANDS = {
     "chameleond run": ["chameleond.daemon.cli", "run", "--redis-url"],
     "chameleonctl status": ["chameleond.cli.ctl", "status", "--redis-url"],
     "chameleonctl inject": ["chameleond.cli.ctl", "inject", "--worker", "w1", "--redis-url"],
+    "chameleonctl steps": ["chameleond.cli.ctl", "steps", "--redis-url"],
     "chameleonctl up": ["chameleond.cli.ctl", "up", "--redis-url"],
     "chameleon-worker": ["chameleond.worker.main", "--worker-id", "w0", "--redis-url"],
 }
@@ -47,6 +48,7 @@ def test_a_bad_url_is_a_one_line_usage_error_without_the_password(
         ["chameleond.daemon.cli", "run", "--block-ms", "soon"],
         ["chameleond.cli.ctl", "status", "--bogus"],
         ["chameleond.cli.ctl", "inject"],
+        ["chameleond.cli.ctl", "steps", "--last", "many"],
         ["chameleond.cli.ctl", "bench", "nothing"],
         ["chameleond.worker.main", "--group-timeout", "x"],
     ],

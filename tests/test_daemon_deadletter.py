@@ -37,6 +37,8 @@ REQUIRED = {
     "ack": ["worker", "generation", "phase"],
 }  # fmt: skip
 NUMERIC = ("generation", "step", "samples", "seconds", "loss", "memory_bytes")
+# A step's optional training figures (docs/protocol.md): absent is fine, malformed is not.
+STEP_FIGURES = ("grad_norm", "lr", "tokens", "skipped", "overflow", "loss_scale", "eval_loss")
 
 not_a_number = st.one_of(
     st.sampled_from(["", "nan", "inf", "-1", "1e400", "one", "0x10", "--2", "NaN"]),
@@ -51,7 +53,8 @@ bad_id = st.one_of(
 @st.composite
 def malformed(draw: st.DrawFn) -> dict[str | bytes, str | bytes]:
     kind = draw(st.sampled_from(["no_type", "unknown_type", "missing", "number", "id", "phase",
-                                 "json", "binary", "stranger", "profile_numbers"]))  # fmt: skip
+                                 "json", "binary", "stranger", "profile_numbers",
+                                 "step_figure"]))  # fmt: skip
     etype = draw(st.sampled_from(sorted(VALID)))
     fields: dict[str | bytes, str | bytes] = dict(VALID[etype])
     if kind == "no_type":
@@ -81,6 +84,11 @@ def malformed(draw: st.DrawFn) -> dict[str | bytes, str | bytes]:
         fields[draw(st.sampled_from(["worker", "type"]))] = b"\xff\xfe" + draw(
             st.binary(max_size=4)
         )
+    elif kind == "step_figure":
+        fields = dict(VALID["step"])
+        figure = draw(st.sampled_from(STEP_FIGURES))
+        bad = not_a_number.filter(lambda v: not _handler_level({**fields, figure: v}))
+        fields[figure] = draw(bad)
     elif kind == "stranger":
         fields = {"type": "fault", "worker": draw(st.sampled_from(["w99", "gpu7", "node-a"]))}
     else:

@@ -77,3 +77,36 @@ def test_the_status_page_shows_state_plan_and_last_decision_in_a_browser(
     assert shot.returncode == 0, shot.stderr[-2000:]
     assert png.read_bytes()[:4] == b"\x89PNG"
     print(f"status page screenshot: {png}")
+
+
+def test_the_status_page_shows_the_newest_steps_training_figures(
+    daemon: Daemon, redis_client: redis.Redis
+) -> None:
+    """The summary names the newest step's loss, gradient norm, learning rate and throughput, and
+    the newest evaluation's loss with its step (the page as served; no browser needed to read
+    its text)."""
+    workers = Workers(redis_client)
+    workers.run_first_plan()
+    wait_for(lambda: daemon.status()["state"] == "training", 60, "training")
+    for step, extra in ((0, {"eval_loss": 2.75}), (1, {})):
+        for w, seconds in zip(WORKERS, (0.1, 0.2, 0.3, 0.1, 0.2, 0.4), strict=True):
+            workers.send(type="step", worker=w, generation=1, step=step, samples=12,
+                         seconds=seconds, loss=2.5 - step / 10, grad_norm=1.25, lr=3e-4,
+                         tokens=1536, **extra)  # fmt: skip
+
+    def summary() -> str | None:
+        code, html = daemon.get("/")
+        if code != 200 or "<td>Step</td><td>1</td>" not in str(html):
+            return None
+        return str(html).split("<table id=summary>", 1)[1].split("</table>", 1)[0]
+
+    table = wait_for(summary, 30, "step 1 on the status page")
+    for name, value in (
+        ("Loss", "2.4000"),
+        ("Gradient norm", "1.2500"),
+        ("Learning rate", "0.0003"),
+        ("Throughput (tokens/s)", "3840"),
+        ("Eval loss", "2.7500 (after step 0)"),
+    ):
+        assert f"<td>{name}</td><td>{value}</td>" in table, (name, table)
+    assert "<td>Throughput (samples/s)</td><td>measured 30.0, estimated" in table

@@ -7,10 +7,15 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+from job_harness import WORKERS, send, training_job
 from prometheus_client.parser import text_string_to_metric_families
 
 from chameleond.core.machine import Phase
-from chameleond.daemon.metrics import Metrics
+from chameleond.daemon import views
+from chameleond.daemon.config import load
+from chameleond.daemon.metrics import Metrics, TrainingFigures
+from chameleond.jobstate.job import Job
 
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 NAMES = {
@@ -34,7 +39,24 @@ NAMES = {
     "chameleon_checkpoint_step": "gauge",
     "chameleon_leader": "gauge",
     "chameleon_forged_messages": "counter",
+    "chameleon_training_loss": "gauge",
+    "chameleon_training_grad_norm": "gauge",
+    "chameleon_training_learning_rate": "gauge",
+    "chameleon_training_loss_scale": "gauge",
+    "chameleon_eval_loss": "gauge",
+    "chameleon_training_throughput_tokens_per_second": "gauge",
+    "chameleon_trained_samples": "counter",
+    "chameleon_trained_tokens": "counter",
+    "chameleon_skipped_samples": "counter",
+    "chameleon_overflow_steps": "counter",
 }
+# The figures the workers may leave out of a step (an older worker, fp32, no evaluation): no
+# series until a step names them.
+OPTIONAL = {
+    "chameleon_training_loss", "chameleon_training_grad_norm", "chameleon_training_learning_rate",
+    "chameleon_training_loss_scale", "chameleon_eval_loss",
+    "chameleon_training_throughput_tokens_per_second",
+}  # fmt: skip
 
 
 def populated() -> Metrics:
@@ -54,6 +76,13 @@ def populated() -> Metrics:
     m.attempt.set(2)
     m.set_phase(Phase.TRANSITIONING)
     m.checkpoint_step.set(19)
+    m.set_training(
+        TrainingFigures(
+            loss=2.31, grad_norm=0.82, learning_rate=3e-4, loss_scale=65536.0, eval_loss=2.45,
+            tokens_per_second=71_800.0, trained_samples=1200, trained_tokens=153_600,
+            skipped_samples=48, overflow_steps=2,
+        )
+    )  # fmt: skip
     return m
 
 
@@ -118,3 +147,90 @@ def test_alert_rules_pass_promtool_check_and_their_unit_tests() -> None:
         cwd=tests.parent, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _samples(m: Metrics) -> dict[str, float]:
+    """Every sample of the exposition without labels: name -> value."""
+    text = m.exposition().decode()
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.labels and not s.name.endswith("_created")
+    }
+
+
+def _step(j: Job, step: int, seconds: tuple[float, ...], **figures: object) -> None:
+    """Step `step` of generation 1 as every worker of the plan reports it: its own seconds, the
+    step's figures (the same in every report)."""
+    for entry, (w, sec) in enumerate(zip(WORKERS, seconds, strict=True)):
+        fields = {"worker": w, "generation": 1, "step": step, "seconds": sec, **figures}
+        send(j, f"{step}-{entry}", type="step", vote_seconds=0.01, at=1.0, **fields)
+
+
+def test_training_figures_count_each_step_once_whoever_reports_it() -> None:
+    """Real step events through the handlers: six workers report each step, and what it trained
+    counts once; the gauges show the newest step, the eval loss the newest evaluation; a figure
+    no step named is no series (not a zero)."""
+    j, m, cfg = training_job(), Metrics(), load(None, {}, {})
+    views.refresh_gauges(j, m, cfg)
+    before = _samples(m)
+    assert not OPTIONAL & set(before)
+    assert before["chameleon_trained_samples_total"] == 0
+    assert before["chameleon_overflow_steps_total"] == 0
+
+    figures = dict(samples=12, loss=2.5, grad_norm=1.25, lr=3e-4, tokens=1536, skipped=0,
+                   overflow=0, loss_scale=65536.0)  # fmt: skip
+    _step(j, 0, (0.1, 0.2, 0.3, 0.1, 0.2, 0.4), **figures)
+    # fp16 overflowed: the norm of inf gradients is none; the loss scale halves.
+    _step(j, 1, (0.3,) * 6, **{**figures, "loss": 2.4, "grad_norm": "inf", "overflow": 1,
+                               "loss_scale": 32768.0, "eval_loss": 2.75})  # fmt: skip
+    views.refresh_gauges(j, m, cfg)
+    mid = _samples(m)
+    assert "chameleon_training_grad_norm" not in mid  # the overflowed step had none
+    assert mid["chameleon_overflow_steps_total"] == 1
+    assert mid["chameleon_training_loss_scale"] == 32768.0
+    assert mid["chameleon_eval_loss"] == 2.75
+
+    # A drop plan's step: 8 of the 12 samples trained. A late copy of step 0 changes nothing.
+    dropped = {**figures, "samples": 8, "skipped": 4, "tokens": 1024, "loss": 2.2, "lr": 2e-4}
+    _step(j, 2, (0.2, 0.2, 0.2, 0.2, 0.2, 0.25), **dropped)
+    late = send(j, "9-0", type="step", worker="w0", generation=1, step=0, seconds=0.1,
+                **figures)  # fmt: skip
+    assert late.duplicate
+    views.refresh_gauges(j, m, cfg)
+    after = _samples(m)
+    assert after["chameleon_trained_samples_total"] == 12 + 12 + 8
+    assert after["chameleon_trained_tokens_total"] == 1536 * 2 + 1024
+    assert after["chameleon_skipped_samples_total"] == 4
+    assert after["chameleon_overflow_steps_total"] == 1
+    assert after["chameleon_training_loss"] == 2.2
+    assert after["chameleon_training_grad_norm"] == 1.25
+    assert after["chameleon_training_learning_rate"] == 2e-4
+    assert after["chameleon_eval_loss"] == 2.75  # the newest evaluation, two steps back
+    assert after["chameleon_training_throughput_samples_per_second"] == pytest.approx(8 / 0.25)
+    assert after["chameleon_training_throughput_tokens_per_second"] == pytest.approx(1024 / 0.25)
+
+    progress = views.status(j, cfg)["progress"]
+    assert {k: progress[k] for k in ("step", "loss", "grad_norm", "learning_rate", "eval_loss",
+                                     "eval_step", "loss_scale")} == {
+        "step": 2, "loss": 2.2, "grad_norm": 1.25, "learning_rate": 2e-4, "eval_loss": 2.75,
+        "eval_step": 1, "loss_scale": 65536.0,
+    }  # fmt: skip
+    assert progress["tokens_per_second"] == pytest.approx(1024 / 0.25)
+    assert progress["samples_per_second"] == pytest.approx(8 / 0.25)
+
+
+def test_steps_from_older_workers_leave_their_figures_out() -> None:
+    """A worker that sends only the loss (before these figures existed) still counts its samples;
+    the figures it did not send are no series."""
+    j, m, cfg = training_job(), Metrics(), load(None, {}, {})
+    _step(j, 0, (0.5,) * 6, samples=12, loss=3.0)
+    views.refresh_gauges(j, m, cfg)
+    got = _samples(m)
+    assert got["chameleon_training_loss"] == 3.0
+    assert got["chameleon_trained_samples_total"] == 12
+    assert got["chameleon_trained_tokens_total"] == 0
+    assert not (OPTIONAL - {"chameleon_training_loss"}) & set(got)
+    progress = views.status(j, cfg)["progress"]
+    assert progress["grad_norm"] is progress["tokens_per_second"] is progress["eval_loss"] is None

@@ -59,6 +59,9 @@ def test_keys_live_under_the_job_prefix() -> None:
         {"type": "profile", "worker": "w3", "data": json.dumps({"layers": []})},
         {"type": "step", "worker": "w3", "generation": "2", "step": "0", "samples": "12",
          "seconds": "0.5", "loss": "5.5"},
+        {"type": "step", "worker": "w3", "generation": "2", "step": "0", "samples": "8",
+         "seconds": "0.5", "loss": "5.5", "grad_norm": "0.75", "lr": "0.0003", "tokens": "1024",
+         "skipped": "4", "overflow": "0", "loss_scale": "65536.0", "eval_loss": "5.9"},
         {"type": "ack", "worker": "w3", "generation": "2", "phase": "ready"},
         {"type": "ack", "worker": "w3", "generation": "2", "phase": "stopped"},
         {"type": "checkpoint", "worker": "w3", "step": "19", "generation": "2", "layers": "0,1,2"},
@@ -80,6 +83,8 @@ def test_events_arrive_typed_with_their_defaults() -> None:
          "seconds": "0.5", "loss": "5.5"}
     )  # fmt: skip
     assert step == Step("w1", generation=2, step=7, samples=12, seconds=0.5, loss=5.5)
+    assert (step.grad_norm, step.learning_rate, step.tokens, step.eval_loss) == (None,) * 4
+    assert (step.skipped_samples, step.overflow, step.loss_scale) == (0, False, None)
     assert parse_event({"type": "fault", "node": "n3"}) == Fault("n3", cause="", generation=None)
     assert parse_event({"type": "fault", "worker": "w3", "generation": "4", "cause": "ECC"}) == (
         Fault("w3", cause="ECC", generation=4)
@@ -92,6 +97,17 @@ def test_events_arrive_typed_with_their_defaults() -> None:
     assert isinstance(gone, Ack) and (gone.phase, gone.step, gone.cause) == (
         AckPhase.UNRESTORABLE, 9, ""
     )  # fmt: skip
+    full = parse_event(
+        {"type": "step", "worker": "w1", "generation": "2", "step": "7", "samples": "8",
+         "seconds": "0.5", "loss": "5.5", "vote_seconds": "0.1", "grad_norm": "0.75",
+         "lr": "3e-4", "tokens": "1024", "skipped": "4", "overflow": "1", "loss_scale": "2048",
+         "eval_loss": "5.9", "at": "1700000000.5"}
+    )  # fmt: skip
+    assert full == Step(
+        "w1", generation=2, step=7, samples=8, seconds=0.5, loss=5.5, vote_seconds=0.1,
+        grad_norm=0.75, learning_rate=3e-4, tokens=1024, skipped_samples=4, overflow=True,
+        loss_scale=2048.0, eval_loss=5.9,
+    )  # fmt: skip
     reg = parse_event({"type": "register", "worker": "w1", "host": "h", "memory_bytes": "8"})
     assert reg == Register("w1", "h", 8, device="cpu")
     cp = parse_event(
@@ -99,6 +115,23 @@ def test_events_arrive_typed_with_their_defaults() -> None:
          "bytes": "4096"}
     )  # fmt: skip
     assert cp == Checkpoint("w1", 2, 4, (2, 0), size_bytes=4096.0)
+
+
+STEP = {"type": "step", "worker": "w3", "generation": "1", "step": "1", "samples": "2",
+        "seconds": "0.1", "loss": "1.0"}  # fmt: skip
+
+
+def test_a_step_whose_fp16_gradients_overflowed_has_no_gradient_norm() -> None:
+    """Its gradients held inf or nan, so their norm is one too: the committed step is still a
+    step (not dead-lettered), with no norm. Without the overflow flag, such a norm is refused."""
+    for norm in ("inf", "nan", "-inf", "Infinity"):
+        step = parse_event({**STEP, "overflow": "1", "grad_norm": norm, "loss_scale": "1024"})
+        assert isinstance(step, Step)
+        assert (step.overflow, step.grad_norm, step.loss_scale) == (True, None, 1024.0)
+    step = parse_event({**STEP, "overflow": "1", "grad_norm": "3.5"})
+    assert isinstance(step, Step) and step.grad_norm == 3.5
+    with pytest.raises(EventError, match="'grad_norm' must be a number"):
+        parse_event({**STEP, "overflow": "1", "grad_norm": "huge"})
 
 
 @pytest.mark.parametrize(
@@ -129,6 +162,18 @@ def test_events_arrive_typed_with_their_defaults() -> None:
         ({"type": "checkpoint", "worker": "w3", "step": "4", "generation": "1", "layers": "1",
           "stall_seconds": "-1"}, "'stall_seconds' must be a finite number in 0.0.."),
         ({"type": b"\xff\xfe"}, "not UTF-8"),
+        ({**STEP, "grad_norm": "-0.5"}, "'grad_norm' must be a finite number in 0.0.."),
+        ({**STEP, "grad_norm": "inf"}, "'grad_norm' must be a finite number"),
+        ({**STEP, "lr": "fast"}, "'lr' must be a number, got 'fast'"),
+        ({**STEP, "lr": "1e31"}, "'lr' must be a finite number in 0.0.."),
+        ({**STEP, "tokens": "1.5"}, "'tokens' must be an integer"),
+        ({**STEP, "tokens": "-1"}, "'tokens' must be in 0..9007199254740991"),
+        ({**STEP, "skipped": "2000000000000"}, "'skipped' must be in 0..1099511627776"),
+        ({**STEP, "overflow": "yes"}, "'overflow' must be 1 or 0, got 'yes'"),
+        ({**STEP, "overflow": ""}, "'overflow' must be 1 or 0"),
+        ({**STEP, "loss_scale": "0"}, "'loss_scale' must be above 0"),
+        ({**STEP, "loss_scale": "-inf"}, "'loss_scale' must be a finite number"),
+        ({**STEP, "eval_loss": "nan"}, "'eval_loss' must be a finite number in 0.0.."),
     ],
 )  # fmt: skip
 def test_malformed_events_say_why(fields: dict[object, object], reason: str) -> None:

@@ -42,13 +42,14 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def redis_client(url: str, command: str) -> redis.Redis | None:
+def redis_client(url: str, command: str, *, decode: bool = True) -> redis.Redis | None:
     """A client for --redis-url (not connected yet), or None once the reason the URL cannot be
-    used is printed. The URL itself is not echoed: it may hold a password."""
+    used is printed. The URL itself is not echoed: it may hold a password. `decode=False` reads
+    bytes (stream entries that anyone may have written, in any encoding)."""
     why = url_error(url)
     if why is None:
         try:
-            return redis.Redis.from_url(url, decode_responses=True, socket_timeout=5)
+            return redis.Redis.from_url(url, decode_responses=decode, socket_timeout=5)
         except (ValueError, TypeError) as e:  # what parse_url let through
             why = scrub_url(str(e), url)
     print(f"chameleonctl {command}: bad --redis-url {why}", file=sys.stderr)

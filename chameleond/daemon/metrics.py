@@ -4,7 +4,12 @@ Names and labels are part of the interface (docs/daemon.md, dashboards/chameleon
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from chameleond.core.machine import Phase
 from chameleond.core.policy import Policy
@@ -16,6 +21,71 @@ POLICY_LABELS = (Policy.REROUTE, Policy.DYNAMIC, Policy.INITIAL, Policy.RESTORE,
 # Decisions take milliseconds to seconds; recoveries seconds to minutes.
 DECISION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 RECOVERY_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300, 600)
+
+
+@dataclass(frozen=True)
+class TrainingFigures:
+    """What the workers report about training, as exported: the newest step's figures (a figure
+    no report has named is None) and what the job trained since this daemon started."""
+
+    loss: float | None = None
+    grad_norm: float | None = None
+    learning_rate: float | None = None
+    loss_scale: float | None = None
+    eval_loss: float | None = None  # the newest held-out evaluation's
+    tokens_per_second: float | None = None  # of the last finished step
+    trained_samples: int = 0
+    trained_tokens: int = 0
+    skipped_samples: int = 0
+    overflow_steps: int = 0
+
+
+# name, help, the TrainingFigures field. A gauge whose figure is None is left out of the
+# exposition (no series, not a zero: a learning rate or a loss of 0 would be a claim).
+TRAINING_GAUGES = (
+    ("chameleon_training_loss", "The newest step's loss (mean per trained sample).", "loss"),
+    ("chameleon_training_grad_norm",
+     "The newest step's global gradient norm, before clipping.", "grad_norm"),
+    ("chameleon_training_learning_rate", "The newest step's learning rate.", "learning_rate"),
+    ("chameleon_training_loss_scale",
+     "The fp16 dynamic loss scale the newest step ran with.", "loss_scale"),
+    ("chameleon_eval_loss", "The newest held-out evaluation's loss.", "eval_loss"),
+    ("chameleon_training_throughput_tokens_per_second",
+     "Measured: tokens of the last finished step over its slowest worker's time.",
+     "tokens_per_second"),
+)  # fmt: skip
+TRAINING_COUNTERS = (
+    ("chameleon_trained_samples",
+     "Samples trained (each step once, however many workers report it).", "trained_samples"),
+    ("chameleon_trained_tokens", "Tokens trained.", "trained_tokens"),
+    ("chameleon_skipped_samples",
+     "Samples of the global batch that a drop plan's steps did not train.", "skipped_samples"),
+    ("chameleon_overflow_steps",
+     "Steps whose fp16 gradients overflowed (inf/nan), so their update was skipped.",
+     "overflow_steps"),
+)  # fmt: skip
+
+
+class TrainingCollector(Collector):
+    """Exports the newest `TrainingFigures` (set by `Metrics.set_training`) at each scrape."""
+
+    def __init__(self) -> None:
+        self.figures = TrainingFigures()
+
+    def describe(self) -> Iterator[Metric]:
+        for name, text, _ in TRAINING_GAUGES:
+            yield GaugeMetricFamily(name, text)
+        for name, text, _ in TRAINING_COUNTERS:
+            yield CounterMetricFamily(name, text)
+
+    def collect(self) -> Iterator[Metric]:
+        f = self.figures
+        for name, text, field in TRAINING_GAUGES:
+            value = getattr(f, field)
+            if value is not None:
+                yield GaugeMetricFamily(name, text, value=value)
+        for name, text, field in TRAINING_COUNTERS:
+            yield CounterMetricFamily(name, text, value=getattr(f, field))
 
 
 class Metrics:
@@ -138,6 +208,8 @@ class Metrics:
             ["state"],
             registry=r,
         )
+        self.training = TrainingCollector()
+        r.register(self.training)
         # Every label value exists from the start, so dashboards and alerts see zeros, not gaps;
         # the children are kept, so counting an event is one dict lookup (the hot path).
         self.event_counters = {
@@ -161,6 +233,9 @@ class Metrics:
     def recovered(self, policy: str, seconds: float) -> None:
         self.recovery_seconds.labels(policy).observe(seconds)
         self.last_recovery_seconds.labels(policy).set(seconds)
+
+    def set_training(self, figures: TrainingFigures) -> None:
+        self.training.figures = figures
 
     def count_event(self, kind: str, outcome: str) -> None:
         self.event_counters[kind, outcome].inc()

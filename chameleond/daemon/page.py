@@ -38,6 +38,18 @@ def _num(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{float(v):.{digits}f}"
 
 
+def _figure(v: Any) -> str:
+    """A number of any magnitude (a learning rate of 3e-4) with 4 significant digits."""
+    return "-" if v is None else f"{float(v):.4g}"
+
+
+def _eval(progress: Mapping[str, Any]) -> str:
+    loss = progress.get("eval_loss")
+    if loss is None:
+        return "none yet"
+    return f"{_num(loss, 4)} (after step {e(progress.get('eval_step'))})"
+
+
 STYLE = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
 h1{font-size:1.4em;margin:0 0 .3em} h2{font-size:1.1em;margin:1.4em 0 .4em}
@@ -92,11 +104,15 @@ def _summary(s: Mapping[str, Any]) -> str:
         ("Policy", e(s.get("policy")) + f" (current plan: {e(s.get('plan_policy') or '-')})"),
         ("Step", e(step) if isinstance(step, int) and step >= 0 else "none committed yet"),
         ("Loss", _num(prog.get("loss"), 4)),
+        ("Gradient norm", _num(prog.get("grad_norm"), 4)),
+        ("Learning rate", _figure(prog.get("learning_rate"))),
         (
             "Throughput (samples/s)",
             f"measured {_num(prog.get('samples_per_second'), 1)}, estimated "
             f"{_num(s.get('estimated_samples_per_second'), 1)}",
         ),
+        ("Throughput (tokens/s)", _num(prog.get("tokens_per_second"), 0)),
+        ("Eval loss", _eval(prog)),
         ("D (expected s to next fault)", _num(s.get("mtbf_seconds"), 0)),
         ("Window (expected s to next fault or return)", _num(s.get("window_seconds"), 0)),
         ("Workers registered", f"{e(s.get('workers_registered'))} of {e(s.get('workers_needed'))}"),

@@ -10,20 +10,46 @@ import time
 from typing import Any
 
 from chameleond.daemon.config import Config
-from chameleond.daemon.metrics import Metrics
+from chameleond.daemon.metrics import Metrics, TrainingFigures
 from chameleond.jobstate.job import Job
 
 
 def progress(job: Job) -> dict[str, Any]:
-    """The last step the job committed and its measured throughput (persisted every second)."""
+    """The last step the job committed, its measured throughput and what the workers reported
+    about it, and the newest evaluation (persisted every second; `chameleonctl status` reads it).
+    A figure no report named is None."""
     meter = job.meter
+    last = meter.last
     return {
         "at": time.time(),
         "generation": meter.generation,
         "step": meter.step,
         "samples_per_second": meter.samples_per_second,
-        "loss": meter.last_loss if meter.last_loss == meter.last_loss else None,
+        "tokens_per_second": meter.tokens_per_second,
+        "loss": meter.last_loss,
+        "grad_norm": last.grad_norm if last else None,
+        "learning_rate": last.learning_rate if last else None,
+        "loss_scale": last.loss_scale if last else None,
+        "eval_loss": meter.eval_loss,
+        "eval_step": meter.eval_step if meter.eval_loss is not None else None,
     }
+
+
+def training_figures(job: Job) -> TrainingFigures:
+    meter = job.meter
+    last = meter.last
+    return TrainingFigures(
+        loss=meter.last_loss,
+        grad_norm=last.grad_norm if last else None,
+        learning_rate=last.learning_rate if last else None,
+        loss_scale=last.loss_scale if last else None,
+        eval_loss=meter.eval_loss,
+        tokens_per_second=meter.tokens_per_second,
+        trained_samples=meter.trained_samples,
+        trained_tokens=meter.trained_tokens,
+        skipped_samples=meter.skipped_samples,
+        overflow_steps=meter.overflow_steps,
+    )
 
 
 def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
@@ -94,6 +120,7 @@ def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
     metrics.attempt.set(job.attempt())
     metrics.set_workers(job.worker_states(time.time(), cfg.heartbeat_timeout_seconds))
     metrics.training_throughput.set(job.meter.samples_per_second)
+    metrics.set_training(training_figures(job))
     metrics.estimated_throughput.set(job.plan.samples_per_second if job.plan else 0.0)
     metrics.model_throughput.set(_model_throughput(job) or 0.0)
     now = time.time()

@@ -1,4 +1,5 @@
-"""`step`: a worker committed a step. Feeds measured throughput and recovery time; O(1)."""
+"""`step`: a worker committed a step. Feeds measured throughput, the training figures (loss,
+gradient norm, ...: counted once per step, not per worker) and recovery time; O(1)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,5 @@ def handle_step(job: Job, event: Step, entry_id: str, now: float) -> Outcome:
     job.heard(event.worker, now)  # a committed step is as good as a heartbeat
     if generation == job.machine.generation and event.worker not in job.machine.plan_workers:
         return DUPLICATE  # a fenced worker's last step: not part of the plan's throughput
-    fresh, change = job.observe_step(
-        event.worker,
-        generation,
-        event.step,
-        event.samples,
-        event.seconds,
-        event.loss,
-        now,
-    )
+    fresh, change = job.observe_step(event, now)
     return (HANDLED if fresh else DUPLICATE).having(change)

@@ -18,6 +18,7 @@ from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine
 from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
 from chameleond.core.spec import JobSpec, WorkerSpec
+from chameleond.events import Step
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
 from chameleond.jobstate.jobspec import measured_layers
 from chameleond.jobstate.records import (
@@ -395,19 +396,11 @@ class Job:
                 out[rec.id] = state
         return out
 
-    def observe_step(
-        self,
-        worker: str,
-        generation: int,
-        step: int,
-        samples: int,
-        seconds: float,
-        loss: float,
-        now: float,
-    ) -> tuple[bool, Change]:
+    def observe_step(self, event: Step, now: float) -> tuple[bool, Change]:
         """Whether the report is fresh (False: a stale or repeated step), and what changed."""
         expected = len(self.machine.plan_workers) or 1
-        fresh = self.meter.report(generation, step, samples, seconds, loss, expected)
+        fresh = self.meter.report(event, expected)
+        worker, generation = event.worker, event.generation
         # A worker's first step of the generation is durable state (it gates the follow-up switch);
         # later steps are soft state, persisted with the progress.
         first = worker in self.machine.awaiting_step and generation == self.machine.generation

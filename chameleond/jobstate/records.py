@@ -10,6 +10,7 @@ from typing import Any
 
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import LayerProfile
+from chameleond.events import Step
 from chameleond.jobstate.jobspec import profile_from_json, profile_to_json
 
 WORKER_STATES = ("waiting", "active", "failed", "fenced", "stopped", "finished", "left")
@@ -81,41 +82,68 @@ class Registration:
 @dataclass
 class StepMeter:
     """Measured throughput in O(1) memory: a step is done when every worker of the plan reported
-    it (or a later step shows up); its time is the slowest worker's."""
+    it (or a later step shows up); its time is the slowest worker's. What the step trained (its
+    samples, tokens, loss, gradient norm, ...) is the same in every worker's report: it is taken,
+    and counted, once, from the step's first report."""
 
     generation: int = 0
     step: int = -1
     samples: int = 0
+    tokens: int | None = None  # None: the step's report named no tokens (an older worker)
     seconds: float = 0.0
     reporters: int = 0
     finished: bool = False
-    samples_per_second: float = 0.0
-    last_loss: float = float("nan")
+    samples_per_second: float = 0.0  # of the last finished step
+    tokens_per_second: float | None = None  # of the last finished step that named its tokens
+    last: Step | None = None  # the first report of the newest step
+    eval_loss: float | None = None  # the newest held-out evaluation's loss, and its step
+    eval_step: int = -1
+    # Totals since the daemon started (counters: a restart starts them again).
+    trained_samples: int = 0
+    trained_tokens: int = 0
+    skipped_samples: int = 0
+    overflow_steps: int = 0
 
-    def report(
-        self, generation: int, step: int, samples: int, seconds: float, loss: float, expected: int
-    ) -> bool:
+    def report(self, event: Step, expected: int) -> bool:
         """Returns False for a report of a step that is already finished (stale or duplicate)."""
-        if (generation, step) < (self.generation, self.step) or (
-            (generation, step) == (self.generation, self.step) and self.finished
+        key = (event.generation, event.step)
+        if key < (self.generation, self.step) or (
+            key == (self.generation, self.step) and self.finished
         ):
             return False
-        if (generation, step) > (self.generation, self.step):
+        if key > (self.generation, self.step):
             self._finish()
-            self.generation, self.step, self.samples, self.seconds = generation, step, samples, 0.0
+            self.generation, self.step = key
+            self.samples, self.tokens, self.seconds = event.samples, event.tokens, 0.0
             self.reporters, self.finished = 0, False
-        self.seconds = max(self.seconds, seconds)
+            self._count(event)
+        if event.eval_loss is not None:
+            self.eval_loss, self.eval_step = event.eval_loss, event.step
+        self.seconds = max(self.seconds, event.seconds)
         self.reporters += 1
-        self.last_loss = loss
         if self.reporters >= expected:
             self._finish()
         return True
+
+    @property
+    def last_loss(self) -> float | None:
+        return None if self.last is None else self.last.loss
+
+    def _count(self, event: Step) -> None:
+        """The step's first report: what it trained counts once."""
+        self.last = event
+        self.trained_samples += event.samples
+        self.trained_tokens += event.tokens or 0
+        self.skipped_samples += event.skipped_samples
+        self.overflow_steps += event.overflow
 
     def _finish(self) -> None:
         if self.reporters and self.seconds > 0 and not self.finished:
             rate = self.samples / self.seconds
             if math.isfinite(rate):  # a step of a few picoseconds is no measurement
                 self.samples_per_second = rate
+                if self.tokens is not None:
+                    self.tokens_per_second = self.tokens / self.seconds
         self.finished = True
 
 
