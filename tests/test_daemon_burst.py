@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -9,19 +10,25 @@ import redis
 from daemon_harness import RunningJob, signed, wait_for
 
 from chameleond.core.spec import load_spec
+from chameleond.jobstate.jobspec import spec_document
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "examples" / "gpt-32.toml"
 
 
 def test_burst_of_100_faults_is_coalesced(
-    redis_client: redis.Redis, running_job: RunningJob
+    redis_client: redis.Redis, running_job: RunningJob, tmp_path: Path
 ) -> None:
     spec = load_spec(SPEC)
+    doc = spec_document(spec)
+    doc["job"]["name"] = "default"  # the job's name (a spec naming another job is refused)
+    (tmp_path / "gpt-32.json").write_text(json.dumps(doc))
     ids = tuple(w.id for w in spec.workers)
     # One worker in each of 10 pipelines' worth of slots, mixed stages: recoverable.
     faulty = ("w0", "w5", "w10", "w15", "w16", "w21", "w26", "w31", "w1", "w6")
-    daemon = running_job.start("--spec", str(SPEC), "--decision-delay-seconds", "0.2")
+    daemon = running_job.start(
+        "--spec", str(tmp_path / "gpt-32.json"), "--decision-delay-seconds", "0.2"
+    )
     workers = running_job.workers
     workers.register(ids)
     wait_for(lambda: workers.generation() == 1, 20, "generation 1")

@@ -31,7 +31,7 @@ def spec_document() -> dict[str, Any]:
     return {
         # restart_seconds 0: the paper's score. Its risk term (the rerouted plan holds layers
         # 2-3 once) is tested in test_decide.py.
-        "job": {"name": "followup", "rebuild_seconds": 0.1 * S, "mtbf_prior_seconds": PRIOR,
+        "job": {"name": "default", "rebuild_seconds": 0.1 * S, "mtbf_prior_seconds": PRIOR,
                 "restart_seconds": 0},
         "workers": [{"id": w, "host": f"h{i // 4}", "memory_bytes": 10**12}
                     for i, w in enumerate(WORKERS)],

@@ -70,6 +70,7 @@ def test_no_initial_plan_that_fits_is_a_recorded_transition(
 ) -> None:
     # The packaged job on workers with 1 kB of memory each: no split of it fits.
     doc = spec_document(load_default_spec())
+    doc["job"]["name"] = "default"  # the job's (a spec naming another job is refused)
     for w in doc["workers"]:
         w["memory_bytes"] = 1_000
     small = tmp_path / "small.json"

@@ -298,3 +298,39 @@ def test_a_worker_outside_the_plan_cannot_fail_its_restore() -> None:
     restoring(m)
     assert m.unrestorable("w3", "no file", now=11.0) == (False, [])  # failed, fenced
     assert m.phase is Phase.TRANSITIONING
+
+
+def test_a_job_whose_plan_workers_all_finished_is_finished_until_one_trains_again() -> None:
+    m = training()
+    transitions = m.finish(now=5.0)
+    assert [(t.source, t.target) for t in transitions] == [(Phase.TRAINING, Phase.FINISHED)]
+    assert "finished its steps" in transitions[0].cause and transitions[0].generation == 1
+    assert m.finish(now=5.1) == []  # once
+    restored = PolicyMachine.restore(m.snapshot(), ready_timeout_seconds=30.0)
+    assert restored.phase is Phase.FINISHED  # a restarted daemon still shows it finished
+    request, _ = m.next_request(now=6.0)
+    assert request is None  # nothing to decide
+    _, back = m.step("w0", 1, now=7.0)  # a step of the plan after all
+    assert [t.target for t in back] == [Phase.TRAINING]
+
+
+def test_a_job_with_a_fault_to_answer_is_not_finished() -> None:
+    m = training()
+    m.fault("w3", "ECC error", now=1.0)
+    assert m.finish(now=2.0) == [] and m.phase is Phase.FAULT_DETECTED
+    request, _ = m.next_request(now=2.1)
+    assert request is not None and m.finish(now=2.2) == []  # a decision is running
+
+
+def test_a_faults_raw_detail_goes_with_its_decision_and_survives_a_superseded_one() -> None:
+    m = training()
+    m.fault("w3", "connection closed (gloo)", now=1.0, detail="RuntimeError: [pair.cc:1] GLHF!")
+    m.fault("w4", "ECC error", now=1.0)  # an operator's cause: nothing shortened, no detail
+    request, _ = m.next_request(now=1.1)
+    assert request is not None and request.cause == "w3: connection closed (gloo); w4: ECC error"
+    assert request.details == {"w3": "RuntimeError: [pair.cc:1] GLHF!"}
+    m.fault("w0", "x", now=1.2)  # the plan would use w0: superseded, folded into the next
+    commit, _ = m.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w5")), 1.3)
+    assert not commit
+    again, _ = m.next_request(now=1.4)
+    assert again is not None and again.details == {"w3": "RuntimeError: [pair.cc:1] GLHF!"}

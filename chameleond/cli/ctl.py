@@ -15,6 +15,10 @@ from chameleond.usage import Parser
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("chameleond.cli.up", "run a whole fault-tolerant training job locally and report"),
     "status": ("chameleond.cli.status", "show the job's state, plan, workers and last decisions"),
+    "steps": (
+        "chameleond.cli.steps",
+        "the job's committed steps: loss, grad norm, lr, samples/s, tokens/s, eval loss",
+    ),
     "inject": ("chameleond.cli.inject", "send a fault event for a worker"),
     "plan": ("chameleond.cli.plan_cmd", "compare the reroute and dynamic candidates for a fault"),
     "bench": (
@@ -22,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check",
     ),
     "simulate": ("chameleond.cli.simulate", "simulate fault-tolerance policies over a trace"),
+    "doctor": (
+        "chameleond.cli.doctor",
+        "check this machine first: device backends, Redis and its ACL, the secret, versions",
+    ),
 }
 
 
@@ -30,11 +38,13 @@ failed worker, compare recovery plans, or run a whole fault-tolerant job on this
 EPILOG = """examples:
   chameleonctl up                                  train locally with two faults, then report
   chameleonctl status --job gpt-32                 state, plan, workers, last decisions
+  chameleonctl steps --job gpt-32 --follow         each step's loss, grad norm, lr, throughput
   chameleonctl inject --job gpt-32 --worker w3 --cause "ECC error"
   chameleonctl plan --fail w3                      what reroute and dynamic would do
+  chameleonctl doctor                              first, on a new machine: is it ready?
 
-status and inject take the job's Redis from --redis-url or $CHAMELEON_REDIS_URL (which keeps a
-password out of ps). The daemon's status page: http://HOST:9464/ (docs/operations.md)."""
+status, steps and inject take the job's Redis from --redis-url or $CHAMELEON_REDIS_URL (which
+keeps a password out of ps). The daemon's status page: http://HOST:9464/ (docs/operations.md)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -69,6 +69,8 @@ def collect(client: redis.Redis, job: str) -> dict[str, Any]:
                 "joined": list(d.joined),
                 "mtbf_seconds": d.mtbf_seconds,
                 "unrecoverable": d.unrecoverable,
+                # worker -> the raw error behind a shortened cause (the record's `detail`)
+                "detail": _maybe_json(fields.get("detail", "{}")),
                 "candidates": [
                     {
                         k: c.get(k)
@@ -133,6 +135,10 @@ def _workers(state: Mapping[str, Any], plan: Mapping[str, Any] | None) -> dict[s
     if p is not None:
         out.update({w: "in plan" for w in p.workers})
         out.update({w: "excluded" for w in p.excluded})
+    # A process that stopped cleanly says how (finished its steps, or left), as /api/v1/status.
+    out.update(
+        {str(w): d["ended"] for w, d in known.items() if isinstance(d, dict) and d.get("ended")}
+    )
     return out
 
 
@@ -149,6 +155,30 @@ def render_plan(p: Plan) -> list[str]:
             cells.append(f"{st.worker}[{st.first_layer}-{st.end_layer - 1}]{mark}")
         lines.append(f"  pipeline {i} ({pipe.micro_batches} micro-batches): " + "  ".join(cells))
     return lines
+
+
+def _figure(v: Any, fmt: str) -> str:
+    return "-" if not isinstance(v, int | float) or isinstance(v, bool) else format(v, fmt)
+
+
+def training_line(progress: Any) -> str | None:
+    """The last committed step and what its workers reported, from the persisted progress; None
+    before the first step."""
+    if not isinstance(progress, dict) or not isinstance(progress.get("step"), int):
+        return None
+    if progress["step"] < 0:
+        return None
+    p = progress
+    line = (
+        f"last step {p['step']} (generation {p.get('generation', '-')}): "
+        f"loss {_figure(p.get('loss'), '.4f')}, grad norm {_figure(p.get('grad_norm'), '.4f')}, "
+        f"lr {_figure(p.get('learning_rate'), '.4g')}, "
+        f"{_figure(p.get('samples_per_second'), '.1f')} samples/s, "
+        f"{_figure(p.get('tokens_per_second'), '.0f')} tokens/s"
+    )
+    if p.get("eval_loss") is not None:
+        line += f"; eval loss {_figure(p.get('eval_loss'), '.4f')} after step {p.get('eval_step')}"
+    return line
 
 
 def _score(v: Any) -> str:
@@ -174,6 +204,9 @@ def _print(s: Mapping[str, Any]) -> None:
             print(f"  excluded: {', '.join(p.excluded)}")
     else:
         print("plan: none published yet")
+    trained = training_line(state.get("progress"))
+    if trained:
+        print(trained)
     if s["workers"]:
         print("workers: " + ", ".join(f"{w} {st}" for w, st in sorted(s["workers"].items())))
     for f in s["waiting_faults"]:
@@ -189,9 +222,15 @@ def _print(s: Mapping[str, Any]) -> None:
             + ("" if c.get("feasible", True) else f" (infeasible: {c.get('reason')})")
             for c in d["candidates"]
         )
+        what = f"{d['selected'] or 'none'} for {d['cause'] or '-'}"
+        if d["selected"] == "initial":
+            what = "initial plan"
+        shown = [scores] if scores else []
+        if d["mtbf_seconds"] is not None:
+            shown.append(f"D {d['mtbf_seconds']} s")
         print(
-            f"  generation {d['generation']}: {d['selected'] or 'none'} for {d['cause'] or '-'}"
-            f" [{scores}; D {d['mtbf_seconds'] if d['mtbf_seconds'] is not None else '-'} s]"
+            f"  generation {d['generation']}: {what}"
+            + (f" [{'; '.join(shown)}]" if shown else "")
             + (f" UNRECOVERABLE: {d['unrecoverable']}" if d["unrecoverable"] else "")
         )
 

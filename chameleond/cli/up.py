@@ -1,9 +1,11 @@
 """Run a whole fault-tolerant training job on this machine, inject faults, and report.
 
-Starts an embedded redis-server, one chameleond and N CPU chameleon-worker processes, trains the
-default job (or --spec), injects the faults of --faults (or replays --trace), shows live progress,
-and at the end prints a recovery report and writes report.json and report.png to --report.
-Everything is torn down on exit, Ctrl-C or SIGTERM. See docs/local.md.
+Starts an embedded redis-server, one chameleond and N chameleon-worker processes (on --device:
+by default CUDA, else Ascend NPUs, else the CPU; one worker per accelerator), trains the default
+job (or --spec; a user's own training script with --script), injects the faults of --faults (or
+replays --trace), shows live progress, and at the end prints a recovery report and writes
+report.json and report.png to --report. Everything is torn down on exit, Ctrl-C or SIGTERM. See
+docs/local.md.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from redis.exceptions import RedisError
 from chameleond.core.policy import Selection
 from chameleond.core.spec import JobSpec, SpecError, load_spec, parse_spec
 from chameleond.extras import require
+from chameleond.local import devices
 from chameleond.local.cluster import ClusterError, Interrupted
 from chameleond.local.examples import EXAMPLES, ExampleError, find_example
 from chameleond.local.faults import FaultSpecError, check_workers, parse_faults
@@ -42,7 +45,17 @@ DEFAULT_CHECKPOINT_EVERY = 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, help="number of CPU workers (default: the job's)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        help="number of workers (default: the job's on the CPU, one per device on cuda and npu)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=devices.KINDS,
+        help="what the workers train on (default: what this machine has: cuda, else npu, else "
+        "cpu); on cuda and npu each worker gets a device of its own",
+    )
     parser.add_argument("--pp", type=int, help="stages per pipeline (default: the job's)")
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="steps to train (default: %(default)s)"
@@ -82,6 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(EXAMPLES),
         help="train a user script of examples/ with its own job spec instead of the built-in "
         "model: hf = " + EXAMPLES["hf"].about + " (docs/local.md)",
+    )
+    parser.add_argument(
+        "--script",
+        type=Path,
+        help="your own training script on the worker library (e.g. examples/sgd_tied.py), run "
+        "as every worker with chameleon-worker's flags; needs --spec, the job spec of its model",
     )
     parser.add_argument(
         "--job",
@@ -153,6 +172,34 @@ def build_spec_document(
     return doc
 
 
+def accelerator_layout(
+    base: JobSpec, kind: str, devices_here: int, workers: int | None, pp: int | None
+) -> tuple[int | None, int | None]:
+    """--workers and --pp for a job on accelerators, one worker per device: the job's own layout
+    when it has one worker per device here and neither is given, else the same model as pipelines
+    of the job's first pipeline's depth at most, dividing the workers."""
+    n = devices_here if workers is None else workers
+    if n > devices_here:
+        raise SpecError(
+            f"--workers {n}: this machine has {devices_here} {kind} device(s), one worker each"
+        )
+    if workers is None and pp is None and n == len(base.workers):
+        return None, None
+    if pp is None:
+        pp = max(d for d in range(1, len(base.layout[0]) + 1) if n % d == 0)
+    return n, pp
+
+
+def on_devices(doc: dict[str, Any], kind: str) -> dict[str, str]:
+    """Worker i of the spec document on device `kind:i`, with that device's memory (what the
+    planner fits stages into: docs/spec.md); worker -> device."""
+    out = {}
+    for i, w in enumerate(doc["workers"]):
+        w["device"] = out[w["id"]] = f"{kind}:{i}"
+        w["memory_bytes"] = devices.memory_bytes(kind, i)
+    return out
+
+
 def new_run_id() -> str:
     """Names one run: its start time (UTC) and a few random hex digits."""
     return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(2)
@@ -190,22 +237,39 @@ def run(args: argparse.Namespace) -> int:
         if args.example:
             if args.spec:
                 raise SpecError("--example brings its own job spec: drop --spec")
+            if args.script:
+                raise SpecError("--example and --script exclude each other: drop one")
             example = find_example(args.example)
             base = load_spec(example.spec)
             worker_command = example.worker_command()
             model = example.example.model
+        elif args.script:
+            if not args.spec:
+                raise SpecError(
+                    f"--script {args.script} needs --spec: the job spec of its model (as many "
+                    "layers, the same batch sizes; docs/spec.md)"
+                )
+            if not args.script.is_file():
+                raise SpecError(f"--script {args.script}: no such file")
+            base = load_spec(args.spec)
+            worker_command = [sys.executable, str(args.script.resolve())]
         else:
             base = load_spec(args.spec) if args.spec else _default_spec()
+        device = args.device or devices.present()
+        workers, pp = args.workers, args.pp
+        if device != "cpu":
+            workers, pp = accelerator_layout(base, device, devices.require(device), workers, pp)
         prior = args.mtbf_prior
         addresses = [a.strip() for a in args.bind_addresses.split(",") if a.strip()]
         doc = build_spec_document(
             base,
             job=args.job,
-            workers=args.workers,
-            pp=args.pp,
+            workers=workers,
+            pp=pp,
             bind_addresses=addresses,
             mtbf_prior_seconds=prior,
         )
+        placed = on_devices(doc, device) if device != "cpu" else {}
         spec = parse_spec(doc)
         worker_ids = [w.id for w in spec.workers]
         if args.steps <= 0:
@@ -221,6 +285,16 @@ def run(args: argparse.Namespace) -> int:
                 else ("" if args.faults == "none" else args.faults)
             )
         )
+        if args.faults is None and device != "cpu":
+            # One worker per device: the default faults' workers may not exist, and killing
+            # the only worker leaves nothing to recover with.
+            kept = [f for f in faults if f.worker in worker_ids and len(worker_ids) > 1]
+            if len(kept) < len(faults):
+                print(
+                    f"default faults: {len(faults) - len(kept)} of {len(faults)} left out on "
+                    f"{len(worker_ids)} {device} worker(s) (--faults to choose)"
+                )
+            faults = tuple(kept)
         check_workers(faults, worker_ids)
         if args.redis_url and (why := url_error(args.redis_url)) is not None:
             raise SpecError(f"--redis-url {why}")
@@ -239,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
                 f"trace {args.trace}: {len(r.steps)} actions on {len(r.mapping)} mapped nodes, "
                 f"{r.skipped} events skipped (nodes beyond the local cluster, or no change)"
             )
-    except (SpecError, FaultSpecError, TraceError, ExampleError) as e:
+    except (SpecError, FaultSpecError, TraceError, ExampleError, devices.DeviceError) as e:
         print(f"chameleonctl up: {e}", file=err)
         return 2
     if args.redis_url:
@@ -257,7 +331,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
     report_dir: Path = args.report
     run_dir = fresh_run_dir(report_dir)
-    print(f"run {run_id}: job {args.job}, report in {report_dir}")
+    on = f"{len(worker_ids)} workers on {device}" + (
+        f" ({', '.join(sorted(set(placed.values())))})" if placed else ""
+    )
+    print(f"run {run_id}: job {args.job}, {on}, report in {report_dir}")
     spec_path = run_dir / "spec.json"
     spec_path.write_text(json.dumps(doc, indent=2))
     bind = {w: addresses[i % len(addresses)] for i, w in enumerate(worker_ids)} if addresses else {}
@@ -276,6 +353,7 @@ def run(args: argparse.Namespace) -> int:
         timeout_seconds=args.timeout,
         checkpoint_every=args.checkpoint_every,
         worker_command=worker_command,
+        devices=placed,
     )
     progress = ProgressView(sys.stdout)
     try:
@@ -306,8 +384,10 @@ def run(args: argparse.Namespace) -> int:
             "layout": [list(p) for p in spec.layout],
             "mtbf_prior_seconds": spec.mtbf_prior_seconds,
             "skipped": result.skipped,
+            "device": device,
             # A user's script (--example) says what it trained; absent for the built-in model.
             **({"example": args.example, "model": model} if args.example else {}),
+            **({"script": str(args.script)} if args.script else {}),
         },
     )
     json_path, png_path = write_report(report, report_dir)

@@ -5,8 +5,11 @@ deadline still means something after a restart). The daemon feeds it events; it 
 `Transition`s to record and `DecisionRequest`s to hand to the planner. Phases:
 
     waiting -> transitioning -> training -> fault_detected -> planning -> transitioning -> training
-       |                                                               -> unrecoverable
+       |                            |                                  -> unrecoverable
+       |                            +-> finished (every worker of the plan finished its steps)
        +-> unrecoverable (the initial layout does not fit)
+
+A finished job is training again if a worker of its plan commits a step of it after all.
 
 Faults that arrive while a decision is under way are folded: they wait in `pending_faults` and
 the running decision, if its plan still uses one of those workers, is superseded instead of
@@ -45,6 +48,7 @@ class Phase(StrEnum):
     PLANNING = "planning"
     TRANSITIONING = "transitioning"  # a plan is published, not every worker has acknowledged it
     UNRECOVERABLE = "unrecoverable"
+    FINISHED = "finished"  # every worker of the plan committed its last step and stopped
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,8 @@ class DecisionRequest:
     generation: int  # the generation a plan from this request gets
     # worker -> why: the current `restore` plan cannot load there, so no copy in memory counts
     unrestorable: Mapping[str, str] = field(default_factory=dict)
+    # worker -> the raw error text its cause shortens (a peer's collective error), for the record
+    details: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class PolicyMachine:
     awaiting_step: set[str] = field(default_factory=set)  # no step committed in this generation
     ready_deadline: float = 0.0
     pending_faults: dict[str, str] = field(default_factory=dict)
+    fault_details: dict[str, str] = field(default_factory=dict)  # of pending faults: raw texts
     pending_joins: set[str] = field(default_factory=set)
     pending_unrestorable: dict[str, str] = field(default_factory=dict)  # worker -> why
     standby: set[str] = field(default_factory=set)  # back, but in no plan yet (module docstring)
@@ -142,8 +149,11 @@ class PolicyMachine:
 
     # ---- inputs ------------------------------------------------------------------------------
 
-    def fault(self, worker: str, cause: str, now: float) -> tuple[bool, list[Transition]]:
-        """A worker is reported out. Returns (new, transitions); new=False for a duplicate."""
+    def fault(
+        self, worker: str, cause: str, now: float, detail: str = ""
+    ) -> tuple[bool, list[Transition]]:
+        """A worker is reported out (`detail`: the raw text `cause` shortens, if any). Returns
+        (new, transitions); new=False for a duplicate."""
         in_flight = self.in_flight.failed if self.in_flight else frozenset()
         if worker in self.failed or worker in self.pending_faults or worker in in_flight:
             return False, []
@@ -155,6 +165,8 @@ class PolicyMachine:
             self.failed.add(worker)
             return True, []
         self.pending_faults[worker] = cause
+        if detail:
+            self.fault_details[worker] = detail
         if self.pending_since is None:
             self.pending_since = now
         if self.phase in (Phase.TRAINING, Phase.TRANSITIONING):
@@ -212,6 +224,7 @@ class PolicyMachine:
         The faults reported so far are answered by it: those workers are out."""
         self.failed |= set(self.pending_faults)
         self.pending_faults.clear()
+        self.fault_details.clear()
         self.standby |= self.pending_joins
         self.pending_joins.clear()
         self.pending_since = None
@@ -259,6 +272,7 @@ class PolicyMachine:
             first_event_at=self.pending_since if self.pending_since is not None else now,
             generation=self.generation + 1,
             unrestorable=unrestorable,
+            details={w: self.fault_details.pop(w) for w in faults if w in self.fault_details},
         )
         self.pending_faults.clear()
         self.pending_unrestorable.clear()
@@ -279,6 +293,8 @@ class PolicyMachine:
         if result.generation is not None and stale:
             for w, c in request.faults.items():
                 self.pending_faults.setdefault(w, c)
+            for w, d in request.details.items():
+                self.fault_details.setdefault(w, d)
             for w, c in request.unrestorable.items():
                 self.pending_unrestorable.setdefault(w, c)
             self.pending_joins |= request.joined - self.standby
@@ -312,6 +328,16 @@ class PolicyMachine:
         cause = f"{result.policy} plan for {request.cause}"
         return True, self._move(Phase.TRANSITIONING, cause, now)
 
+    def finish(self, now: float) -> list[Transition]:
+        """Every worker of the current plan stopped after its last step (`--max-steps`; the
+        caller knows who stopped): nothing trains and nothing is left to decide. Not while a
+        decision is due or running: its plan would have workers that are gone."""
+        busy = self.in_flight or self.pending_faults or self.pending_unrestorable
+        if busy or self.phase not in (Phase.TRAINING, Phase.TRANSITIONING):
+            return []
+        cause = f"every worker of generation {self.generation} finished its steps"
+        return self._move(Phase.FINISHED, cause, now)
+
     def ready(self, worker: str, generation: int, now: float) -> tuple[bool, list[Transition]]:
         """A worker acknowledged `generation` (process groups built, migration done)."""
         if generation != self.generation or worker not in self.awaiting_ready:
@@ -330,6 +356,8 @@ class PolicyMachine:
         transitions: list[Transition] = []
         if worker in self.awaiting_ready:
             transitions = self.ready(worker, generation, now)[1]
+        if self.phase is Phase.FINISHED and generation == self.generation:
+            transitions += self._move(Phase.TRAINING, f"{worker} committed a step again", now)
         if generation == self.generation:
             self.awaiting_step.discard(worker)
             self.holdings.committed(generation, self.failed | set(self.pending_faults))

@@ -18,6 +18,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from chameleond import version_text
 from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring, new_secret_file
 from chameleond.core.decide import DecisionError, initial_plan
 from chameleond.core.spec import JobSpec, SpecError, load_spec
-from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, load
+from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, given, load, validate
 from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.redis_server import RedisServer
 from chameleond.streams import redis_cli_args
@@ -78,18 +79,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def settings(args: argparse.Namespace) -> Config:
+def settings(args: argparse.Namespace) -> tuple[Config, str | None]:
+    """The settings, and where the job's name came from (None: nothing named it)."""
     flags = {name: getattr(args, name) for name in FIELDS}
-    return load(args.config, os.environ, flags)
+    return load(args.config, os.environ, flags), given("job", args.config, os.environ, flags)
 
 
-def job_spec(cfg: Config) -> JobSpec:
-    if cfg.spec:
-        return load_spec(cfg.spec)
-    from chameleond.jobs import load_default_spec
+def job_spec(cfg: Config, named_by: str | None = "--job") -> tuple[Config, JobSpec]:
+    """The job's spec, and the settings under the job's name. A spec file's `[job].name` names
+    the job: with nothing else naming it the job runs under that name, so workers started with
+    `--job NAME` find it; a job name given elsewhere (`named_by`: --job, $CHAMELEON_JOB, the
+    config file) that differs is refused, since workers started with either name would wait on
+    the other's keys. The packaged spec, and a spec naming no job ("default"), take the job's
+    name. Raises SpecError or ConfigError."""
+    if not cfg.spec:
+        from chameleond.jobs import load_default_spec
 
-    spec: JobSpec = load_default_spec()
-    return spec
+        packaged: JobSpec = load_default_spec()
+        return cfg, packaged
+    spec = load_spec(cfg.spec)
+    if spec.name in (Config.job, cfg.job):
+        return cfg, spec
+    if named_by is not None:
+        raise ConfigError(
+            f"job {cfg.job!r} (from {named_by}) differs from the spec's name {spec.name!r} "
+            f"([job] name in {cfg.spec}): workers started with either name would wait for "
+            f"the other; drop {named_by}, or give it the spec's name"
+        )
+    return validate(replace(cfg, job=spec.name)), spec
 
 
 def _embedded(cfg: Config) -> RedisServer:
@@ -132,17 +149,20 @@ def keyring(cfg: Config) -> tuple[Keyring | None, Path | None]:
     return Keyring.from_file(path), path
 
 
-def run(cfg: Config) -> int:
+def run(cfg: Config, named_by: str | None = "--job") -> int:
     logging.basicConfig(
         level=cfg.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
     try:
-        spec = job_spec(cfg)
+        cfg, spec = job_spec(cfg, named_by)
     except SpecError as e:
         print(f"chameleond: job spec: {e}", file=sys.stderr)
         return 1
+    except ConfigError as e:
+        print(f"chameleond: {e}", file=sys.stderr)
+        return 2
     try:
         ring, generated = keyring(cfg)
     except (AuthError, OSError) as e:
@@ -173,6 +193,11 @@ def run(cfg: Config) -> int:
             f"{SECRET_FILE_ENV}={generated}",
             flush=True,
         )
+    if named_by is not None:
+        how = f"from {named_by}"
+    else:
+        how = "from the spec's [job] name" if cfg.job != Config.job else "the default name"
+    print(f"chameleond: job {cfg.job} ({how}): start its workers with --job {cfg.job}", flush=True)
     from chameleond.daemon.service import Service
 
     async def main() -> int:
@@ -189,11 +214,13 @@ def run(cfg: Config) -> int:
             server.stop()
 
 
-def check(cfg: Config, config_only: bool) -> tuple[bool, str]:
+def check(cfg: Config, config_only: bool, named_by: str | None = "--job") -> tuple[bool, str]:
     try:
-        spec = job_spec(cfg)
+        cfg, spec = job_spec(cfg, named_by)
     except SpecError as e:
         return False, f"job spec: {e}"
+    except ConfigError as e:
+        return False, str(e)
     if config_only:
         # A spec can be well-formed and still describe a layout that cannot be built (a worker
         # too small for its stage): the daemon would only find out at its first plan.
@@ -224,15 +251,15 @@ def check(cfg: Config, config_only: bool) -> tuple[bool, str]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        cfg = settings(args)
+        cfg, named_by = settings(args)
     except ConfigError as e:
         print(f"chameleond: {e}", file=sys.stderr)
         return 1 if args.command == "check" else 2
     if args.command == "check":
-        ok, why = check(cfg, args.config_only)
+        ok, why = check(cfg, args.config_only, named_by)
         print(f"chameleond check: {why}")
         return 0 if ok else 1
-    return run(cfg)
+    return run(cfg, named_by)
 
 
 if __name__ == "__main__":

@@ -157,21 +157,39 @@ def from_env(base: Config, environ: Mapping[str, str]) -> Config:
     return from_mapping(base, values, "environment")
 
 
+def _file(path: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
 def load(path: str | None, environ: Mapping[str, str], flags: Mapping[str, Any]) -> Config:
     """Defaults, then the file (--config or CHAMELEON_CONFIG), then the environment, then flags."""
     cfg = Config()
     path = path or environ.get("CHAMELEON_CONFIG") or None
     if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as e:
-            raise ConfigError(f"{path}: {e.strerror}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: {e}") from None
-        cfg = from_mapping(cfg, data, path)
+        cfg = from_mapping(cfg, _file(path), path)
     cfg = from_env(cfg, environ)
     cfg = from_mapping(cfg, {k: v for k, v in flags.items() if v is not None}, "flags")
     return validate(cfg)
+
+
+def given(
+    name: str, path: str | None, environ: Mapping[str, str], flags: Mapping[str, Any]
+) -> str | None:
+    """Where a setting was given (the winning source, as a user would name it), or None when it
+    is the default: `load` merges the same sources in the same order."""
+    if flags.get(name) is not None:
+        return "--" + name.replace("_", "-")
+    if f"CHAMELEON_{name.upper()}" in environ:
+        return f"${'CHAMELEON_' + name.upper()}"
+    path = path or environ.get("CHAMELEON_CONFIG") or None
+    if path and (name in (data := _file(path)) or name.replace("_", "-") in data):
+        return path
+    return None
 
 
 def validate(cfg: Config) -> Config:

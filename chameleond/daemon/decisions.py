@@ -213,7 +213,7 @@ class Decisions:
         summary.update(
             cause=request.cause, at=now, failed=sorted(request.failed),
             faults=sorted(request.faults), joined=sorted(request.joined), error=error,
-            unrestorable=dict(request.unrestorable),
+            unrestorable=dict(request.unrestorable), detail=dict(request.details),
             decision_seconds=now - request.first_event_at,
         )  # fmt: skip
         job.last_decision = summary
@@ -233,6 +233,8 @@ class Decisions:
             "decision_seconds": f"{now - request.first_event_at:.6f}",
             "at": f"{now:.6f}",
         }
+        if request.details:  # the raw errors the faults' causes shorten (handlers/cause.py)
+            record["detail"] = json.dumps(dict(sorted(request.details.items())))
         if decision is not None and decision.note:
             record["note"] = decision.note
         if plan is not None:

@@ -139,7 +139,15 @@ class Service:
             await client.ping()
             if self._serve_http:
                 self.http = HttpServer(job, cfg, self.metrics, self.health, client)
-                await self.http.start(cfg.http_host, cfg.http_port)
+                try:
+                    await self.http.start(cfg.http_host, cfg.http_port)
+                except OSError as e:  # not Redis's fault: say whose port it is
+                    log.error(
+                        "cannot serve HTTP on %s: %s (another daemon's? give each job its own "
+                        "--http HOST:PORT)", cfg.http, e.strerror or e,
+                    )  # fmt: skip
+                    self._failed = e
+                    return 1
             if self.notifier.watchdog_seconds:
                 tasks.append(asyncio.create_task(self.notifier.watchdog(), name="watchdog"))
             if not await lease.acquire(self._stop, self._standing_by):

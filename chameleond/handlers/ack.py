@@ -1,9 +1,10 @@
 """`ack`: a worker's answer to a plan generation. phase=ready: it built the generation's process
 groups and finished migration. phase=stopped: it stopped: fenced, or on its own as a member of
 the plan (`reason` finished: it committed its last step; left: stopped by a signal), which is
-no failure. phase=unrestorable: the plan is a `restore` and the worker cannot load its layers
-from the checkpoint of `step` (files missing or unreadable there); the restore is decided again
-from an older checkpoint, and the entry is acknowledged with that decision."""
+no failure; once every worker of the plan has finished, the job is `finished`.
+phase=unrestorable: the plan is a `restore` and the worker cannot load its layers from the
+checkpoint of `step` (files missing or unreadable there); the restore is decided again from an
+older checkpoint, and the entry is acknowledged with that decision."""
 
 from __future__ import annotations
 
@@ -55,7 +56,9 @@ def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -
     rec.stopped_generation = generation
     rec.ended = "left" if event.reason == "left" else "finished"
     if rec.ended == "finished":
-        return HANDLED.having(SNAPSHOT)  # its peers finish at the same step: nothing to decide
+        # Its peers finish at the same step: nothing to decide. Once all have, the job is done.
+        done = all(job.workers[w].ended == "finished" for w in m.plan_workers if w in job.workers)
+        return HANDLED.having(SNAPSHOT | recorded(m.finish(now) if done else []))
     new, transitions = m.fault(event.worker, "left the job", now)
     change = SNAPSHOT | recorded(transitions)
     if new and job.pending(event.worker):

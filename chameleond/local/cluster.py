@@ -10,6 +10,7 @@ same teardown and leave no process behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -101,6 +102,7 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         worker_args: Sequence[str] = (),
         worker_command: Sequence[str] = (),
+        devices: dict[str, str] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.job = job
@@ -112,6 +114,7 @@ class LocalCluster:
         self.worker_args = list(worker_args)  # appended to every chameleon-worker command line
         # A user's training script instead of chameleon-worker (same flags): [python, script.py]
         self.worker_command = list(worker_command) or console_script("chameleon-worker")
+        self.devices = devices or {}  # worker -> cuda:N / npu:N; the others train on the CPU
         self.env = {**os.environ, **(env or {})}
         # Keep each process to one thread: six workers on a 2-core machine must not oversubscribe.
         self.env.setdefault("OMP_NUM_THREADS", "1")
@@ -200,12 +203,28 @@ class LocalCluster:
             str(self.run_dir / "state"),
         ]
         if self.spec_path is not None:
-            argv += ["--spec", str(self.spec_path)]
+            argv += ["--spec", str(self.spec_for_job(self.spec_path))]
         if self.policy is not None:
             argv += ["--policy", self.policy]
         argv += self.daemon_args
         self.daemon = self._spawn("chameleond", argv)
         return self.daemon
+
+    def spec_for_job(self, path: Path) -> Path:
+        """The spec under this cluster's job name: chameleond refuses a --job that differs from
+        the spec's [job] name, and a bench runs a packaged spec as its own job. A copy renamed
+        in the run directory when they differ."""
+        from chameleond.core.spec import load_spec
+        from chameleond.jobstate.jobspec import spec_document
+
+        spec = load_spec(path)
+        if spec.name in ("default", self.job):
+            return path
+        doc = spec_document(spec)
+        doc["job"]["name"] = self.job
+        renamed = self.run_dir / f"spec-{self.job}.json"
+        renamed.write_text(json.dumps(doc, indent=2))
+        return renamed
 
     def start_worker(self, worker: str) -> Child:
         old = self.workers.get(worker)
@@ -220,7 +239,7 @@ class LocalCluster:
             "--worker-id",
             worker,
             "--device",
-            "cpu",
+            self.devices.get(worker, "cpu"),
         ]
         if worker in self.bind_addresses:
             argv += ["--bind-address", self.bind_addresses[worker]]

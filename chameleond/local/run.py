@@ -43,6 +43,7 @@ class RunOptions:
     daemon_args: Sequence[str] = ()
     checkpoint_every: int = 0  # workers checkpoint into run_dir/checkpoints every N steps
     worker_command: Sequence[str] = ()  # a training script's argv instead of chameleon-worker
+    devices: dict[str, str] = field(default_factory=dict)  # worker -> device; absent: cpu
 
 
 @dataclass
@@ -74,6 +75,7 @@ class LocalRun:
             daemon_args=o.daemon_args,
             worker_args=_checkpoints(o),
             worker_command=o.worker_command,
+            devices=o.devices,
         )
         with cluster:
             client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
