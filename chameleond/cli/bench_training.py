@@ -14,7 +14,10 @@ JSON line per committed step and worker) give every figure:
 * loss_match_bf16: the same run in bf16 against the plain loop in bf16, relative (<= 2e-2);
 * samples_lost / samples_repeated: each committed step's sample ids, over the workers that ran
   its first stages, against the plain loop's, over the fp32 run and a streamed-dataset run (a
-  Hugging Face IterableDataset) with the same faults (target 0 / 0);
+  Hugging Face IterableDataset) in which --restore-step kills every worker that holds layer 0
+  (w0, w2, w4): the job restores the newest checkpoint and trains the steps after it again, the
+  stream read again from the restored position (target 0 / 0). A step trained again after a
+  restore counts once: the model's history holds the last generation that committed it;
 * lora_synced_bytes_ratio: a LoRA run's gradient bytes all-reduced per step over the bytes of the
   adapter tensors in the synced layers (target <= 1.1), with what syncing the whole layers would
   cost and the checkpoint bytes of a step beside the fp32 run's;
@@ -57,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reroute-step", type=int, default=6)
     parser.add_argument("--dynamic-victim", default="w5", help="killed at --dynamic-step")
     parser.add_argument("--dynamic-step", type=int, default=14)
+    parser.add_argument(
+        "--restore-step", type=int, default=12, help="the streamed run loses layer 0 here"
+    )
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=600.0, help="per run, seconds")
 
@@ -142,9 +148,10 @@ def _plain(
 def compare(lines: Lines, ref: Mapping[str, Any], steps: int) -> dict[str, Any]:
     """The library's committed steps 0..steps-1 (every worker's on_step lines) against the plain
     loop's: the largest absolute and relative loss differences and relative grad norm
-    difference over every line of a step; the samples the plain loop trained that no committed
-    step trained (lost) and those trained beyond it (repeated: twice in a step, or by a step
-    committed in two generations)."""
+    difference over every line of a step (in every generation that committed it); the samples
+    the plain loop trained that the step, as the model's history holds it (the last generation
+    that committed it: a restore trains the steps after its checkpoint again), did not train
+    (lost) and those it trained beyond them (repeated)."""
     by_step: dict[int, dict[int, list[dict[str, Any]]]] = {}
     for entries in lines.values():
         for e in entries:
@@ -155,8 +162,9 @@ def compare(lines: Lines, ref: Mapping[str, Any], steps: int) -> dict[str, Any]:
         want = collections.Counter(ref["ids"][s])
         generations = by_step.get(s, {})
         got: collections.Counter[int] = collections.Counter()
+        if generations:
+            got.update(i for e in generations[max(generations)] for i in e["sample_ids"])
         for gen_lines in generations.values():
-            got.update(i for e in gen_lines for i in e["sample_ids"])
             for e in gen_lines:
                 diff = abs(e["loss"] - ref["loss"][s])
                 loss_abs = max(loss_abs, diff)
@@ -218,6 +226,7 @@ def measure(args: argparse.Namespace, example: FoundExample, tmp: Path) -> dict[
         Fault("kill", args.reroute_victim, at_step=args.reroute_step),
         Fault("kill", args.dynamic_victim, at_step=args.dynamic_step),
     )
+    restore = tuple(Fault("kill", w, at_step=args.restore_step) for w in ("w0", "w2", "w4"))
 
     def variant(**arch: Any) -> dict[str, Any]:
         d = json.loads(json.dumps(doc))
@@ -228,13 +237,13 @@ def measure(args: argparse.Namespace, example: FoundExample, tmp: Path) -> dict[
     figures: dict[str, Any] = {}
     overlaps: list[float] = []
     lost = repeated = 0
-    for name, d in (
-        ("fp32", variant()),
-        ("bf16", variant(precision="bf16")),
-        ("stream", variant(stream=True)),
-        ("lora", variant(lora=True)),
+    for name, d, kills in (
+        ("fp32", variant(), faults),
+        ("bf16", variant(precision="bf16"), faults),
+        ("stream", variant(stream=True), restore),
+        ("lora", variant(lora=True), faults),
     ):
-        mon, lines = _library(example, d, tmp / name, args, faults)
+        mon, lines = _library(example, d, tmp / name, args, kills)
         ref = _plain(example, d, tmp / name, args.steps, _trained(mon, lines))
         got = compare(lines, ref, args.steps)
         got["policies"] = [p["policy"] for g, p in sorted(mon.plans.items()) if g > 1]
@@ -264,7 +273,9 @@ def measure(args: argparse.Namespace, example: FoundExample, tmp: Path) -> dict[
         prefetch_overlap=min(overlaps) if overlaps else None,
     )
     return {**figures, "steps": args.steps,
-            "faults": [f"kill:{f.worker}@{f.when}" for f in faults], "runs": runs}  # fmt: skip
+            "faults": [f"kill:{f.worker}@{f.when}" for f in faults],
+            "stream_faults": [f"kill:{f.worker}@{f.when}" for f in restore],
+            "runs": runs}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,9 +9,12 @@ Summed over the world, the rows give every worker the same `Commit`, so each app
 clipping factor and makes the same overflow decision: one decision per step for the whole job,
 as `clip_grad_norm_` and `GradScaler` make in a one-process loop.
 
-Gradients are SUMS over the step's samples, scaled by the loss scale S (1 but in fp16): a step of
-B samples has the gradient norm sqrt(sum of squares) / (B S), and the update divides each gradient
-sum by B, then multiplies it by clip / S, clip = min(1, max_grad_norm / (norm + 1e-6)).
+Gradients are SUMS over the step's samples, times the `seed` the loss sum's backward starts from:
+1, or in fp16 S / B, the loss scale S on the MEAN loss, as GradScaler scales it (scaling the sum by
+S would make every fp16 activation gradient B times larger than in a one-process loop, and
+overflow where it does not). A step of B samples has the gradient norm sqrt(sum of squares) /
+(B seed), and the update divides each gradient sum by B, then multiplies it by clip / seed,
+clip = min(1, max_grad_norm / (norm + 1e-6)).
 """
 
 from __future__ import annotations
@@ -31,17 +34,23 @@ class Commit:
     tokens: int
     overflow: bool  # fp16 only: inf or nan gradients somewhere; the update is skipped
 
-    def grad_norm(self, global_batch: int, loss_scale: float) -> float:
+    def grad_norm(self, global_batch: int, seed: float) -> float:
         """The global gradient norm before clipping, in the units of a mean loss's gradients."""
-        return math.sqrt(self.grad_sq) / (global_batch * loss_scale)
+        return math.sqrt(self.grad_sq) / (global_batch * seed)
 
-    def factor(self, global_batch: int, loss_scale: float, max_grad_norm: float | None) -> float:
+    def factor(self, global_batch: int, seed: float, max_grad_norm: float | None) -> float:
         """What a gradient sum divided by `global_batch` is multiplied by: unscale, then clip."""
         clip = 1.0
         if max_grad_norm is not None:
-            norm = self.grad_norm(global_batch, loss_scale)
+            norm = self.grad_norm(global_batch, seed)
             clip = min(1.0, max_grad_norm / (norm + CLIP_EPS))
-        return clip / loss_scale
+        return clip / seed
+
+
+def seed(loss_scale: float | None, global_batch: int) -> float:
+    """What the backward of a step's loss sum over `global_batch` samples starts from: the loss
+    scale on the mean loss in fp16 (`loss_scale` not None), else 1."""
+    return 1.0 if loss_scale is None else loss_scale / global_batch
 
 
 def overflowed(grad_sq: float, fp16: bool) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from chameleond.worker.api import ModelError
-from chameleond.worker.commit import LossScale
+from chameleond.worker.commit import LossScale, seed
 from chameleond.worker.trainable import Trainable
 
 CHUNK_BYTES = 1 << 20  # a checkpoint writes a layer's buffer in pieces of this size
@@ -52,6 +52,10 @@ class LayerState:
     @property
     def scale(self) -> float:
         return 1.0 if self.loss_scale is None else self.loss_scale.scale
+
+    def seed(self, global_batch: int) -> float:
+        """The backward seed of a step's loss sum over `global_batch` samples (commit.seed)."""
+        return seed(None if self.loss_scale is None else self.loss_scale.scale, global_batch)
 
     def apply_update(
         self, global_batch: int, step: int, factor: float = 1.0, overflow: bool = False

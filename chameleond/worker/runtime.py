@@ -44,7 +44,7 @@ from chameleond.worker.backend import (
     check_device_health,
     computing,
 )
-from chameleond.worker.commit import Commit, overflowed
+from chameleond.worker.commit import Commit, overflowed, seed
 from chameleond.worker.evaluate import Evaluator
 from chameleond.worker.events import (
     Heartbeat,
@@ -550,6 +550,7 @@ class WorkerRuntime:
         plan = gen.plan
         training = state.model.training
         scale, lr = scale_lr
+        state_seed = seed(scale if training.precision == "fp16" else None, plan.global_batch)
         data = state.model.data_stats()
         info = StepInfo(
             step=commit.step,
@@ -557,7 +558,7 @@ class WorkerRuntime:
             worker=gen.me,
             rank=gen.rank,
             loss=commit.loss_sum / plan.global_batch,
-            grad_norm=commit.grad_norm(plan.global_batch, scale),
+            grad_norm=commit.grad_norm(plan.global_batch, state_seed),
             learning_rate=lr,
             samples=plan.global_batch,  # trained this step: B, or fewer under a drop plan
             skipped_samples=training.global_batch - plan.global_batch,

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 import torch
 
-from chameleond.worker.commit import Commit
+from chameleond.worker.commit import Commit, seed
 from chameleond.worker.layer import LayerState
 from chameleond.worker.trainable import Trainable
 
@@ -52,6 +52,11 @@ class WorkerState:
         self.pending_layers = tuple(layers)
         self.pending_batch = self.global_batch if global_batch is None else global_batch
 
+    def seed(self, global_batch: int) -> float:
+        """The backward seed of a step's loss sum over `global_batch` samples (commit.seed)."""
+        fp16 = self.model.training.precision == "fp16"
+        return seed(self.loss_scale() if fp16 else None, global_batch)
+
     def loss_scale(self) -> float:
         """The fp16 loss scale of the layers held (1.0 otherwise): every layer at the committed
         step holds the same one."""
@@ -90,7 +95,7 @@ class WorkerState:
         max_norm = training.max_grad_norm
         for i in self.pending_layers:
             layer = self.layer(i)
-            factor = commit.factor(batch, layer.scale, max_norm)
+            factor = commit.factor(batch, layer.seed(batch), max_norm)
             layer.apply_update(batch, step, factor, commit.overflow)
         self.last_commit = commit
         self.committed_step = step

@@ -20,9 +20,10 @@ gives every worker alike (chameleond.worker.commit): this step contributes the s
 the gradients of the layers this worker is the first owner of, and the tokens of its stage-0
 micro-batches.
 
-Forwards (layers and loss) run under the training's autocast (bf16, fp16); in fp16 the loss sum is
-scaled by the layers' loss scale before its backward. Only trainable parameters have gradients:
-frozen ones (a LoRA model's base weights) are neither synced nor counted."""
+Forwards (layers and loss) run under the training's autocast (bf16, fp16); in fp16 the loss sum's
+backward starts from the layers' loss scale over the step's samples (commit.seed). Only trainable
+parameters have gradients: frozen ones (a LoRA model's base weights) are neither synced nor
+counted."""
 
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ class StepRunner:
         tokens = 0
         first_stage: list[int] = []
         autocast = self.model.autocast(dev)
-        scale = st.loss_scale()
+        seed = st.seed(plan.global_batch)
         batches = iter(self.gen.batches)
         batch = next(batches, None)
         for i, op in enumerate(self.gen.ops):
@@ -197,8 +198,8 @@ class StepRunner:
                 x, out = stash.pop(key)
                 grad_in = backward_input(op, len(stages))
                 grad = None if grad_in is None else self._recv(*grad_in)  # None: from the loss
-                if grad is None and scale != 1.0:
-                    grad = torch.full_like(out, scale)  # fp16: the scaled loss's backward
+                if grad is None and seed != 1.0:
+                    grad = torch.full_like(out, seed)  # fp16: the scaled loss's backward
                 self._inputs_ready(i)
                 with computing():
                     if out.requires_grad:  # not: a first stage whose parameters are all frozen
