@@ -85,9 +85,59 @@ def test_a_kept_mask_serves_the_next_batch_of_its_shape_only(attention: str) -> 
             x = ids(batch)[:, :seq]
             torch.testing.assert_close(run(layers, x), model(x).logits, atol=1e-5, rtol=0)
     block = layers[1]
-    assert block._shape_key == ((3, SEQ), torch.float32, torch.device("cpu"))
+    assert block._shape_key == ((3, SEQ), torch.float32, torch.device("cpu"), attention)
     if attention == "eager":
         assert isinstance(block._kept[1], torch.Tensor)
+
+
+def windowed(config_class: str, **window):
+    """A Mistral or Qwen2 model whose attention window (4) is shorter than its sequences (16)."""
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        cfg = getattr(transformers, config_class)(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+            bos_token_id=0, eos_token_id=0, sliding_window=4, **window,
+        )  # fmt: skip
+        return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+
+    build.__name__ = config_class
+    return build
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        windowed("MistralConfig"),  # every block's attention is windowed
+        windowed("Qwen2Config", use_sliding_window=True, max_window_layers=1),  # block 1 only
+    ],
+)
+def test_sliding_window_blocks_see_only_their_window(build, attention: str) -> None:
+    """A block whose model gives it a sliding-window mask gets the same one from its layer: the
+    logits are the model's, and differ from a full causal attention's."""
+    model = build()
+    model.config._attn_implementation = attention
+    x = ids()
+    with torch.no_grad():
+        expected = model(x).logits
+        layers = list(split_causal_lm(model).modules)
+        got = run(layers, x)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    windows = [layer.window for layer in layers[1:-1]]
+    assert windows == ([4, 4] if model.config.model_type == "mistral" else [None, 4])
+    for layer in layers[1:-1]:
+        layer.window, layer._kept = None, None  # full causal attention
+    with torch.no_grad():
+        assert (run(layers, x) - expected).abs().max() > 1e-3
+
+
+def test_an_attention_implementation_without_a_built_mask_is_refused() -> None:
+    model = llama()
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ModelError, match="LlamaForCausalLM: attention implementation 'flex_at"):
+        split_causal_lm(model)
 
 
 @pytest.mark.parametrize("build", [gpt2, llama])

@@ -7,8 +7,9 @@
     layer n + 1        the final norm and the LM head
 
 Each layer is a module with one tensor in and one tensor out: a decoder block's wrapper computes
-what the block needs besides the hidden states (position ids, the causal mask, rotary position
-embeddings) from the hidden states themselves, so a stage needs nothing but its input activation.
+what the block needs besides the hidden states (position ids, the causal or sliding-window mask,
+rotary position embeddings) from the hidden states themselves, so a stage needs nothing but its
+input activation.
 The layers hold the model's own submodules (no copy), except for tied parameters: GPT-2 uses one
 matrix as token embedding and LM head; that parameter gets a copy in the head layer, declared as a
 `Tie`, and the library keeps the two copies equal (their gradients are summed before the update).
@@ -31,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.masking_utils import create_causal_mask
 
 from chameleond.worker import Layers, ModelError, Tie, split
 
@@ -44,6 +44,10 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str, str]] = {
     "mistral": (("embed_tokens",), "layers", "norm"),
     "qwen2": (("embed_tokens",), "layers", "norm"),
 }
+# The attention implementations (config._attn_implementation) whose mask the split builds, the
+# one their model gives them for full sequences without padding or cache. Flex attention's
+# BlockMask, and the masks of hub kernels, are not built here: such a model is refused.
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 
 class GPT2Embeddings(nn.Module):
@@ -75,36 +79,34 @@ class TokenEmbeddings(nn.Module):
 class DecoderBlock(nn.Module):
     """One decoder block as hidden states -> hidden states.
 
-    Position ids are 0..seq-1 (no padding, no cache: training on full sequences); the causal mask
-    is built as the model builds it, for the model's attention implementation; a rotary model's
-    position embeddings come from this layer's own copy of the model's rotary module (buffers
-    only, no parameters).
+    Position ids are 0..seq-1 (no padding, no cache: training on full sequences); the attention
+    mask is the one the model gives this block for its attention implementation (`causal_mask`);
+    a rotary model's position embeddings come from this layer's own copy of the model's rotary
+    module (buffers only, no parameters).
 
-    The mask and the position ids depend only on the input's shape, dtype and device (positions
-    0..seq-1 are never a packed sequence, which is what `create_causal_mask` looks for in them):
-    they are built once and kept for the next micro-batch of the same shape, where the model
-    itself builds them at each forward (once for all its blocks; this wrapper would otherwise
-    build them once per block)."""
+    The mask and the position ids depend only on the input's shape, dtype and device and the
+    attention implementation: they are built once and kept for the next micro-batch of the same
+    shape, where the model itself builds them at each forward (once for all its blocks; this
+    wrapper would otherwise build them once per block)."""
 
-    def __init__(self, block: nn.Module, config: Any, rotary: nn.Module | None) -> None:
+    def __init__(
+        self, block: nn.Module, config: Any, rotary: nn.Module | None, window: int | None
+    ) -> None:
         super().__init__()
         self.block = block
         self.rotary = rotary
         self.config = config
+        self.window = window  # the block's sliding window, None for full causal attention
         self._shape_key: tuple[Any, ...] | None = None
-        self._kept: tuple[torch.Tensor, Any] | None = None  # position ids, mask
+        self._kept: tuple[torch.Tensor, torch.Tensor | None] | None = None  # position ids, mask
 
-    def _positions_and_mask(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device)
+    def _positions_and_mask(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        implementation = self.config._attn_implementation
+        key = (tuple(hidden.shape[:2]), hidden.dtype, hidden.device, implementation)
         if self._kept is None or key != self._shape_key:
-            position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-            mask = create_causal_mask(
-                config=self.config,
-                inputs_embeds=hidden,
-                attention_mask=None,
-                cache=None,
-                position_ids=None,  # 0..seq-1: no packed sequence to look for
-            )
+            batch, seq = hidden.shape[:2]
+            position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0)
+            mask = causal_mask(implementation, batch, seq, self.window, hidden.dtype, hidden.device)
             self._shape_key, self._kept = key, (position_ids, mask)
         return self._kept
 
@@ -116,6 +118,66 @@ class DecoderBlock(nn.Module):
         out = self.block(hidden, use_cache=False, **kwargs)
         # transformers 5 blocks return the hidden states; older ones a tuple led by them.
         return out[0] if isinstance(out, tuple) else out
+
+
+def causal_mask(
+    implementation: str,
+    batch: int,
+    seq: int,
+    window: int | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The attention mask a decoder block gets from its model for `batch` full sequences of `seq`
+    tokens (positions 0..seq-1, no padding, no cache): query q sees keys q - window < k <= q
+    (k <= q without a window).
+
+    Built here rather than through `transformers.masking_utils.create_causal_mask`, whose
+    signature changed four times within transformers 5 (`input_embeds` -> `inputs_embeds`; the
+    cache argument after a required `cache_position`, keyword-only, positional, then renamed
+    `cache`; docs/hf.md): what the model gives each implementation for such sequences has not.
+    sdpa and flash attention get no mask when it would be plain causal (the kernel's own
+    `is_causal`; flash attention also applies the window itself); sdpa otherwise a boolean mask
+    [batch, 1, seq, seq], True where a key is seen; eager always an additive one of `dtype`,
+    0 where a key is seen and dtype's minimum elsewhere."""
+    if implementation not in ATTENTION:
+        raise ModelError(refused_attention(implementation))
+    if window is not None and window > seq:
+        window = None  # longer than the sequence: plain causal (transformers' rule for sdpa)
+    if implementation.startswith("flash_attention") or (
+        implementation == "sdpa" and window is None
+    ):
+        return None
+    query = torch.arange(seq, device=device).unsqueeze(1)
+    key = torch.arange(seq, device=device).unsqueeze(0)
+    seen = key <= query
+    if window is not None:
+        seen &= key > query - window
+    seen = seen.expand(batch, 1, seq, seq)
+    if implementation == "sdpa":
+        return seen
+    zero = torch.tensor(0.0, device=device, dtype=dtype)
+    return torch.where(seen, zero, torch.finfo(dtype).min)
+
+
+def refused_attention(implementation: object) -> str:
+    return (
+        f"attention implementation {implementation!r} is not one the split builds masks for "
+        f"({', '.join(ATTENTION)}): load the model with attn_implementation='sdpa'"
+    )
+
+
+def sliding_window(model_type: str, config: Any, index: int) -> int | None:
+    """Block `index`'s sliding window, as its model masks it: every Mistral block's when the
+    config has one, a Qwen2 block's when `layer_types` names it a sliding one; None otherwise."""
+    window = getattr(config, "sliding_window", None)
+    if model_type == "mistral":
+        return window if isinstance(window, int) else None
+    if model_type == "qwen2" and isinstance(window, int):
+        layer_types = getattr(config, "layer_types", None) or []
+        if index < len(layer_types) and layer_types[index] == "sliding_attention":
+            return window
+    return None
 
 
 class LMHead(nn.Module):
@@ -159,12 +221,17 @@ def split_causal_lm(model: PreTrainedModel) -> Layers:
     blocks = part(blocks_name)
     if not isinstance(blocks, nn.ModuleList):
         raise ModelError(f"{name}: its decoder blocks {blocks_name!r} are not a ModuleList")
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in ATTENTION:
+        raise ModelError(f"{name}: {refused_attention(implementation)}")
     rotary = getattr(base, "rotary_emb", None)
-    modules: list[nn.Module] = [
-        embeddings,
-        *(DecoderBlock(b, model.config, copy.deepcopy(rotary)) for b in blocks),
-        LMHead(part(norm_name), head),
+    decoders = [
+        DecoderBlock(
+            b, model.config, copy.deepcopy(rotary), sliding_window(model_type, model.config, i)
+        )
+        for i, b in enumerate(blocks)
     ]
+    modules: list[nn.Module] = [embeddings, *decoders, LMHead(part(norm_name), head)]
     ties = untie(modules)
     # `split` refuses a cut that leaves a parameter of the model in no layer, naming it.
     return split(model, lambda _: modules, ties)
