@@ -90,7 +90,8 @@ class Step:
 class Ack:
     """A worker's answer to a plan generation. `attempt`: how many times it built the
     generation; `reason` (stopped): finished or left; `step`, `cause` (unrestorable): the
-    checkpoint it cannot load, and why."""
+    checkpoint it cannot load, and why; `build_seconds`, `migration_seconds` (ready, when sent):
+    how long it took to get ready, and the migration's part of that."""
 
     type: ClassVar[str] = "ack"
     worker: str
@@ -100,6 +101,15 @@ class Ack:
     reason: str = ""
     step: int = 0
     cause: str = ""
+    build_seconds: float | None = None
+    migration_seconds: float | None = None
+
+    def rebuild_seconds(self) -> float | None:
+        """The build of the generation's process groups, rendezvous included: the ready ack's
+        time to get ready less its migration. None when the ack does not say."""
+        if self.build_seconds is None:
+            return None
+        return max(0.0, self.build_seconds - (self.migration_seconds or 0.0))
 
 
 @dataclass(frozen=True)

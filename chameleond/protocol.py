@@ -406,9 +406,12 @@ def _ack(f: Mapping[str, str]) -> Ack:
     if phase is AckPhase.UNRESTORABLE:
         step = _int(f, "step")
         cause = _text(f, "cause")
+    build = _float(f, "build_seconds") if "build_seconds" in f else None
+    migration = _float(f, "migration_seconds") if "migration_seconds" in f else None
     return Ack(
-        worker, generation, phase, attempt, reason=f.get("reason", ""), step=step, cause=cause
-    )
+        worker, generation, phase, attempt, reason=f.get("reason", ""), step=step, cause=cause,
+        build_seconds=build, migration_seconds=migration,
+    )  # fmt: skip
 
 
 _PARSERS: dict[str, Callable[[Mapping[str, str]], Event]] = {

@@ -14,6 +14,12 @@ killing the same worker (kill -9) after --warmup committed steps:
   restart. The steps committed after that checkpoint are trained again: that lost work is
   reported beside it, not added to it.
 
+group_rebuild_seconds: per backend the workers ran (gloo here), and per run, the build of the new
+plan's process groups: the slowest worker's `ack` ready build_seconds less its migration_seconds
+(the rendezvous with every member included, the state transfer not), the figure the daemon
+prices a new plan's rebuild at once measured (docs/planner.md, "The rebuild"). Part of the
+recovery time above, reported apart.
+
 step_time_error: for every plan of the reroute and dynamic runs (the initial plan and the new
 one), |measured - estimated| / measured, where estimated is the plan's own estimate (made when it
 was published, from the profiles the workers had reported by then) and measured is the median
@@ -51,6 +57,7 @@ from chameleond.extras import require
 from chameleond.jobstate.jobspec import fold_profile, measured_layers
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster
 from chameleond.local.monitor import StreamMonitor
+from chameleond.local.timeline import group_rebuild_seconds
 from chameleond.streams import entry_seconds
 
 VICTIM = "w3"  # a stage-1 worker of the packaged 2 x 3 layout (the head: loss and largest state)
@@ -176,6 +183,7 @@ def _kill_and_recover(
         return {
             "seconds": round(first.at - killed_at, 3),
             "generation": first.generation,
+            "group_rebuild_seconds": group_rebuild_seconds(mon.events, first.generation),
             "policy": chosen,
             "plans": plan_rows(mon, policy, load_spec(spec)),
         }
@@ -247,6 +255,8 @@ def run(args: argparse.Namespace) -> int:
         "reroute_seconds": reroute["seconds"],
         "dynamic_seconds": dynamic["seconds"],
         "restart_seconds": restart["seconds"],
+        # Per backend, per run: the new plan's process groups built (part of the seconds above).
+        "group_rebuild_seconds": _per_backend({"reroute": reroute, "dynamic": dynamic}),
         "step_time_error": _largest_error(plans),
         "step_time_error_initial": _largest_error(p for p in plans if p["policy"] == "initial"),
         "step_time_error_after_fault": _largest_error(p for p in plans if p["policy"] != "initial"),
@@ -264,6 +274,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print(out, args)
     return 0
+
+
+def _per_backend(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """{backend: {run: seconds}} from each run's {backend: seconds}."""
+    out: dict[str, dict[str, float]] = {}
+    for name, run in runs.items():
+        for backend, seconds in run["group_rebuild_seconds"].items():
+            out.setdefault(backend, {})[name] = seconds
+    return out
 
 
 def _largest_error(plans: Iterable[dict[str, Any]], key: str = "relative_error") -> float | None:
@@ -287,6 +306,12 @@ def _print(out: dict[str, Any], args: argparse.Namespace) -> None:
         f" (checkpoint every {r['checkpoint_every']} steps); lost work not included: "
         f"{r['lost_steps']} steps{lost}"
     )
+    for backend, runs in out["group_rebuild_seconds"].items():
+        each = ", ".join(f"{run} {seconds:.3f} s" for run, seconds in runs.items())
+        print(
+            f"  group rebuild ({backend}; the new plan's process groups, slowest worker, "
+            f"migration excluded): {each}"
+        )
     print(
         f"  faster than restart: reroute {out['speedup_reroute']}x, "
         f"dynamic {out['speedup_dynamic']}x (target >= 10x)"

@@ -29,6 +29,12 @@ class WorkerSpec:
     device: str = "cpu"
 
 
+def backend_of(device: str) -> str:
+    """The collective backend a worker on `device` builds its groups with (as
+    chameleond/worker/backend.py picks it): nccl on `cuda:N`, hccl on `npu:N`, gloo otherwise."""
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.partition(":")[0], "gloo")
+
+
 @dataclass(frozen=True)
 class LinkSpec:
     bandwidth_bytes_per_second: float
@@ -125,7 +131,8 @@ class JobSpec:
     layout: tuple[tuple[str, ...], ...]
     mtbf_prior_seconds: float = 3.1 * 3600.0
     search: SearchLimits = field(default_factory=SearchLimits)
-    # Expected seconds to build communicators for a new plan (paid by every policy).
+    # Expected seconds to build communicators for a new plan (paid by every policy). The prior:
+    # the daemon plans with the rebuild its workers measured once they have (Job.spec).
     rebuild_seconds: float = 0.05
     # Seconds from a fault that loses the last copy of some layer's state to training again:
     # a restart from checkpoint, with the work since it (the selector's risk term).

@@ -106,6 +106,9 @@ def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
         "progress": progress(job),
         "estimated_samples_per_second": job.plan.samples_per_second if job.plan else None,
         "model_samples_per_second": _model_throughput(job),
+        # A new plan's communicator rebuild as the planner prices it, and as measured per backend.
+        "rebuild_seconds": job.spec.rebuild_seconds,
+        "rebuild_measured_seconds": {b: s for b, (_, s) in sorted(job.rebuilds.newest.items())},
     }
 
 

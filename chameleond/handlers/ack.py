@@ -1,7 +1,9 @@
 """`ack`: a worker's answer to a plan generation. phase=ready: it built the generation's process
-groups and finished migration. phase=stopped: it stopped: fenced, or on its own as a member of
-the plan (`reason` finished: it committed its last step; left: stopped by a signal), which is
-no failure; once every worker of the plan has finished, the job is `finished`.
+groups and finished migration; what the build cost it, migration excluded, is the measured
+communicator rebuild the planner uses from then on for its backend (`Job.rebuild_seconds`).
+phase=stopped: it stopped: fenced, or on its own as a member of the plan (`reason` finished: it
+committed its last step; left: stopped by a signal), which is no failure; once every worker of
+the plan has finished, the job is `finished`.
 phase=unrestorable: the plan is a `restore` and the worker cannot load its layers from the
 checkpoint of `step` (files missing or unreadable there); the restore is decided again from an
 older checkpoint, and the entry is acknowledged with that decision."""
@@ -17,7 +19,7 @@ from chameleond.handlers.outcome import (
     Outcome,
     reported_generation,
 )
-from chameleond.jobstate.change import SNAPSHOT, recorded, snapshot_if
+from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, recorded, snapshot_if
 from chameleond.jobstate.job import Job
 
 
@@ -28,10 +30,14 @@ def handle_ack(job: Job, event: Ack, entry_id: str, now: float) -> Outcome:
         return _stopped(job, event, entry_id, generation, now)
     if event.phase is AckPhase.UNRESTORABLE:
         return _unrestorable(job, event, entry_id, generation, now)
+    change = UNCHANGED
     if event.worker in job.machine.plan_workers:  # a member's rebuilds, nobody else's
         job.observe_attempt(generation, event.attempt)
+        rebuild = event.rebuild_seconds()
+        if rebuild is not None and generation == job.machine.generation:
+            change = job.observe_rebuild(event.worker, generation, rebuild)
     acked, transitions = job.machine.ready(event.worker, generation, now)
-    change = recorded(transitions)
+    change |= recorded(transitions)
     if not acked:
         return DUPLICATE.having(change)
     return HANDLED.having(change | SNAPSHOT)

@@ -17,13 +17,14 @@ from chameleond.core.holdings import Checkpoints
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine
 from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
-from chameleond.core.spec import JobSpec, WorkerSpec
+from chameleond.core.spec import JobSpec, WorkerSpec, backend_of
 from chameleond.events import Step
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
 from chameleond.jobstate.jobspec import measured_layers
 from chameleond.jobstate.records import (
     UNCONFIRMED_MAX,
     FollowUp,
+    RebuildMeter,
     Registration,
     StepMeter,
     WorkerRecord,
@@ -68,6 +69,7 @@ class Job:
         )  # what a restore plan can load (chameleond/handlers/checkpoint.py)
         self.owed: dict[str, list[str]] = {}  # worker -> entry ids acked when its decision commits
         self.meter = StepMeter()
+        self.rebuilds = RebuildMeter()  # measured communicator rebuilds, per backend
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
         self._model_cache: tuple[tuple[int, int], float] | None = None
@@ -92,8 +94,39 @@ class Job:
             profiles = [w.profile for w in self.workers.values() if w.profile]
             if profiles:
                 spec = spec.with_layers(measured_layers(spec.layers, profiles))
+            rebuild = self.rebuild_seconds(spec)
+            if rebuild != spec.rebuild_seconds:
+                spec = replace(spec, rebuild_seconds=rebuild)
             self._spec_cache = spec
         return self._spec_cache
+
+    def _device(self, worker: WorkerSpec) -> str:
+        """The device the worker registered with, else the spec's."""
+        rec = self.workers.get(worker.id)
+        return rec.device if rec is not None and rec.device else worker.device
+
+    def rebuild_seconds(self, spec: JobSpec) -> float:
+        """What the planner takes a new plan's communicator rebuild to cost: per backend the job's
+        workers run, the rebuild measured on it (`RebuildMeter`), else the spec's prior
+        (`[job] rebuild_seconds`); the slowest backend's when they are several."""
+        backends = {backend_of(self._device(w)) for w in spec.workers}
+        prior = spec.rebuild_seconds
+        measured = (self.rebuilds.seconds(b) for b in backends)
+        return max((prior if s is None else s for s in measured), default=prior)
+
+    def observe_rebuild(self, worker: str, generation: int, seconds: float) -> Change:
+        """A member's measured rebuild of `generation` (its ready ack): the planner's figure for
+        its backend from now on, once it changes it."""
+        rec = self.workers.get(worker)
+        device = rec.device if rec is not None else ""
+        if not device:  # never registered with this daemon: the spec's device
+            try:
+                device = self.spec.worker(worker).device
+            except KeyError:  # not a worker of the job any more: no backend to measure
+                return UNCHANGED
+        if not self.rebuilds.observe(backend_of(device), generation, seconds):
+            return UNCHANGED
+        return self.spec_changed()
 
     def observe_attempt(self, generation: int, attempt: int) -> None:
         if generation == self._attempt[0]:

@@ -147,6 +147,39 @@ class StepMeter:
         self.finished = True
 
 
+@dataclass
+class RebuildMeter:
+    """The communicator rebuild the workers measured, per backend: of the newest generation they
+    acknowledged ready with figures, the slowest member's build of its process groups (`ack`
+    ready: build_seconds less migration_seconds; the rendezvous with every member included). Its
+    members' acks come one by one: until the last is in, it is the slowest of those received."""
+
+    newest: dict[str, tuple[int, float]] = field(default_factory=dict)  # backend -> (gen, s)
+
+    def observe(self, backend: str, generation: int, seconds: float) -> bool:
+        """One member's figure; True when the backend's figure changed."""
+        known = self.newest.get(backend)
+        if known is not None and generation < known[0]:
+            return False  # an older generation's: the newer one stands
+        if known is not None and generation == known[0]:
+            seconds = max(seconds, known[1])
+        if known == (generation, seconds):
+            return False
+        self.newest[backend] = (generation, seconds)
+        return True
+
+    def seconds(self, backend: str) -> float | None:
+        known = self.newest.get(backend)
+        return None if known is None else known[1]
+
+    def to_json(self) -> dict[str, list[float]]:
+        return {b: [g, s] for b, (g, s) in sorted(self.newest.items())}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RebuildMeter:
+        return cls({str(b): (int(g), float(s)) for b, (g, s) in d.items()})
+
+
 @dataclass(frozen=True)
 class FollowUp:
     """The dynamic plan prepared beside a reroute (`Decision.follow_up`), published as the next

@@ -11,7 +11,7 @@ from chameleond.core.machine import PolicyMachine
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.core.spec import WorkerSpec
 from chameleond.jobstate.job import Job
-from chameleond.jobstate.records import FollowUp, Registration
+from chameleond.jobstate.records import FollowUp, RebuildMeter, Registration
 
 
 def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
@@ -35,6 +35,7 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
             for w in job.extra_workers.values()
         ],
         "workers": {w.id: w.to_json() for w in job.workers.values()},
+        "rebuilds": job.rebuilds.to_json(),
     }
 
 
@@ -61,6 +62,7 @@ def restore(job: Job, snap: dict[str, Any], plan: Plan | None, *, ready_timeout:
         )
     for wid, d in snap.get("workers", {}).items():
         job.worker(wid).load(d)
+    job.rebuilds = RebuildMeter.from_json(snap.get("rebuilds", {}))
     now = time.time()
     # Nobody could acknowledge or heartbeat to a daemon that was down: start the clocks again.
     m = job.machine

@@ -24,7 +24,12 @@ from typing import Any, TextIO
 
 from chameleond.core.drop import FIXED_BATCH
 from chameleond.local.chart import draw_chart
-from chameleond.local.timeline import CommittedStep, committed_steps, median_interval
+from chameleond.local.timeline import (
+    CommittedStep,
+    committed_steps,
+    group_rebuild_seconds,
+    median_interval,
+)
 from chameleond.streams import DecisionRecord, Entry, entry_seconds, is_decision, parse_decision
 
 WINDOW = 5  # steps before a fault that define "throughput before"
@@ -151,6 +156,8 @@ def build_report(
             if decision is not None and detected is not None
             else None,
             "recovery_seconds": _round(recovered - inj.at) if recovered is not None else None,
+            # Part of the recovery: the new plan's process groups built, per backend.
+            "group_rebuild_seconds": group_rebuild_seconds(events, gen) if gen else {},
             "generation": gen,
             "policy": decision.selected if decision else None,
             "why": _why(decision) if decision else "no decision recorded",

@@ -1,4 +1,5 @@
-"""What a local run recorded, turned into a timeline: committed steps and decisions.
+"""What a local run recorded, turned into a timeline: committed steps and decisions, and what the
+workers measured of a generation's rebuild.
 
 Every time here is a measurement: a Redis stream entry id is the millisecond at which Redis stored
 the entry, so the events stream (step, fault, ack events) and the daemon's decisions stream give
@@ -15,6 +16,9 @@ from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from chameleond.core.spec import backend_of
+from chameleond.events import Ack, AckPhase
+from chameleond.protocol import EventError, parse_event
 from chameleond.streams import Entry, entry_seconds, number
 
 
@@ -72,3 +76,28 @@ def median_interval(steps: Sequence[CommittedStep]) -> float | None:
     """Median time between consecutive commits (the measured step period)."""
     gaps = [b.at - a.at for a, b in itertools.pairwise(steps) if b.at > a.at]
     return statistics.median(gaps) if gaps else None
+
+
+def group_rebuild_seconds(events: Sequence[Entry], generation: int) -> dict[str, float]:
+    """Per backend, the slowest worker's build of `generation`'s process groups: its `ack` ready's
+    build_seconds less migration_seconds (`Ack.rebuild_seconds`: the rendezvous included, the
+    state transfer not), the backend from the device it registered with. What the daemon prices
+    a new plan's rebuild at once measured (docs/planner.md, "The rebuild")."""
+    devices: dict[str, str] = {}
+    slowest: dict[str, float] = {}
+    for _, f in events:
+        if f.get("type") == "register":
+            devices[f.get("worker", "")] = f.get("device") or "cpu"
+        if f.get("type") != "ack" or f.get("generation") != str(generation):
+            continue
+        try:
+            ack = parse_event(f)
+        except EventError:
+            continue  # the daemon dead-letters it: no measurement
+        if not isinstance(ack, Ack) or ack.phase is not AckPhase.READY:
+            continue
+        seconds = ack.rebuild_seconds()
+        if seconds is not None:
+            backend = backend_of(devices.get(ack.worker, "cpu"))
+            slowest[backend] = max(slowest.get(backend, 0.0), seconds)
+    return {b: round(s, 4) for b, s in sorted(slowest.items())}
