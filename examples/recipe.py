@@ -175,6 +175,8 @@ def log_step(info: StepInfo) -> None:
         "loss_scale": info.loss_scale,
         "synced_bytes": info.synced_bytes,
         "sample_ids": list(info.sample_ids),
+        "step_samples": info.step_samples,
+        "step_sample_id_sum": info.step_sample_id_sum,
         "data_overlap": info.data_overlap,
         "eval_loss": info.eval_loss,
     }

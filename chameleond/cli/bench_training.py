@@ -12,8 +12,11 @@ JSON line per committed step and worker) give every figure:
 * loss_match_fp32: max |loss - plain loss| over the steps (target <= 1e-5);
 * grad_norm_match: max |grad norm - plain| / plain (target <= 1e-5);
 * loss_match_bf16: the same run in bf16 against the plain loop in bf16, relative (<= 2e-2);
-* samples_lost / samples_repeated: each committed step's sample ids, over the workers that ran
-  its first stages, against the plain loop's, over the fp32 run and a streamed-dataset run (a
+* samples_lost / samples_repeated: what each committed step trained against the plain loop's
+  samples of that step: the count and id sum of the samples its first stages read, which every
+  worker's line carries from the step's commit vote (a worker killed right after a commit leaves
+  no line of its own), and, where every first-stage worker of the step logged its share, the
+  ids themselves; over the fp32 run and a streamed-dataset run (a
   Hugging Face IterableDataset) in which --restore-step kills every worker that holds layer 0
   (w0, w2, w4): the job restores the newest checkpoint and trains the steps after it again, the
   stream read again from the restored position (target 0 / 0). A step trained again after a
@@ -157,13 +160,28 @@ def compare(lines: Lines, ref: Mapping[str, Any], steps: int) -> dict[str, Any]:
         for e in entries:
             by_step.setdefault(e["step"], {}).setdefault(e["generation"], []).append(e)
     loss_abs = loss_rel = norm_rel = 0.0
-    lost = repeated = 0
+    lost = repeated = checked = 0
     for s in range(steps):
         want = collections.Counter(ref["ids"][s])
         generations = by_step.get(s, {})
-        got: collections.Counter[int] = collections.Counter()
-        if generations:
-            got.update(i for e in generations[max(generations)] for i in e["sample_ids"])
+        if not generations:
+            lost += sum(want.values())
+            continue
+        history = generations[max(generations)]
+        count = {e["step_samples"] for e in history}
+        id_sum = {e["step_sample_id_sum"] for e in history}
+        if len(count) != 1 or len(id_sum) != 1:
+            raise ValueError(f"step {s}: workers disagree on what it trained: {count} {id_sum}")
+        n, total = count.pop(), id_sum.pop()
+        lost += max(0, sum(want.values()) - n)
+        repeated += max(0, n - sum(want.values()))
+        if n == sum(want.values()) and total != sum(want.elements()):
+            lost, repeated = lost + 1, repeated + 1  # as many, not the same ones
+        got = collections.Counter(i for e in history for i in e["sample_ids"])
+        if sum(got.values()) == n:  # every first-stage worker logged its share: the ids too
+            checked += 1
+            lost += sum((want - got).values()) if got != want else 0
+            repeated += sum((got - want).values()) if got != want else 0
         for gen_lines in generations.values():
             for e in gen_lines:
                 diff = abs(e["loss"] - ref["loss"][s])
@@ -171,8 +189,6 @@ def compare(lines: Lines, ref: Mapping[str, Any], steps: int) -> dict[str, Any]:
                 loss_rel = max(loss_rel, diff / abs(ref["loss"][s]))
                 if not e["overflow"] and ref["grad_norm"][s] > 0:
                     norm_rel = max(norm_rel, abs(e["grad_norm"] / ref["grad_norm"][s] - 1))
-        lost += sum((want - got).values())
-        repeated += sum((got - want).values())
     return {
         "loss_abs": loss_abs,
         "loss_rel": loss_rel,
@@ -180,6 +196,7 @@ def compare(lines: Lines, ref: Mapping[str, Any], steps: int) -> dict[str, Any]:
         "samples_lost": lost,
         "samples_repeated": repeated,
         "steps_committed": sum(1 for s in range(steps) if s in by_step),
+        "steps_ids_checked": checked,
     }
 
 

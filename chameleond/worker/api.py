@@ -166,6 +166,10 @@ class StepInfo:
     eval_loss: float | None = None  # `Training.evaluation` ran after this step: its mean loss
     synced_bytes: int = 0  # gradient bytes this worker all-reduced in the step's sync
     sample_ids: tuple[int, ...] = ()  # ids of the samples whose first stage this worker ran
+    # The whole step's, from its commit vote: how many samples its first stages read, and the sum
+    # of their ids (to account for every sample even where a worker died after the commit).
+    step_samples: int = 0
+    step_sample_id_sum: int = 0
     # The share of this worker's data preparation (reading, collating) so far that the prefetch
     # thread hid behind compute; None while it has read nothing.
     data_overlap: float | None = None

@@ -3,8 +3,9 @@ over the whole model, whether fp16 gradients overflowed, and the tokens it train
 loss scale those decisions drive.
 
 Each worker's row of the vote (chameleond.worker.runtime) carries its share: the loss sum of the
-micro-batches whose last stage it ran, the tokens of those whose first stage it ran, and the sum of
-squares of the gradient sums of the layers it is the first owner of (tied copies counted once).
+micro-batches whose last stage it ran, the tokens, the count and the id sum of the samples of those
+whose first stage it ran, and the sum of squares of the gradient sums of the layers it is the first
+owner of (tied copies counted once).
 Summed over the world, the rows give every worker the same `Commit`, so each applies the same
 clipping factor and makes the same overflow decision: one decision per step for the whole job,
 as `clip_grad_norm_` and `GradScaler` make in a one-process loop.
@@ -33,6 +34,10 @@ class Commit:
     grad_sq: float  # sum of squares of the gradient sums (x S^2); inf or nan: an overflow
     tokens: int
     overflow: bool  # fp16 only: inf or nan gradients somewhere; the update is skipped
+    # The samples the step's first stages read, and the sum of their ids: what the step trained,
+    # known to every worker (a worker killed after the commit leaves no log of its share).
+    samples_read: int = 0
+    sample_id_sum: int = 0
 
     def grad_norm(self, global_batch: int, seed: float) -> float:
         """The global gradient norm before clipping, in the units of a mean loss's gradients."""

@@ -65,7 +65,7 @@ from chameleond.worker.rendezvous import BuiltWithoutMe, GenerationAbandoned
 from chameleond.worker.saver import BUBBLE, Saver, Written
 from chameleond.worker.startup import Joined, join
 from chameleond.worker.state import WorkerState
-from chameleond.worker.step import StepRunner
+from chameleond.worker.step import StepRunner, expect_reads
 from chameleond.worker.store import StoreAborted
 
 log = logging.getLogger("chameleon.worker")
@@ -86,8 +86,9 @@ FAULTS: tuple[type[BaseException], ...] = (
 # Those, and the ones follow_plans answers apart, that end a generation (their time is noted).
 FAILS_GENERATION: tuple[type[BaseException], ...] = (*FAULTS, GenerationAbandoned, DeviceFailed)
 # A worker's row of the commit vote: [loss sum, 1 (it voted), newest plan generation it has seen,
-# sum of squares of the gradients it counts, tokens] (chameleond.worker.commit).
-VOTE_COLUMNS = 5
+# sum of squares of the gradients it counts, tokens, samples read at its first stages, the sum of
+# their ids] (chameleond.worker.commit).
+VOTE_COLUMNS = 7
 
 
 @dataclass(frozen=True)
@@ -340,6 +341,8 @@ class WorkerRuntime:
             gen = Generation.for_plan(plan, me, cfg.device, cfg.incarnation, attempt)
         except ValueError as e:
             raise PlanRejected(str(e)) from e
+        # The data of the step this worker expects to resume at, read while the generation builds.
+        expect_reads(gen, state.model, (state.committed_step + 1,))
 
         def abort() -> None:
             gone_now = self._gone(gen)
@@ -468,6 +471,7 @@ class WorkerRuntime:
                 t0 = time.perf_counter()
                 result = runner.run(step, on_op=on_op, bubble=bubble)
                 state.mark_pending(step, result.layers)
+                ids = state.model.read_ids(step, result.first_stage)
                 vote = torch.zeros((len(gen.world), VOTE_COLUMNS), dtype=torch.float64)
                 vote[gen.rank] = torch.tensor(
                     [
@@ -476,6 +480,8 @@ class WorkerRuntime:
                         float(self.watcher.newest_generation),
                         result.grad_sq,
                         float(result.tokens),
+                        float(len(ids)),
+                        float(sum(ids)),
                     ],
                     dtype=torch.float64,
                 )
@@ -493,6 +499,8 @@ class WorkerRuntime:
                     grad_sq=grad_sq,
                     tokens=int(vote[:, 4].sum().item()),
                     overflow=overflowed(grad_sq, state.model.training.precision == "fp16"),
+                    samples_read=int(vote[:, 5].sum().item()),
+                    sample_id_sum=int(vote[:, 6].sum().item()),
                 )
                 if saver is not None:
                     saver.flush()  # the update changes what it writes: finish it first
@@ -512,7 +520,7 @@ class WorkerRuntime:
                     eval_loss = evaluator.run_all()
                 self._report_step(
                     gen, state, commit, (scale, lr), seconds, vote_seconds, runner.synced_bytes,
-                    state.model.read_ids(step, result.first_stage), eval_loss,
+                    ids, eval_loss,
                 )  # fmt: skip
                 if first:
                     meter.restart()  # the first step pays for the generation's warm-up
@@ -568,6 +576,8 @@ class WorkerRuntime:
             loss_scale=scale,
             synced_bytes=synced_bytes,
             sample_ids=sample_ids,
+            step_samples=commit.samples_read,
+            step_sample_id_sum=commit.sample_id_sum,
             data_overlap=data["overlap"] if data["prepare_seconds"] > 0 else None,
             eval_loss=eval_loss,
         )

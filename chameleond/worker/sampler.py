@@ -409,8 +409,10 @@ class Prefetcher:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.prepare_seconds = 0.0  # preparing micro-batches, in any thread
-        self.wait_seconds = 0.0  # the reading thread waited for one (or prepared it itself)
+        # Since training started (the first `expect`): seconds preparing micro-batches, in any
+        # thread, and seconds the reading thread waited for one (or prepared it itself).
+        self.prepare_seconds = 0.0
+        self.wait_seconds = 0.0
 
     def expect(self, step: int, micro_batches: Sequence[int], job_batch: int, size: int) -> None:
         """This worker reads `micro_batches` (one entry per read) of `step` next. Announcing a step
@@ -437,6 +439,9 @@ class Prefetcher:
                 else:
                     entry.reads = n
             if self._thread is None:
+                # Training starts: the reads before it (the start-up checks, the profile, the
+                # data digest) had nothing to hide behind, and are not counted.
+                self.prepare_seconds = self.wait_seconds = 0.0
                 self._thread = threading.Thread(
                     target=self._work, name="chameleond-prefetch", daemon=True
                 )

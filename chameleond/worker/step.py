@@ -50,6 +50,7 @@ from chameleond.worker.p2p import (
 from chameleond.worker.profile import TrainingMeter
 from chameleond.worker.state import WorkerState
 from chameleond.worker.ties import sync_ties
+from chameleond.worker.trainable import Trainable
 from chameleond.worker.validate import Output
 
 
@@ -265,18 +266,8 @@ class StepRunner:
 
     def _expect(self, step: int) -> None:
         """Tells the data prefetcher the micro-batches this worker reads in `step` (if it was not
-        told yet) and in the next: one read per forward of a first stage (its inputs) or of a last
-        stage (the loss's batch; a one-stage pipeline reads once)."""
-        plan = self.gen.plan
-        reads = [
-            op.micro_batch
-            for op in self.gen.ops
-            if op.kind == FORWARD
-            and (op.stage == 0 or op.stage == len(plan.pipelines[op.pipeline].stages) - 1)
-        ]
-        job_batch = self.model.training.global_batch
-        for s in (step, step + 1):
-            self.model.expect(s, reads, job_batch, plan.micro_batch)
+        told yet) and in the next."""
+        expect_reads(self.gen, self.model, (step, step + 1))
 
     def _sync_gradients(self) -> None:
         """All-reduce SUM of each of this worker's SyncGroups, in round order."""
@@ -302,6 +293,21 @@ class StepRunner:
                 p.grad.copy_(flat[off : off + n].view_as(p.grad))
                 off += n
         sync_ties(self.gen, self.state)
+
+
+def expect_reads(gen: Generation, model: Trainable, steps: Sequence[int]) -> None:
+    """Tells the data prefetcher the micro-batches `gen`'s worker reads in each of `steps`: one
+    read per forward of a first stage (its inputs) or of a last stage (the loss's batch; a
+    one-stage pipeline reads once)."""
+    plan = gen.plan
+    reads = [
+        op.micro_batch
+        for op in gen.ops
+        if op.kind == FORWARD
+        and (op.stage == 0 or op.stage == len(plan.pipelines[op.pipeline].stages) - 1)
+    ]
+    for s in steps:
+        model.expect(s, reads, model.training.global_batch, plan.micro_batch)
 
 
 def _message_shapes(
