@@ -180,12 +180,12 @@ def test_a_shuffled_hugging_face_stream_reshuffles_per_pass_and_still_seeks_back
 def test_a_hugging_face_dataset_is_read_map_style_and_shuffled() -> None:
     rows = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(8)]})
     model = Trainable(training(rows.with_format("torch"), shuffle=True, seed=5))
-    model.read_log = []
     batch = model.batch(1, 1, 4, 2, CPU)
-    ids = model.read_log[0].samples
+    ids = model.read_ids(1, [1])
     order = permutation(8, 5, 0).tolist()
-    assert model.sample_id_list(1, 1, 4, 2) == list(ids)  # without reading
-    assert ids == tuple(order[6:8]) and model.read_log[0].positions == range(6, 8)
+    assert model.sample_ids(1, 1, 4, 2) == range(6, 8)
+    assert model.reader.sample_ids(range(6, 8)) == list(ids)  # the same, without reading
+    assert ids == tuple(order[6:8])
     assert torch.equal(batch["input_ids"], torch.tensor([[i, i] for i in ids]))
     assert len(model.data_digest()) == 16
 
@@ -206,13 +206,12 @@ def test_a_hugging_face_stream_is_read_through_the_trainable() -> None:
 def test_a_torch_iterable_dataset_is_read_through_the_trainable() -> None:
     stream = Passes()
     model = Trainable(training(stream, prefetch=2))
-    model.read_log = []
     model.expect(0, [0, 1], 4, 2)
     model.expect(1, [0, 1], 4, 2)
     got = [model.batch(s, g, 4, 2, CPU).tolist() for s in (0, 1) for g in (0, 1)]
     assert got == [[stream.at(p) for p in range(2 * i, 2 * i + 2)] for i in range(4)]
-    assert [r.samples for r in model.read_log] == [(0, 1), (2, 3), (4, 5), (6, 7)]
-    assert model.sample_id_list(1, 1, 4, 2) == [6, 7]
+    assert [model.read_ids(s, [0, 1]) for s in (0, 1)] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert model.reader.sample_ids(model.sample_ids(1, 1, 4, 2)) == [6, 7]
     model.close()
 
 

@@ -370,17 +370,6 @@ Key = tuple[int, int, int, int]  # (step, global micro-batch, the job's global b
 
 
 @dataclass(frozen=True)
-class Read:
-    """One micro-batch read by the training thread (`Trainable.read_log`)."""
-
-    step: int
-    micro_batch: int
-    positions: range
-    # map-style: dataset indexes; a stream: the positions
-    samples: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class Prepared:
     positions: range
     samples: tuple[int, ...]

@@ -75,10 +75,8 @@ class Trainable:
             training.dataset, training.shuffle, training.seed, training.global_batch
         )
         self._prefetcher = sampler.Prefetcher(self._prepare, prefetch)
-        # Set to a list to record every micro-batch the training thread reads (sampler.Read): a
-        # benchmark counts lost and repeated samples from the workers' own logs.
-        self.read_log: list[sampler.Read] | None = None
-        self._read_ids: dict[tuple[int, int], tuple[int, ...]] = {}  # (step, micro-batch) ->
+        # (step, micro-batch) -> the sample ids the training thread read, until `read_ids`.
+        self._read_ids: dict[tuple[int, int], tuple[int, ...]] = {}
         if training.precision not in PRECISIONS:
             raise ModelError(
                 f"Training.precision must be one of {', '.join(PRECISIONS)}, got "
@@ -167,13 +165,6 @@ class Trainable:
         trains (chameleond.worker.samples). `reader` maps positions to samples."""
         return samples.sample_ids(step, micro_batch, global_batch, size)
 
-    def sample_id_list(
-        self, step: int, micro_batch: int, global_batch: int, size: int
-    ) -> list[int]:
-        """The sample ids a micro-batch reads, without reading them: map-style, dataset indexes
-        (shuffled or not); a stream, the positions."""
-        return self.reader.sample_ids(self.sample_ids(step, micro_batch, global_batch, size))
-
     def expect(self, step: int, micro_batches: Sequence[int], job_batch: int, size: int) -> None:
         """This worker reads `micro_batches` of `step` (one entry per read): the prefetcher prepares
         them in its thread (sampler.Prefetcher.expect)."""
@@ -186,8 +177,6 @@ class Trainable:
         collated, on `device`: prefetched if it was expected, else read here."""
         got = self._prefetcher.take((step, micro_batch, global_batch, size))
         self._read_ids[(step, micro_batch)] = got.samples
-        if self.read_log is not None:
-            self.read_log.append(sampler.Read(step, micro_batch, got.positions, got.samples))
         return to_device(got.batch, device)
 
     def read_ids(self, step: int, micro_batches: Sequence[int]) -> tuple[int, ...]:
