@@ -5,7 +5,7 @@ optionally LoRA adapters (peft) on a frozen base model or a streaming dataset, a
 callback that a trainer would point at TensorBoard or W&B (here: one JSON line per step).
 
     python examples/recipe.py --job J --worker-id w0       # one worker (chameleon-worker's flags)
-    python examples/recipe.py --plain --spec SPEC --steps N --out losses.json
+    python examples/recipe.py --plain --spec SPEC --steps N --out losses.json [--device cuda:0]
                                                            # the same recipe in a plain torch loop
 
 The job's spec gives the model and the recipe in `[model.arch]` (keys and defaults: `ARCH`). With
@@ -25,6 +25,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ ARCH: dict[str, Any] = {
     "shuffle": True,
     "samples": 600,  # dataset size (an epoch)
     "stream": False,  # a streaming datasets.IterableDataset instead of a map-style one
+    "hf_datasets": True,  # the data as a Hugging Face `datasets` dataset; false: a list of samples
     "lora": False,  # LoRA adapters (r=4) on the attention and MLP projections, base frozen
     "eval_every": 0,  # a held-out loss every N steps (0: none)
     "eval_samples": 16,  # held-out samples (ids past the training set's)
@@ -100,10 +102,15 @@ def sample(i: int, arch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def dataset(arch: Mapping[str, Any]) -> Any:
-    """The data as a Hugging Face `datasets` dataset: map-style, or a stream."""
+    """The data as a Hugging Face `datasets` dataset, map-style or a stream; or, without
+    `hf_datasets`, as a plain list of samples (a torch map-style dataset)."""
+    n = int(arch["samples"])
+    if not arch["hf_datasets"]:
+        if arch["stream"]:
+            raise ValueError("model.arch: stream = true needs hf_datasets = true")
+        return [sample(i, arch) for i in range(n)]
     import datasets
 
-    n = int(arch["samples"])
     if arch["stream"]:
 
         def gen() -> Iterator[dict[str, Any]]:
@@ -139,7 +146,10 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], decay: float) -> l
 
 def optimizer_of(arch: Mapping[str, Any]) -> Any:
     def make(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(param_groups(named, arch["weight_decay"]), lr=arch["lr"])
+        # On a GPU, the fused AdamW: one kernel per step, as GPU recipes use it.
+        fused = bool(named) and named[0][1].is_cuda
+        groups = param_groups(named, arch["weight_decay"])
+        return torch.optim.AdamW(groups, lr=arch["lr"], fused=fused or None)
 
     return make
 
@@ -211,27 +221,32 @@ def training(job: Job) -> Training:
 
 
 def plain(
-    spec_path: Path, steps: int, trained: Mapping[int, list[int]] | None = None
+    spec_path: Path,
+    steps: int,
+    trained: Mapping[int, list[int]] | None = None,
+    device: str = "cpu",
 ) -> dict[str, Any]:
-    """`steps` steps of the recipe in one process: per step its mean loss, gradient norm (before
-    clipping), learning rate, whether fp16 overflowed, and the sample ids it trained.
-    `trained[step]`: the micro-batches the step trains (default: all), as a chameleond `drop`
-    plan trains fewer: the samples of the others are skipped, not moved."""
+    """`steps` steps of the recipe in one process on `device`: per step its mean loss, gradient
+    norm (before clipping), learning rate, whether fp16 overflowed, the sample ids it trained and
+    its wall-clock seconds. `trained[step]`: the micro-batches the step trains (default: all), as
+    a chameleond `drop` plan trains fewer: the samples of the others are skipped, not moved."""
     from chameleond.core.spec import load_spec
     from chameleond.worker.sampler import permutation
 
-    torch.set_num_threads(1)  # the workers' kernels
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # the workers' kernels
     spec = load_spec(spec_path)
     arch = arch_of(spec.arch)
     B, b = spec.training.global_batch, spec.training.micro_batch
-    model = model_of(arch)
+    model = model_of(arch).to(dev)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = optimizer_of(arch)(named)
     sched = schedule_of(arch)(opt)
     precision = arch["precision"]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(
-        "cpu", init_scale=float(arch["loss_scale"]), enabled=precision == "fp16"
+        dev.type, init_scale=float(arch["loss_scale"]), enabled=precision == "fp16"
     )
     data = dataset(arch)
     n = int(arch["samples"])
@@ -242,28 +257,33 @@ def plain(
             return position % n
         return int(permutation(n, int(arch["seed"]), position // n)[position % n])
 
-    keys = ("loss", "grad_norm", "lr", "overflow", "ids", "eval_loss")
+    keys = ("loss", "grad_norm", "lr", "overflow", "ids", "eval_loss", "seconds")
     out: dict[str, list[Any]] = {k: [] for k in keys}
     for step in range(steps):
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
         ids = [sample_id(step * B + k) for k in range(B)]
         rows_of = [next(stream) for _ in ids] if stream is not None else None
         every = list(range(B // b))
         micro_batches = every if trained is None else trained.get(step, every)
         samples = len(micro_batches) * b
         used: list[int] = []
+        batches = []
         for g in micro_batches:
             part = ids[g * b : (g + 1) * b]
             used += part
             rows = rows_of[g * b : (g + 1) * b] if rows_of else [data[i] for i in part]
-            batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            batches.append({k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")})
+        # A step's time leaves its data out, as a perfect prefetch would.
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        total = torch.zeros((), dtype=torch.float64, device=dev)
+        for host in batches:
+            batch = {k: v.to(dev) for k, v in host.items()}
+            with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
                 logits = model(input_ids=batch["input_ids"]).logits
                 per_sample = causal_lm_loss(logits, batch)
             loss = per_sample.sum() / samples
             scaler.scale(loss).backward()
-            total += float(per_sample.detach().double().sum())
+            total += per_sample.detach().double().sum()
         scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(
             [p for _, p in named], arch["max_grad_norm"] or math.inf
@@ -274,7 +294,7 @@ def plain(
         overflow = scaler.is_enabled() and scaler.get_scale() < scale_before
         out["lr"].append(float(opt.param_groups[0]["lr"]))
         sched.step()
-        out["loss"].append(total / samples)
+        out["loss"].append(float(total) / samples)
         out["grad_norm"].append(float(norm))
         out["overflow"].append(bool(overflow))
         out["ids"].append(used)
@@ -282,6 +302,7 @@ def plain(
         out["eval_loss"].append(
             evaluate(model, arch, B) if every and (step + 1) % every == 0 else None
         )
+        out["seconds"].append(time.perf_counter() - t0)  # the loss's float() waited for the device
     return out
 
 
@@ -290,9 +311,10 @@ def evaluate(model: torch.nn.Module, arch: Mapping[str, Any], global_batch: int)
     rows = held_out(arch)
     rows = rows[: len(rows) // global_batch * global_batch]
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(arch["precision"])
+    dev = next(model.parameters()).device
     model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-        batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+    with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
+        batch = {k: torch.stack([r[k] for r in rows]).to(dev) for k in ("input_ids", "labels")}
         total = float(causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch).sum())
     model.train()
     return total / len(rows)
@@ -309,11 +331,12 @@ def main() -> int:
     parser.add_argument(
         "--trained", type=Path, help="JSON {step: [micro-batch, ...]}: the steps a drop thinned"
     )
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda:N, ...")
     args = parser.parse_args()
     trained = None
     if args.trained is not None:
         trained = {int(s): gs for s, gs in json.loads(args.trained.read_text()).items()}
-    args.out.write_text(json.dumps(plain(args.spec, args.steps, trained)))
+    args.out.write_text(json.dumps(plain(args.spec, args.steps, trained, args.device)))
     return 0
 
 

@@ -217,3 +217,23 @@ def test_up_runs_a_users_own_script(tmp_path: Path) -> None:
     assert fault["worker"] == "w1" and fault["policy"] in ("reroute", "dynamic")
     # The workers were the script (its model's first layer names it), not the built-in model.
     assert "layers of Embedding" in (report_dir / "run" / "logs" / "w0.log").read_text()
+
+
+def test_up_ends_at_once_with_the_workers_error_when_every_worker_exits(tmp_path: Path) -> None:
+    """A script whose model does not match its spec: every worker exits at start-up with one line
+    naming the mismatch, and `up` ends then (not at its time limit) with that line and a report."""
+    text = (ROOT / "examples" / "sgd-tied.toml").read_text()
+    spec = tmp_path / "wrong.toml"
+    spec.write_text(text.replace("count = 4", "count = 5", 1))
+    report_dir = tmp_path / "report"
+    t0 = time.monotonic()
+    proc = chameleonctl(
+        "up", "--script", str(ROOT / "examples" / "sgd_tied.py"), "--spec", str(spec),
+        "--device", "cpu", "--faults", "none", "--report", str(report_dir), "--timeout", "600",
+    )  # fmt: skip
+    assert time.monotonic() - t0 < 300
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (ended,) = [line for line in proc.stdout.splitlines() if line.startswith("run ended:")]
+    assert "every worker exited; w0 (exit 4)" in ended and "layers" in ended, ended
+    report = json.loads((report_dir / "report.json").read_text())
+    assert not report["completed"] and report["steps_committed"] == 0

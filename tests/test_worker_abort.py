@@ -105,3 +105,41 @@ def test_reconcile_refuses_the_rows_of_an_aborted_generation() -> None:
     assert gen.world_group.allreduce([torch.ones(1)]).wait()  # the group still "works"
     with pytest.raises(RuntimeError, match="generation 1 aborted: peer\\(s\\) w9 gone"):
         reconcile(gen, state)
+
+
+class _SlowAbortGroup:
+    """Stands for an NCCL communicator, which cannot exist on this CPU-only machine: its abort
+    took 1.0 s on an H200 (docs/gpu.md)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.aborted = threading.Event()
+
+    def abort(self) -> None:
+        time.sleep(self.seconds)
+        self.aborted.set()
+
+
+def test_an_ended_generation_on_nccl_is_torn_down_off_the_workers_path() -> None:
+    """A generation of an accelerator closes at once, its groups aborted in a thread of their
+    own while the next builds; at exit the worker waits for them. On gloo (abort in
+    microseconds) the groups are aborted and dropped where the generation closes."""
+    from chameleond.worker.backend import DeviceChoice, wait_retired
+
+    gen = Generation.__new__(Generation)
+    gen.device = DeviceChoice("cuda", 0, "nccl")
+    slow = [_SlowAbortGroup(0.5), _SlowAbortGroup(0.5)]
+    gen.world_group, gen.sync_groups = slow[0], {0: slow[1]}
+    t0 = time.perf_counter()
+    gen.close()
+    assert time.perf_counter() - t0 < 0.25
+    assert gen.groups() == [] and not any(g.aborted.is_set() for g in slow)
+    assert wait_retired(5.0)
+    assert all(g.aborted.is_set() for g in slow)
+
+    gloo = Generation.__new__(Generation)
+    gloo.device = parse_device("cpu")
+    quick = _SlowAbortGroup(0.05)
+    gloo.world_group, gloo.sync_groups = quick, {}
+    gloo.close()
+    assert quick.aborted.is_set()  # before close returned

@@ -21,7 +21,7 @@ NAN = float("nan")
 def measured(timeline: Sequence[Mapping[str, Any]], batch: int) -> list[tuple[float, float]]:
     """(t, samples/s) per step; NaN where a plan changes (a recovery is a gap, not a slope)."""
     out: list[tuple[float, float]] = []
-    for prev, r in zip([None, *timeline[:-1]], timeline, strict=True):
+    for prev, r in zip([None, *timeline], timeline):  # noqa: B905 - one longer: the previous
         same = prev is not None and prev["generation"] == r["generation"] and r["at"] > prev["at"]
         if prev is not None and not same:
             out.append((r["t"], NAN))
@@ -50,7 +50,7 @@ def estimated(
     xs: list[float] = []
     ys: list[float] = []
     known = [p for p in plans if p.get("estimated_step_seconds") and p.get("t") is not None]
-    for p, nxt in zip(known, [*known[1:], None], strict=True):
+    for p, nxt in zip(known, [*known[1:], None]):  # noqa: B905 - empty when known is
         start = max(0.0, float(p["t"]))
         stop = float(nxt["t"]) if nxt is not None else end
         value = batch / float(p["estimated_step_seconds"])
@@ -70,7 +70,7 @@ def draw_chart(report: Mapping[str, Any], path: Path) -> None:
     points = measured(tl, batch)
     ts = [t for t, _ in points]
     losses = []
-    for prev, r in zip([None, *tl[:-1]], tl, strict=True):
+    for prev, r in zip([None, *tl], tl):  # noqa: B905
         if prev is not None and prev["generation"] != r["generation"]:
             losses.append(NAN)
         losses.append(r["loss"] if r["loss"] is not None else NAN)

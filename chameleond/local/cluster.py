@@ -277,6 +277,18 @@ class LocalCluster:
                 f"; see {self.daemon.log_path}:\n{tail(self.daemon.log_path)}"
             )
 
+    def workers_gone(self) -> str | None:
+        """When every worker process has exited: what each last logged (its error, usually);
+        else None."""
+        if not self.workers or any(c.alive for c in self.workers.values()):
+            return None
+        lines = []
+        for c in self.workers.values():
+            code = c.proc.returncode if c.proc is not None else None
+            last = next(reversed(tail(c.log_path).strip().splitlines()), "(nothing logged)")
+            lines.append(f"{c.name} (exit {code}): {last}")
+        return "every worker exited; " + "; ".join(lines)
+
     def stop(self, *, grace: float = STOP_GRACE_SECONDS) -> None:
         """Workers first (they must not outlive their plans), then the daemon, then Redis."""
         try:

@@ -129,6 +129,8 @@ class LocalRun:
                 return True, f"{o.steps} steps committed"
             if monitor.state == "unrecoverable":
                 return False, "the job is unrecoverable (see the last decision)"
+            if not replay and (gone := cluster.workers_gone()) is not None:
+                return False, gone  # nothing left to train, or to restart
             if time.monotonic() > deadline:
                 return False, f"time limit of {o.timeout_seconds:.0f} s reached"
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -202,6 +204,44 @@ def abort_group(group: Any) -> bool:
         log.debug("group abort: %s", e)
         return False
     return True
+
+
+_retiring: list[threading.Thread] = []
+_retiring_lock = threading.Lock()
+
+
+def retire_groups(groups: list[Any]) -> None:
+    """Abort and drop `groups` (an ended generation's) in a thread of their own, and return at
+    once. NCCL's abort of a communicator took 1.0 s on an H200 (NCCL 2.28.9; building one took
+    20 ms), and dropping one that was not aborted 0.4 to 0.5 s: on the worker's path, every
+    plan change would wait for it before building the next generation. The list is emptied: the
+    thread holds the last references."""
+    held = list(groups)
+    groups.clear()
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        for g in held:
+            abort_group(g)
+        held.clear()  # the destructors run here, not in the worker's thread
+        log.debug("retired groups in %.3f s", time.perf_counter() - t0)
+
+    thread = threading.Thread(target=run, name="chameleond-retire", daemon=True)
+    with _retiring_lock:
+        _retiring[:] = [t for t in _retiring if t.is_alive()]
+        _retiring.append(thread)
+    thread.start()
+
+
+def wait_retired(timeout: float) -> bool:
+    """Wait up to `timeout` seconds for the groups being retired (before the process exits);
+    False when some are still being torn down."""
+    deadline = time.monotonic() + timeout
+    with _retiring_lock:
+        threads = list(_retiring)
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return not any(t.is_alive() for t in threads)
 
 
 def build_communicator(group: Any, dev: DeviceChoice) -> None:

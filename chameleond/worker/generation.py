@@ -22,7 +22,13 @@ import redis
 from chameleond.core.plan import Plan, SyncGroup
 from chameleond.core.schedule import BACKWARD, Op, build_schedule, idle_before
 from chameleond.protocol import Keys
-from chameleond.worker.backend import DeviceChoice, abort_group, build_communicator, new_group
+from chameleond.worker.backend import (
+    DeviceChoice,
+    abort_group,
+    build_communicator,
+    new_group,
+    retire_groups,
+)
 from chameleond.worker.p2p import Batch, rendezvous_fault, step_batches
 from chameleond.worker.rendezvous import join_generation
 from chameleond.worker.store import RedisStore
@@ -192,6 +198,10 @@ class Generation:
         groups = self.groups()
         self.world_group = None
         self.sync_groups = {}
+        if self.device.backend != "gloo":
+            # NCCL's abort takes about a second: the next generation builds meanwhile.
+            retire_groups(groups)
+            return
         _abort(groups)
         # Dropping the last reference closes the connections (a full gc.collect() would cost
         # ~0.2 s here); the step runner releases its pending sends on its way out, too.

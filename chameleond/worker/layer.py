@@ -65,12 +65,18 @@ class LayerState:
         scheduler step. An fp16 `overflow` skips the optimizer's step (GradScaler's rule); the
         scheduler steps all the same, as a one-process loop steps it every iteration."""
         if not overflow:
+            grads = []
             for p in self.params():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-                p.grad.div_(global_batch)
+                grads.append(p.grad)
+            # One multi-tensor launch per operation, not one per parameter: on an accelerator
+            # the update runs after the commit vote's wait, where every launch is the device's
+            # idle time.
+            if grads:
+                torch._foreach_div_(grads, global_batch)
                 if factor != 1.0:
-                    p.grad.mul_(factor)
+                    torch._foreach_mul_(grads, factor)
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

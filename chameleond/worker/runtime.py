@@ -43,6 +43,7 @@ from chameleond.worker.backend import (
     allreduce_sum,
     check_device_health,
     computing,
+    wait_retired,
 )
 from chameleond.worker.commit import Commit, overflowed, seed
 from chameleond.worker.evaluate import Evaluator
@@ -175,6 +176,7 @@ class WorkerRuntime:
                 fields = {"generation": self._member_of, "phase": "stopped", "reason": "left"}
                 self.reporter.send("ack", fields)
             joined.model.close()  # the data prefetch thread
+            wait_retired(DRAIN_SECONDS)  # the last generation's groups, torn down
             self.heartbeat.stop()
             self.watcher.stop()
             for thread in (self.heartbeat, self.watcher):
