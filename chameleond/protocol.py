@@ -52,6 +52,7 @@ MAX_TOKENS = MAX_COUNT  # tokens of one step
 # Where every process of a job may take its Redis URL from instead of a flag, so that a password in
 # it stays out of the process list.
 REDIS_URL_ENV = "CHAMELEON_REDIS_URL"
+JOB_ENV = "CHAMELEON_JOB"  # the job name, for the daemon, the workers and chameleonctl
 
 
 @dataclass(frozen=True)

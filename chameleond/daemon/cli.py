@@ -112,7 +112,9 @@ def job_spec(cfg: Config, named_by: str | None = "--job") -> tuple[Config, JobSp
 def _embedded(cfg: Config) -> RedisServer:
     """The embedded redis-server; an orphan of a previous run on the same state dir is adopted."""
     data = (cfg.state_path / "redis").resolve()
-    server = RedisServer(data, host="127.0.0.1", port=cfg.embedded_redis_port)
+    # Its own session: a Ctrl-C reaches the daemon alone, which drains, then stops the server. A
+    # daemon killed outright leaves it serving; the next start on the state dir adopts it.
+    server = RedisServer(data, host="127.0.0.1", port=cfg.embedded_redis_port, own_session=True)
     probe = redis.Redis(host="127.0.0.1", port=cfg.embedded_redis_port, socket_timeout=1.0)
     try:
         found = probe.config_get("dir").get("dir")
@@ -236,6 +238,12 @@ def check(cfg: Config, config_only: bool, named_by: str | None = "--job") -> tup
         return False, f"not ready: HTTP {e.code} {e.read().decode(errors='replace')}"
     except (OSError, ValueError) as e:
         return False, f"no daemon answering on http://{cfg.http}: {e}"
+    served = body.get("job")
+    if served is not None and served != cfg.job:
+        return False, (
+            f"the daemon on http://{cfg.http} runs job {served!r}, not {cfg.job!r}: give check "
+            "the same --spec (or --job) as the daemon"
+        )
     url = cfg.redis_url or f"redis://127.0.0.1:{cfg.embedded_redis_port}/0"
     try:
         client = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)

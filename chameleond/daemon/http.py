@@ -69,7 +69,12 @@ class HttpServer:
 
     async def readyz(self, request: web.Request) -> web.Response:
         ready, why = self.health.readiness()
-        body = {"ready": ready, "state": self.job.machine.phase.value, "reason": why}
+        body = {
+            "ready": ready,
+            "job": self.cfg.job,
+            "state": self.job.machine.phase.value,
+            "reason": why,
+        }
         return web.json_response(body, status=200 if ready else 503)
 
     async def status(self, request: web.Request) -> web.Response:

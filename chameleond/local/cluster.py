@@ -172,7 +172,9 @@ class LocalCluster:
 
     def start_redis(self) -> None:
         if self._external_redis is None and self.redis is None:
-            self.redis = RedisServer(self.run_dir / "redis").start()
+            # Its own session, as the daemon and the workers: a Ctrl-C reaches `up` alone, which
+            # stops the workers, then the daemon, then Redis.
+            self.redis = RedisServer(self.run_dir / "redis", own_session=True).start()
 
     def _spawn(self, name: str, argv: list[str]) -> Child:
         logs = self.run_dir / "logs"

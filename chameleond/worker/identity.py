@@ -12,9 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from chameleond.protocol import REDIS_URL_ENV
+from chameleond.protocol import JOB_ENV, REDIS_URL_ENV
 
-JOB_ENV = "CHAMELEON_JOB"
 WORKER_ID_ENV = "CHAMELEON_WORKER_ID"
 DEVICE_ENV = "CHAMELEON_DEVICE"
 
