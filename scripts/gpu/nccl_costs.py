@@ -91,6 +91,14 @@ def step(name, fn):
 step("nonblocking", lambda: ours("nb", False))
 
 
+def used_group(store: dist.Store) -> object:
+    """A one-rank group of the worker's backend on `store`, its communicator built and used."""
+    g = new_group(store, 0, 1, dev, bind_address="127.0.0.1", timeout=timedelta(seconds=60))
+    build_communicator(g, dev)
+    allreduce_sum(g, x, allreduce_sum_dev)
+    return g
+
+
 def next_generation(tag: str, background: bool) -> dict:
     """A plan change as a worker makes it: the old generation's group torn down, the next built
     and used (its first all-reduce). background: the teardown in a thread (retire_groups)."""
@@ -99,32 +107,14 @@ def next_generation(tag: str, background: bool) -> dict:
     base = dist.HashStore()
     path, total = [], []
     for i in range(reps):
-        g = new_group(
-            dist.PrefixStore(f"{tag}{i}a/", base),
-            0,
-            1,
-            dev,
-            bind_address="127.0.0.1",
-            timeout=timedelta(seconds=60),
-        )
-        build_communicator(g, dev)
-        allreduce_sum(g, x, allreduce_sum_dev)
+        g = used_group(dist.PrefixStore(f"{tag}{i}a/", base))
         t0 = time.perf_counter()
         if background:
             retire_groups([g])
         else:
             abort_group(g)
         del g
-        g2 = new_group(
-            dist.PrefixStore(f"{tag}{i}b/", base),
-            0,
-            1,
-            dev,
-            bind_address="127.0.0.1",
-            timeout=timedelta(seconds=60),
-        )
-        build_communicator(g2, dev)
-        allreduce_sum(g2, x, allreduce_sum_dev)
+        g2 = used_group(dist.PrefixStore(f"{tag}{i}b/", base))
         path.append(round(time.perf_counter() - t0, 6))
         wait_retired(30)
         total.append(round(time.perf_counter() - t0, 6))
