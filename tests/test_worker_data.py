@@ -1,14 +1,17 @@
 """The worker's data path (chameleond.worker.sampler): each sample position reads one sample, a pure
 function of (position, dataset, shuffle, seed), for map-style datasets (shuffled per epoch) and
 streams (read again pass after pass, sought back exactly); the prefetch thread that hides reading
-behind compute and raises the dataset's own errors; the datasets the library refuses. Real torch
-and Hugging Face datasets."""
+behind compute (the step being read and `prefetch` more ahead, a failed step's batches kept for its
+retry, a read no longer wanted stopped, a restore's first step read while the generation builds, a
+prepared batch taken without the thread's lock) and raises the dataset's own errors; the datasets
+the library refuses. Real torch and Hugging Face datasets."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import datasets
@@ -19,6 +22,7 @@ from torch.utils.data import Dataset, IterableDataset
 
 from chameleond.worker import ModelError, Training
 from chameleond.worker.sampler import MapReader, StreamReader, permutation
+from chameleond.worker.step import resume_step
 from chameleond.worker.trainable import Trainable
 
 CPU = torch.device("cpu")
@@ -219,17 +223,29 @@ def test_a_torch_iterable_dataset_is_read_through_the_trainable() -> None:
 
 
 class Slow(Dataset[torch.Tensor]):
+    """Sample i is [i, i, i, i], read in `seconds`; records the thread of each read."""
+
     def __init__(self, n: int, seconds: float, bad: int | None = None) -> None:
         self.n, self.seconds, self.bad = n, seconds, bad
+        self.readers: list[str] = []
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
+        self.readers.append(threading.current_thread().name)
         time.sleep(self.seconds)
         if i == self.bad:
             raise KeyError(f"sample {i} is corrupt")
         return torch.full((4,), float(i))
+
+
+def settle(model: Trainable) -> None:
+    """Until the prefetch thread has nothing left to prepare."""
+    deadline = time.monotonic() + 10
+    while model._prefetcher._next_key() is not None or not model._prefetcher._idle:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
 
 
 def test_the_prefetcher_hides_reading_behind_compute() -> None:
@@ -273,6 +289,101 @@ def test_the_prefetch_thread_keeps_only_its_window_and_stops() -> None:
     assert not thread.is_alive()
     assert model.batch(6, 0, 4, 2, CPU)[:, 0].tolist() == [0.0, 1.0]  # read here after close
     assert not any(t.name == "chameleond-prefetch" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_thread_prepares_the_step_being_read_and_prefetch_more() -> None:
+    data = Slow(64, 0.0)
+    model = Trainable(training(data, global_batch=8, micro_batch=2, prefetch=1))
+    mine = [2, 0, 3, 1]  # in the order the worker reads them
+    model.expect(0, mine, 8, 2)
+    model.expect(1, mine, 8, 2)
+    settle(model)
+    ready = {k for k, e in model._prefetcher._entries.items() if e.state == "ready"}
+    assert ready == {(0, g, 8, 2) for g in mine} | {(1, 2, 8, 2)}  # step 0, and one more
+    for step in (0, 1):
+        for g in mine:
+            assert model.batch(step, g, 8, 2, CPU)[:, 0].tolist() == [
+                step * 8 + g * 2,
+                step * 8 + g * 2 + 1,
+            ]
+        settle(model)  # each take frees room in the window: the thread reads on
+    model.close()
+    assert data.readers == ["chameleond-prefetch"] * 16  # none read in the training thread
+
+
+def test_a_step_trained_again_reads_the_batches_it_read_before() -> None:
+    data = Slow(64, 0.0)
+    model = Trainable(training(data, global_batch=8, micro_batch=2))
+    model.expect(7, [0, 1], 8, 2)
+    first = [model.batch(7, g, 8, 2, CPU) for g in (0, 1)]
+    read = len(data.readers)
+    # The generation fails during step 7; the next one trains it again, with the same reads...
+    model.expect(7, [0, 1], 8, 2)
+    again = [model.batch(7, g, 8, 2, CPU) for g in (0, 1)]
+    assert all(torch.equal(a, b) for a, b in zip(again, first, strict=True))
+    assert len(data.readers) == read  # nothing read again
+    # ... or, rerouted, one more: only that one is read.
+    model.expect(7, [0, 2, 1], 8, 2)
+    settle(model)
+    assert model.batch(7, 2, 8, 2, CPU)[:, 0].tolist() == [60.0, 61.0]
+    assert torch.equal(model.batch(7, 1, 8, 2, CPU), first[1])
+    assert len(data.readers) == read + 2  # micro-batch 2's two samples
+    model.batch(8, 0, 8, 2, CPU)  # a later step: step 7's are let go
+    assert not any(k[0] == 7 for k in model._prefetcher._entries)
+    model.close()
+
+
+def test_a_prepared_batch_is_taken_while_the_thread_holds_the_lock() -> None:
+    model = Trainable(training(Slow(16, 0.0)))
+    model.expect(0, [0, 1], 4, 2)
+    model.expect(1, [0, 1], 4, 2)
+    settle(model)
+    got: list[list[float]] = []
+
+    def read() -> None:
+        got.extend(model.batch(0, g, 4, 2, CPU)[:, 0].tolist() for g in (0, 1))
+
+    reader = threading.Thread(target=read)
+    with model._prefetcher._lock:  # as the thread does, just woken and waiting for a core
+        reader.start()
+        reader.join(5)
+        assert got == [[0.0, 1.0], [2.0, 3.0]]
+    model.close()
+
+
+class SlowPasses(Passes):
+    """Passes of `n` samples, each read in `seconds`; counts the samples it gave."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        super().__init__(n)
+        self.seconds, self.given = seconds, 0
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for sample in super().__iter__():
+            time.sleep(self.seconds)
+            self.given += 1
+            yield sample
+
+
+def test_a_read_no_longer_wanted_stops_and_the_stream_reads_on_exactly() -> None:
+    stream = SlowPasses(1000, 0.002)
+    model = Trainable(training(stream))
+    model.expect(100, [0], 4, 2)  # positions 400, 401: a skip of about a second
+    time.sleep(0.05)
+    model.expect(2, [1], 4, 2)  # a new generation resumed elsewhere: step 100 is dropped
+    assert model.batch(2, 1, 4, 2, CPU).tolist() == [stream.at(p) for p in (10, 11)]
+    model.close()
+    assert stream.given < 300  # the skip stopped
+    assert values(model.reader.read(range(350, 352))[1]) == [stream.at(p) for p in (350, 351)]
+
+
+def test_a_restore_plan_resumes_after_its_checkpoint() -> None:
+    """The step whose data a worker reads while it builds a generation: after its committed step,
+    or, on a restore plan's first attempt, after the checkpoint every worker of it loads."""
+    restore = SimpleNamespace(restore_step=9)
+    assert resume_step(restore, 12, attempt=1) == 10  # type: ignore[arg-type]
+    assert resume_step(restore, 12, attempt=2) == 13  # type: ignore[arg-type]
+    assert resume_step(SimpleNamespace(restore_step=None), 12, attempt=1) == 13  # type: ignore[arg-type]
 
 
 # refusals ---------------------------------------------------------------------------------------

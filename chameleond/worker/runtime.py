@@ -66,7 +66,7 @@ from chameleond.worker.rendezvous import BuiltWithoutMe, GenerationAbandoned
 from chameleond.worker.saver import BUBBLE, Saver, Written
 from chameleond.worker.startup import Joined, join
 from chameleond.worker.state import WorkerState
-from chameleond.worker.step import StepRunner, expect_reads
+from chameleond.worker.step import StepRunner, expect_reads, resume_step
 from chameleond.worker.store import StoreAborted
 
 log = logging.getLogger("chameleon.worker")
@@ -344,7 +344,7 @@ class WorkerRuntime:
         except ValueError as e:
             raise PlanRejected(str(e)) from e
         # The data of the step this worker expects to resume at, read while the generation builds.
-        expect_reads(gen, state.model, (state.committed_step + 1,))
+        expect_reads(gen, state.model, (resume_step(plan, state.committed_step, attempt),))
 
         def abort() -> None:
             gone_now = self._gone(gen)

@@ -28,14 +28,17 @@ reaches another state falls back to skipping, for good.
 
 The `Prefetcher` is one daemon thread per worker that prepares (reads and collates, nothing moved
 to the accelerator: the training thread does that) the micro-batches the step runner said the
-worker will read next, at most `Training.prefetch` ahead. A batch read before it is ready waits
-for it; one never announced is prepared in the reading thread. An error of the user's dataset is
-raised in the reading thread as the same exception.
+worker will read next, in the order they are read: those of the step being read and
+`Training.prefetch` more. A batch read before it is ready waits for it; one never announced is
+prepared in the reading thread. A step's batches stay until a later step is read (a failed step
+trained again reads them again); a batch no longer wanted stops being read. An error of the user's
+dataset is raised in the reading thread as the same exception.
 """
 
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import logging
 import threading
@@ -51,6 +54,13 @@ from torch.utils.data import IterableDataset
 from chameleond.worker.api import DataError, ModelError
 
 log = logging.getLogger(__name__)
+
+Cancel = Callable[[], bool] | None  # a read stops (Cancelled) once it returns True
+
+
+class Cancelled(Exception):
+    """A read stopped because its micro-batch is no longer wanted."""
+
 
 PERMUTATIONS_KEPT = 2  # the current epoch's and the next
 MARKS_KEPT = 64  # stream states kept for seeking back: dense near the cursor, sparser further back
@@ -126,11 +136,16 @@ class MapReader:
         with self._lock:
             return [self.sample_id(p) for p in positions]
 
-    def read(self, positions: range) -> tuple[list[int], list[Any]]:
-        """(sample ids, samples) of `positions`."""
+    def read(self, positions: range, cancelled: Cancel = None) -> tuple[list[int], list[Any]]:
+        """(sample ids, samples) of `positions`; Cancelled once `cancelled()`, between samples."""
         with self._lock:
             ids = [self.sample_id(p) for p in positions]
-            return ids, [self.dataset[i] for i in ids]
+            read = []
+            for i in ids:
+                if cancelled is not None and cancelled():
+                    raise Cancelled
+                read.append(self.dataset[i])
+            return ids, read
 
 
 @dataclass
@@ -171,13 +186,16 @@ class StreamReader:
         """A stream's sample ids are its positions: sample p of the stream read pass after pass."""
         return list(positions)
 
-    def read(self, positions: range) -> tuple[list[int], list[Any]]:
-        """(sample ids: the positions, samples) of `positions`."""
+    def read(self, positions: range, cancelled: Cancel = None) -> tuple[list[int], list[Any]]:
+        """(sample ids: the positions, samples) of `positions`; Cancelled once `cancelled()`,
+        while it skips to them (the cursor stays where it got, for the next read)."""
         with self._lock:
             try:
-                self._seek(positions.start)
+                self._seek(positions.start, cancelled)
                 mark = self._mark()
                 read = [self._next() for _ in positions]
+            except Cancelled:
+                raise
             except BaseException:
                 self._it = None  # a generator that raised is over: the next read reopens
                 raise
@@ -188,7 +206,7 @@ class StreamReader:
 
     # the cursor ---------------------------------------------------------------------------------
 
-    def _seek(self, position: int) -> None:
+    def _seek(self, position: int, cancelled: Cancel = None) -> None:
         """Makes `position` the next one read: the closest of the cursor (when not past it), the
         start of its pass and a mark before it."""
         epoch = bisect.bisect_right(self._starts, position) - 1
@@ -202,6 +220,8 @@ class StreamReader:
         elif at != self._cursor or self._it is None:
             self._open(epoch, self._starts[epoch])
         while self._cursor < position:
+            if cancelled is not None and cancelled():
+                raise Cancelled
             self._next()
 
     def _resume(self, mark: _Mark) -> None:
@@ -378,25 +398,44 @@ class Prepared:
 
 @dataclass
 class _Entry:
-    reads: int  # still expected this step
-    order: int  # announcement order: prepared first-announced first
+    reads: int  # still to be taken in its step; 0: taken, kept for a retry of the step
+    order: int  # its place in its step's announcement: prepared in (step, order)
     state: str = "expected"  # -> "preparing" -> "ready"
     value: Prepared | None = None
     error: BaseException | None = None
 
 
 class Prefetcher:
-    """Prepares the announced micro-batches (`expect`) in a daemon thread, at most `depth` ahead;
-    `take` gives one. `depth` 0: no thread, every micro-batch prepared where it is taken."""
+    """Prepares the announced micro-batches (`expect`) in a daemon thread, in the order they are
+    read: those of the earliest step not yet taken, and `depth` more after them; `take` gives one.
+    `depth` 0: no thread, every micro-batch prepared where it is taken.
 
-    def __init__(self, prepare: Callable[[Key], Prepared], depth: int) -> None:
+    A micro-batch dropped while the thread reads it (a new generation reads other ones) stops
+    being read at the reader's next sample (`Cancelled`).
+
+    A step's micro-batches stay once taken, until the worker moves on to a later step: a step
+    that fails and is trained again (a new generation, a new attempt) reads them again, and finds
+    them ready.
+
+    `expect`, `take` and `close` are called from one thread, the training thread: only it adds
+    or removes entries (under the lock) and counts their reads; the prefetch thread changes only
+    the entry it prepares. So a prepared micro-batch is taken without the lock when that leaves
+    the thread nothing new to prepare, and the thread is woken only when it has a micro-batch to
+    prepare: on a loaded host the thread, just woken, may hold the lock while it waits for a core
+    and for the interpreter lock, just as the training thread needs them."""
+
+    def __init__(self, prepare: Callable[[Key, Cancel], Prepared], depth: int) -> None:
         self._prepare = prepare
         self._depth = depth
         self._entries: dict[Key, _Entry] = {}
         self._announced: dict[int, tuple[Counter[int], int, int]] = {}  # step -> what expect said
-        self._order = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._prepared = threading.Condition(self._lock)  # a micro-batch is ready
+        self._work = threading.Condition(self._lock)  # one is to prepare, or closed
         self._thread: threading.Thread | None = None
+        self._idle = False  # the thread waits for work
+        self._unprepared = 0  # entries "expected": the thread is woken only when there are some
+        self._taking = -1  # the step of the last `take`
         self._closed = False
         # Since training started (the first `expect`): seconds preparing micro-batches, in any
         # thread, and seconds the reading thread waited for one (or prepared it itself).
@@ -404,117 +443,162 @@ class Prefetcher:
         self.wait_seconds = 0.0
 
     def expect(self, step: int, micro_batches: Sequence[int], job_batch: int, size: int) -> None:
-        """This worker reads `micro_batches` (one entry per read) of `step` next. Announcing a step
-        again with the same reads changes nothing; with others, replaces them. Announcements of
-        steps more than one away are forgotten (a new generation resumed elsewhere)."""
+        """This worker reads `micro_batches` (one entry per read, in the order read) of `step`
+        next. Announcing a step again with the same reads changes nothing; with others, replaces
+        them: the micro-batches still read keep what was prepared (taken ones are read again),
+        the others are dropped. Announcements of steps more than one away are forgotten (a new
+        generation resumed elsewhere)."""
         if self._depth == 0:
             return
         reads = Counter(micro_batches)
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._forget(lambda s: abs(s - step) > 1)
             if self._announced.get(step) == (reads, job_batch, size):
                 return
             self._announced[step] = (reads, job_batch, size)
-            wanted = {(step, g, job_batch, size): n for g, n in reads.items()}
-            for key in [k for k in self._entries if k[0] == step and k not in wanted]:
-                del self._entries[key]
-            for key, n in wanted.items():
+            wanted = {(step, g, job_batch, size): reads[g] for g in micro_batches}  # read order
+            self._drop([k for k in self._entries if k[0] == step and k not in wanted])
+            for order, (key, n) in enumerate(wanted.items()):
                 entry = self._entries.get(key)
                 if entry is None:
-                    self._order += 1
-                    self._entries[key] = _Entry(n, self._order)
+                    self._entries[key] = _Entry(n, order)
+                    self._unprepared += 1
                 else:
-                    entry.reads = n
+                    entry.reads, entry.order = n, order
             if self._thread is None:
                 # Training starts: the reads before it (the start-up checks, the profile, the
                 # data digest) had nothing to hide behind, and are not counted.
                 self.prepare_seconds = self.wait_seconds = 0.0
                 self._thread = threading.Thread(
-                    target=self._work, name="chameleond-prefetch", daemon=True
+                    target=self._loop, name="chameleond-prefetch", daemon=True
                 )
                 self._thread.start()
-            self._cond.notify_all()
+            else:
+                self._wake()
 
     def take(self, key: Key) -> Prepared:
         """Micro-batch `key`, once ready; the same exception if preparing it raised. One announced
         but not started yet is prepared here (once, however many reads were announced)."""
         t0 = time.perf_counter()
-        try:
-            with self._cond:
-                self._forget(lambda s: s < key[0])
+        entry = self._entries.get(key)
+        if key[0] != self._taking and not any(k[0] < key[0] for k in self._entries):
+            self._taking = key[0]  # a new step, and nothing of an earlier one to forget
+        if (
+            entry is not None
+            and key[0] == self._taking
+            and entry.state == "ready"  # set after its value and error
+            and entry.value is not None
+            and (entry.reads != 1 or not self._unprepared)
+        ):
+            # Prepared, and this read leaves the thread nothing new to prepare: taken without the
+            # lock (the class's docstring).
+            entry.reads = max(0, entry.reads - 1)
+            self.wait_seconds += time.perf_counter() - t0
+            return entry.value
+        with self._lock:
+            try:
+                if key[0] != self._taking:  # a new step: the earlier ones are done
+                    self._taking = key[0]
+                    self._forget(lambda s: s < key[0])
                 entry = self._entries.get(key)
                 while entry is not None and entry.state == "preparing":
-                    self._cond.wait()
+                    self._prepared.wait()
                     entry = self._entries.get(key)
-                if entry is None:
-                    entry = _Entry(1, 0)
-                if entry.state == "expected":
-                    entry.state = "preparing"
+                if entry is None:  # never announced
+                    entry = _Entry(1, 0, "preparing")
                     self._run(key, entry)
-                entry.reads -= 1
-                if entry.reads <= 0:
-                    self._entries.pop(key, None)
+                elif entry.state == "expected":  # announced, and the thread has not got to it
+                    entry.state = "preparing"
+                    self._unprepared -= 1
+                    self._run(key, entry)
+                if entry.reads > 0:
+                    entry.reads -= 1
+                    if entry.reads == 0:
+                        if entry.error is not None:  # prepared again if read again
+                            self._entries.pop(key, None)
+                        self._wake()  # one more may be in the window
                 if entry.error is not None:
                     raise entry.error
                 assert entry.value is not None
                 return entry.value
-        finally:
-            with self._cond:
+            finally:
                 self.wait_seconds += time.perf_counter() - t0
 
     def close(self, timeout: float = 5.0) -> None:
         """Stops the thread (after the micro-batch it is preparing); later reads are prepared where
         they are taken. Idempotent."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._depth = 0
-            self._entries.clear()
+            self._drop(list(self._entries))
             self._announced.clear()
-            self._cond.notify_all()
+            self._work.notify()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
     def _forget(self, stale: Callable[[int], bool]) -> None:
-        for key in [k for k in self._entries if stale(k[0])]:
-            del self._entries[key]
+        self._drop([k for k in self._entries if stale(k[0])])
         for step in [s for s in self._announced if stale(s)]:
             del self._announced[step]
 
-    def _run(self, key: Key, entry: _Entry) -> None:
+    def _drop(self, keys: Sequence[Key]) -> None:
+        for key in keys:
+            if self._entries.pop(key).state == "expected":
+                self._unprepared -= 1
+
+    def _wake(self) -> None:
+        """Wakes the thread if it waits and has a micro-batch to prepare now."""
+        if self._idle and self._unprepared and self._next_key() is not None:
+            self._work.notify()
+
+    def _run(self, key: Key, entry: _Entry, cancelled: Cancel = None) -> None:
         """Prepares `entry`, which its caller marked "preparing", without the lock (held on entry
         and on return)."""
-        self._cond.release()
+        self._lock.release()
         t0 = time.perf_counter()
         try:
-            value, error = self._prepare(key), None
+            value, error = self._prepare(key, cancelled), None
         except BaseException as e:  # raised where the micro-batch is taken
             value, error = None, e
         finally:
-            self._cond.acquire()
+            self._lock.acquire()
         self.prepare_seconds += time.perf_counter() - t0
         entry.value, entry.error, entry.state = value, error, "ready"
-        self._cond.notify_all()
+        self._prepared.notify_all()
 
     def _next_key(self) -> tuple[Key, _Entry] | None:
-        """The first-announced micro-batch of the earliest step still to prepare, if fewer than
-        `depth` are prepared or being prepared."""
-        busy = sum(1 for e in self._entries.values() if e.state != "expected")
-        if busy >= self._depth:
+        """The first micro-batch still to prepare in the window: in the order they are read, those
+        not yet taken of the earliest step, then `depth` more."""
+        pending = sorted(
+            ((k, e) for k, e in self._entries.items() if e.reads > 0),
+            key=lambda ke: (ke[0][0], ke[1].order),
+        )
+        if not pending:
             return None
-        waiting = [(k, e) for k, e in self._entries.items() if e.state == "expected"]
-        return min(waiting, key=lambda ke: (ke[0][0], ke[1].order), default=None)
+        first = pending[0][0][0]
+        window = sum(1 for k, _ in pending if k[0] == first) + self._depth
+        return next(((k, e) for k, e in pending[:window] if e.state == "expected"), None)
 
-    def _work(self) -> None:
-        with self._cond:
+    def _loop(self) -> None:
+        with self._lock:
             while True:
                 while not self._closed and (chosen := self._next_key()) is None:
-                    self._cond.wait()
+                    self._idle = True
+                    self._work.wait()
+                    self._idle = False
                 if self._closed:
                     return
                 assert chosen is not None
                 key, entry = chosen
                 entry.state = "preparing"
-                self._run(key, entry)
+                self._unprepared -= 1
+                self._run(key, entry, functools.partial(self._dropped, key, entry))
+
+    def _dropped(self, key: Key, entry: _Entry) -> bool:
+        """Whether `entry`, which the thread reads, was dropped since (a new generation reads other
+        micro-batches, or other steps): its read stops (a stream skipping to a far position).
+        Called without the lock: one lookup."""
+        return self._entries.get(key) is not entry

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from chameleond.core.plan import Plan
 from chameleond.core.schedule import FORWARD, Op
 from chameleond.worker.backend import P2POp, communicating, computing, exchange
 from chameleond.worker.generation import Generation, sync_order
@@ -293,6 +294,15 @@ class StepRunner:
                 p.grad.copy_(flat[off : off + n].view_as(p.grad))
                 off += n
         sync_ties(self.gen, self.state)
+
+
+def resume_step(plan: Plan, committed_step: int, attempt: int) -> int:
+    """The step a worker expects to train first in a generation it builds: the one after its
+    committed step, or after the checkpoint a restore plan loads (on the plan's first attempt: a
+    later one finds the job past it). Its data is read while the generation builds."""
+    if plan.restore_step is not None and attempt == 1:
+        return plan.restore_step + 1
+    return committed_step + 1
 
 
 def expect_reads(gen: Generation, model: Trainable, steps: Sequence[int]) -> None:

@@ -198,9 +198,9 @@ class Trainable:
         """Stops the prefetch thread; later reads are made in the reading thread."""
         self._prefetcher.close()
 
-    def _prepare(self, key: sampler.Key) -> sampler.Prepared:
+    def _prepare(self, key: sampler.Key, cancelled: sampler.Cancel = None) -> sampler.Prepared:
         positions = self.sample_ids(*key)
-        ids, read = self.reader.read(positions)
+        ids, read = self.reader.read(positions, cancelled)
         return sampler.Prepared(positions, tuple(ids), self.training.collate(read))
 
     def inputs(self, batch: Batch) -> torch.Tensor:
