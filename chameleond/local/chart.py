@@ -9,6 +9,7 @@ and the policy chosen for it; the shaded span is its recovery. Bottom: the loss.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,10 +19,15 @@ SMOOTH_STEPS = 7  # the rolling median's window (steps)
 NAN = float("nan")
 
 
+def with_previous(rows: Sequence[Any]) -> list[tuple[Any, Any]]:
+    """(the row before or None, the row) for each row."""
+    return list(zip([None, *rows[:-1]], rows, strict=True)) if rows else []
+
+
 def measured(timeline: Sequence[Mapping[str, Any]], batch: int) -> list[tuple[float, float]]:
     """(t, samples/s) per step; NaN where a plan changes (a recovery is a gap, not a slope)."""
     out: list[tuple[float, float]] = []
-    for prev, r in zip([None, *timeline], timeline):  # noqa: B905 - one longer: the previous
+    for prev, r in with_previous(timeline):
         same = prev is not None and prev["generation"] == r["generation"] and r["at"] > prev["at"]
         if prev is not None and not same:
             out.append((r["t"], NAN))
@@ -50,7 +56,7 @@ def estimated(
     xs: list[float] = []
     ys: list[float] = []
     known = [p for p in plans if p.get("estimated_step_seconds") and p.get("t") is not None]
-    for p, nxt in zip(known, [*known[1:], None]):  # noqa: B905 - empty when known is
+    for p, nxt in itertools.zip_longest(known, known[1:]):
         start = max(0.0, float(p["t"]))
         stop = float(nxt["t"]) if nxt is not None else end
         value = batch / float(p["estimated_step_seconds"])
@@ -70,7 +76,7 @@ def draw_chart(report: Mapping[str, Any], path: Path) -> None:
     points = measured(tl, batch)
     ts = [t for t, _ in points]
     losses = []
-    for prev, r in zip([None, *tl], tl):  # noqa: B905
+    for prev, r in with_previous(tl):
         if prev is not None and prev["generation"] != r["generation"]:
             losses.append(NAN)
         losses.append(r["loss"] if r["loss"] is not None else NAN)
