@@ -36,18 +36,21 @@ class LayerState:
         self.device = device
         self.module = model.build(index).to(device)
         self.optimizer, self.scheduler = model.optimize(index, self.module)
-        named = self.module.named_parameters(remove_duplicate=False)
+        named = list(self.module.named_parameters(remove_duplicate=False))
         self.frozen = frozenset(n for n, p in named if not p.requires_grad)
+        # Read at every step: listed once (loading a state copies into these same tensors).
+        self._named = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self._params = [p for _, p in self._named]
         fp16 = model.training.precision == "fp16"
         self.loss_scale = LossScale(model.training.loss_scale) if fp16 else None
         self.version = version  # -1: initial weights, no step applied yet
 
     def params(self) -> list[torch.nn.Parameter]:
         """The trainable parameters: the ones with gradients, synced and updated."""
-        return [p for p in self.module.parameters() if p.requires_grad]
+        return self._params
 
     def named_params(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        return self._named
 
     @property
     def scale(self) -> float:
@@ -62,21 +65,26 @@ class LayerState:
     ) -> None:
         """Gradients hold the SUM over the global batch: divide once by B and multiply by
         `factor` (unscale and clip, chameleond.worker.commit), then the optimizer and the
-        scheduler step. An fp16 `overflow` skips the optimizer's step (GradScaler's rule); the
-        scheduler steps all the same, as a one-process loop steps it every iteration."""
+        scheduler step (`step_optimizer`). An fp16 `overflow` skips the optimizer's step
+        (GradScaler's rule); the scheduler steps all the same, as a one-process loop steps it
+        every iteration."""
         if not overflow:
-            grads = []
-            for p in self.params():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-            # One multi-tensor launch per operation, not one per parameter: on an accelerator
-            # the update runs after the commit vote's wait, where every launch is the device's
-            # idle time.
-            if grads:
-                torch._foreach_div_(grads, global_batch)
-                if factor != 1.0:
-                    torch._foreach_mul_(grads, factor)
+            scale_gradients(self.gradients(), global_batch, factor)
+        self.step_optimizer(step, overflow)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """The trainable parameters' gradients; zeros for a parameter that got none."""
+        grads = []
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        return grads
+
+    def step_optimizer(self, step: int, overflow: bool = False) -> None:
+        """The optimizer's step over gradients already divided and scaled (unless `overflow`),
+        the scheduler's, and the gradients cleared: the layer now reflects `step`."""
+        if not overflow:
             self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -167,6 +175,16 @@ def _refuse_unsafe(index: int, module: torch.nn.Module, saved: io.BytesIO) -> No
             "optimizer's and the scheduler's state_dict, or register them with "
             "torch.serialization.add_safe_globals in the training script"
         )
+
+
+def scale_gradients(grads: list[torch.Tensor], global_batch: int, factor: float) -> None:
+    """Multiply gradient sums by `factor / global_batch` (their mean, unscaled and clipped): one
+    pass over them, in one multi-tensor launch for all of them, not one per parameter (nor per
+    layer). On an accelerator the update runs after the commit vote's wait, where every launch
+    is the device's idle time. For a power-of-two batch the bits are those of dividing by it,
+    then multiplying by `factor`."""
+    if grads:
+        torch._foreach_mul_(grads, factor / global_batch)
 
 
 def run_layers(layers: list[LayerState], x: Any) -> Any:

@@ -394,6 +394,7 @@ class Prepared:
     positions: range
     samples: tuple[int, ...]
     batch: Any  # collated, on the CPU
+    tokens: int = 0  # Training.tokens of the batch, counted here
 
 
 @dataclass

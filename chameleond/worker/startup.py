@@ -177,6 +177,7 @@ def join(
     spec = wait_for_spec(client, keys, spec_timeout_seconds, reporter.keyring, reporter.refused)
     hosts = {w.id: w.host for w in spec.workers}
     model = Trainable(training_for(spec, training))
+    model.prepare_for(device.torch_device)
     check_layer_count(spec, model)
     outputs = check_model(model, spec.training.micro_batch, device.torch_device)
     digest = model.data_digest()

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 import torch
 
 from chameleond.worker.commit import Commit, seed
-from chameleond.worker.layer import LayerState
+from chameleond.worker.layer import LayerState, scale_gradients
 from chameleond.worker.trainable import Trainable
 
 
@@ -93,10 +93,16 @@ class WorkerState:
         if commit.step != step:
             raise RuntimeError(f"commit of step {commit.step} for pending step {step}")
         max_norm = training.max_grad_norm
-        for i in self.pending_layers:
-            layer = self.layer(i)
-            factor = commit.factor(batch, layer.seed(batch), max_norm)
-            layer.apply_update(batch, step, factor, commit.overflow)
+        layers = [self.layer(i) for i in self.pending_layers]
+        if not commit.overflow:
+            scaled: dict[float, list[torch.Tensor]] = {}  # factor -> gradients (fp16: per scale)
+            for layer in layers:
+                factor = commit.factor(batch, layer.seed(batch), max_norm)
+                scaled.setdefault(factor, []).extend(layer.gradients())
+            for factor, grads in scaled.items():
+                scale_gradients(grads, batch, factor)
+        for layer in layers:
+            layer.step_optimizer(step, commit.overflow)
         self.last_commit = commit
         self.committed_step = step
         self.pending_step = None

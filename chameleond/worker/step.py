@@ -154,7 +154,6 @@ class StepRunner:
         # Summed on the device, in float64 (what Python's float sum of the float32 losses gives),
         # and read once per step: a read per micro-batch would wait for an accelerator each time.
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
-        tokens = 0
         first_stage: list[int] = []
         autocast = self.model.autocast(dev)
         seed = st.seed(plan.global_batch)
@@ -181,7 +180,6 @@ class StepRunner:
                 data = self._batch(op, step) if op.stage == 0 else None
                 if data is not None:
                     x = self.model.inputs(data)
-                    tokens += self.model.tokens(data)
                     first_stage.append(op.micro_batch)
                 else:
                     x = self._recv(*_present(forward_input(op))).requires_grad_()
@@ -230,24 +228,26 @@ class StepRunner:
         self._sync_gradients()
         self._waited(len(self.gen.ops))
         with computing():
-            total = float(loss_sum.item())
-            grad_sq = self._grad_sq()
+            # One read of the device for both sums: each read waits for everything queued.
+            total, grad_sq = torch.stack((loss_sum, self._grad_sq(loss_sum))).tolist()
+        tokens = self.model.read_tokens(step, first_stage)
         return StepResult(
             total, plan.owned_layers(self.gen.me), grad_sq, tokens, tuple(first_stage)
         )
 
-    def _grad_sq(self) -> float:
+    def _grad_sq(self, like: torch.Tensor) -> torch.Tensor:
         """The sum of squares of the gradients this worker counts, as clip_grad_norm_ forms the
-        norm: each parameter's 2-norm, then their squares summed (in float64)."""
+        norm: each parameter's 2-norm, then their squares summed (in float64), on the device
+        (`like`'s), unread."""
         grads = []
         for j in self._counted:
             for name, p in self.state.layer(j).named_params():
                 if (j, name) not in self._tie_copies and p.grad is not None:
                     grads.append(p.grad)
         if not grads:
-            return 0.0
+            return torch.zeros_like(like)
         norms = torch._foreach_norm(grads, 2.0)
-        return float(torch.stack(norms).double().square().sum().item())
+        return torch.stack(norms).double().square().sum().to(like.device)
 
     def _waited(self, i: int) -> None:
         self.waits[i] = time.perf_counter() - self._waiting_since

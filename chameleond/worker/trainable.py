@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,14 +22,25 @@ from chameleond.worker import sampler, samples
 from chameleond.worker.api import PRECISIONS, Batch, Factory, Layers, ModelError, Tie, Training
 
 
-def to_device(batch: Batch, device: torch.device) -> Batch:
+def to_device(batch: Batch, device: torch.device, non_blocking: bool = False) -> Batch:
     """The batch with every tensor in it on `device` (mappings, tuples and lists, recursively)."""
+    return _each_tensor(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def pinned(batch: Batch) -> Batch:
+    """The batch with every tensor in it in page-locked host memory: a copy to a GPU from there
+    does not wait for the device's queue (from pageable memory it may), as a DataLoader's
+    `pin_memory=True` gives."""
+    return _each_tensor(batch, lambda t: t.pin_memory())
+
+
+def _each_tensor(batch: Batch, f: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
     if isinstance(batch, torch.Tensor):
-        return batch.to(device)
+        return f(batch)
     if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {k: _each_tensor(v, f) for k, v in batch.items()}
     if isinstance(batch, tuple | list):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(_each_tensor(v, f) for v in batch)
     return batch
 
 
@@ -75,8 +86,10 @@ class Trainable:
             training.dataset, training.shuffle, training.seed, training.global_batch
         )
         self._prefetcher = sampler.Prefetcher(self._prepare, prefetch)
-        # (step, micro-batch) -> the sample ids the training thread read, until `read_ids`.
-        self._read_ids: dict[tuple[int, int], tuple[int, ...]] = {}
+        # (step, micro-batch) -> the sample ids the training thread read and their tokens, until
+        # `read_ids`.
+        self._read: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}
+        self._pin = False  # prepared batches go to page-locked memory (`prepare_for`)
         if training.precision not in PRECISIONS:
             raise ModelError(
                 f"Training.precision must be one of {', '.join(PRECISIONS)}, got "
@@ -176,15 +189,25 @@ class Trainable:
         """Global micro-batch `micro_batch` of step `step` of a job of global batch `global_batch`,
         collated, on `device`: prefetched if it was expected, else read here."""
         got = self._prefetcher.take((step, micro_batch, global_batch, size))
-        self._read_ids[(step, micro_batch)] = got.samples
-        return to_device(got.batch, device)
+        self._read[(step, micro_batch)] = (got.samples, got.tokens)
+        return to_device(got.batch, device, non_blocking=self._pin)
+
+    def prepare_for(self, device: torch.device) -> None:
+        """Batches are for `device`: on a CUDA device the prefetcher leaves them in page-locked
+        memory, and `batch` copies them without waiting for the device."""
+        self._pin = device.type == "cuda"
+
+    def read_tokens(self, step: int, micro_batches: Sequence[int]) -> int:
+        """`Training.tokens` of `micro_batches` of `step` as this worker read them, counted on
+        the host when they were prepared (a count on the device would wait for it)."""
+        return sum(self._read[(step, g)][1] for g in micro_batches if (step, g) in self._read)
 
     def read_ids(self, step: int, micro_batches: Sequence[int]) -> tuple[int, ...]:
         """The sample ids (a stream's: the index in its pass) of `micro_batches` of `step` as
         this worker read them; forgets every read of `step` and before."""
-        ids = tuple(i for g in micro_batches for i in self._read_ids.get((step, g), ()))
-        for key in [k for k in self._read_ids if k[0] <= step]:
-            del self._read_ids[key]
+        ids = tuple(i for g in micro_batches for i in self._read.get((step, g), ((), 0))[0])
+        for key in [k for k in self._read if k[0] <= step]:
+            del self._read[key]
         return ids
 
     def data_stats(self) -> dict[str, float]:
@@ -201,7 +224,11 @@ class Trainable:
     def _prepare(self, key: sampler.Key, cancelled: sampler.Cancel = None) -> sampler.Prepared:
         positions = self.sample_ids(*key)
         ids, read = self.reader.read(positions, cancelled)
-        return sampler.Prepared(positions, tuple(ids), self.training.collate(read))
+        batch = self.training.collate(read)
+        tokens = self.tokens(batch)
+        if self._pin:
+            batch = pinned(batch)
+        return sampler.Prepared(positions, tuple(ids), batch, tokens)
 
     def inputs(self, batch: Batch) -> torch.Tensor:
         return self.training.inputs(batch)

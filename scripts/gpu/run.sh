@@ -10,6 +10,8 @@
 #                                           # psutil, transformers) into $SITE first
 #   DRY=1 SPEC=small.toml bash scripts/gpu/run.sh   # a rehearsal on the CPU
 #   SPEC=other.toml RUNS="bf16" CHECKS=0 bash ...    # another spec, some runs, no doctor/nccl
+#   PROFILE=1 RUNS=bf16 CHECKS=0 bash ...             # + where the device waits (profile_recipe.py)
+#   RUNS="fp32 bf16 fp32.2 bf16.2" CHECKS=0 bash ...  # each twice, alternating
 #
 # Results under $OUT (default /tmp/gpu2/out): summary.txt, nccl.txt, doctor.txt, steps.txt and
 # two archives with every log and report.
@@ -56,7 +58,7 @@ if [ "$CHECKS" = 1 ]; then
   r nccl 60 env REPS=3 "$PY" "$HERE/nccl_costs.py" "$PDEV"
 fi
 for prec in $RUNS; do
-  p=${prec%ckpt}
+  p=${prec%ckpt}; p=${p%.*}  # fp32ckpt, bf16.2 (a second run): fp32, bf16
   every=0; [ "$prec" = fp32ckpt ] && every=20
   sed "s/^precision = \"fp32\"/precision = \"$p\"/" "$SPEC" > "$WORK/recipe-$prec.toml"
   rm -rf "$WORK/up_$prec"
@@ -73,6 +75,18 @@ done
 [ "$CHECKS" = 1 ] && r plain_fp32_again 80 "$PY" "$PROJ/examples/recipe.py" --plain --spec "$WORK/recipe-fp32.toml" \
   --steps "$STEPS" --out "$OUT/plain_fp32_again.json" --device "$PDEV"
 r summary 30 "$PY" "$HERE/summary.py" "$OUT" "$WORK"
+# PROFILE=1: the same runs again under torch.profiler for 3 steps (profile_recipe.py), the library
+# then the plain loop; the tables land in $OUT/profile.
+if [ "${PROFILE:-0}" = 1 ]; then
+  for prec in $RUNS; do
+    [ "$prec" = fp32ckpt ] && continue
+    r "profile_up_$prec" 150 env PROFILE_OUT="$OUT/profile/$prec" "${CTL[@]}" up --device "$DEV" \
+      --script "$HERE/profile_recipe.py" --spec "$WORK/recipe-$prec.toml" --faults none \
+      --steps 26 --report "$WORK/profile_$prec" --timeout 135 --checkpoint-every 0
+    r "profile_plain_$prec" 80 env PROFILE_OUT="$OUT/profile/$prec" "$PY" "$HERE/profile_recipe.py" \
+      --plain --spec "$WORK/recipe-$prec.toml" --steps 26 --out "$WORK/profile_plain.json" --device "$PDEV"
+  done
+fi
 cat "$OUT/summary.txt" 2>/dev/null
 # Few files come back: the rest in archives.
 (cd "$WORK" && tar czf "$OUT/rest.tgz" up_*/report.json up_*_logs.txt 2>/dev/null)

@@ -8,7 +8,10 @@ from pathlib import Path
 out, work = Path(sys.argv[1]), Path(sys.argv[2])
 SKIP = 10
 res = {}
-for prec in ("fp32", "bf16", "fp32ckpt"):
+# Runs by name: fp32, bf16, fp32ckpt, or one of them again as fp32.2, bf16.2, ...
+names = {d.name[3:] for d in work.glob("up_*") if d.is_dir()}
+names |= {f.stem[6:] for f in out.glob("plain_*.json") if not f.stem.endswith("_again")}
+for prec in sorted(names):
     r: dict = {}
     rep = work / f"up_{prec}" / "report.json"
     pl = out / f"plain_{prec.replace('ckpt', '')}.json"
