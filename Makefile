@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	@echo "==> [3/4] torch==2.13.0 (the largest download)"
 	$(PY) -m pip install --progress-bar on torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 	@echo "==> [4/4] chameleond and its development tools"
-	$(PY) -m pip install --progress-bar on -e '.[worker,local,hf,dev]'
+	$(PY) -m pip install --progress-bar on -e '.[worker,local,hf,dev,compare]'
 	touch $(STAMP)
 
 setup: $(STAMP)

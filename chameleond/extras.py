@@ -8,6 +8,7 @@ part checks for it first and, when it is missing, names the extra that brings it
   embedded Redis of `chameleond run` and `chameleonctl up` where none is on PATH).
 * `hf`: transformers, tokenizers, datasets (the Hugging Face example).
 * `npu`: torch-npu (workers on Ascend NPUs, `--device npu:N`).
+* `compare`: torchft (`chameleonctl bench peers`: chameleond side by side with TorchFT).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "local": ("matplotlib",),
     "hf": ("transformers", "tokenizers", "datasets"),
     "npu": ("torch_npu",),
+    "compare": ("torchft",),
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleond.cli.exhaustive import exhaustive
+from chameleond.bench.exhaustive import exhaustive
 from chameleond.core.balance import Balancer
 from chameleond.core.decide import initial_plan
 from chameleond.core.estimator import LayerTable

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from chameleond.cli.bench_simcheck import simulated
+from chameleond.bench.simcheck import simulated
 from chameleond.core.decide import decide, initial_plan
 from chameleond.jobs import load_default_spec
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from chameleond.cli.bench_training import compare
+from chameleond.bench.training import compare
 
 REF = {"loss": [5.0, 4.0, 3.0], "grad_norm": [1.0, 2.0, 4.0], "ids": [[1, 2], [3, 4], [5, 6]]}
 
@@ -77,7 +77,7 @@ def test_a_streamed_dataset_resumes_at_the_right_sample_after_a_restore(tmp_path
     pytest.importorskip("datasets")
     import json
 
-    from chameleond.cli.bench_training import _library, _plain, _trained
+    from chameleond.bench.training import _library, _plain, _trained
     from chameleond.cli.up import build_spec_document
     from chameleond.core.spec import load_spec
     from chameleond.local.examples import find_example

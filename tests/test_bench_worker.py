@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chameleond.cli.bench_worker import compare_runs
+from chameleond.bench.worker import compare_runs
 
 CLEAN = {0: {1: 6.9}, 1: {1: 6.8}, 2: {1: 6.7}, 3: {1: 6.6}}
 

@@ -1,4 +1,4 @@
-"""The exact referee (cli/exact.py): equal to the literal enumeration where that finishes, no gap
+"""The exact referee (bench/exact.py): equal to the literal enumeration where that finishes, no gap
 to the search at 32 and 64 devices, and a gap to deliberately weakened searches."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from spec_strategies import SLOW_LINKS, layer_kinds
 
-from chameleond.cli.exact import exact
-from chameleond.cli.exhaustive import exhaustive
+from chameleond.bench.exact import exact
+from chameleond.bench.exhaustive import exhaustive
 from chameleond.core.search import ShapeModel, search
 from chameleond.core.spec import JobSpec, parse_spec
 

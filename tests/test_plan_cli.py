@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from chameleond.cli.bench import BENCHES
+from chameleond.bench import BENCHES
 from chameleond.cli.ctl import main
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import load_spec

@@ -7,7 +7,7 @@ import math
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from chameleond.cli.exhaustive import exhaustive
+from chameleond.bench.exhaustive import exhaustive
 from chameleond.core.search import ShapeModel, search, spare_counts
 from chameleond.core.spec import JobSpec, parse_spec
 

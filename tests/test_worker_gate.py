@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from chameleond.cli.bench_worker_overhead import _block, _ratios
+from chameleond.bench.worker_overhead import _block, _ratios
 from chameleond.worker.gate import StepGate, open_gate, read_record
 
 

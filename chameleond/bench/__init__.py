@@ -6,15 +6,16 @@ import argparse
 import importlib
 
 BENCHES = {
-    "planner": "chameleond.cli.bench_planner",
-    "ingest": "chameleond.cli.bench_ingest",
-    "recovery": "chameleond.cli.bench_recovery",
-    "checkpoint": "chameleond.cli.bench_checkpoint",
-    "chaos": "chameleond.cli.bench_chaos",
-    "policies": "chameleond.cli.bench_policies",
-    "worker": "chameleond.cli.bench_worker",
-    "training": "chameleond.cli.bench_training",
-    "sim-check": "chameleond.cli.bench_simcheck",
+    "planner": "chameleond.bench.planner",
+    "ingest": "chameleond.bench.ingest",
+    "recovery": "chameleond.bench.recovery",
+    "checkpoint": "chameleond.bench.checkpoint",
+    "chaos": "chameleond.bench.chaos",
+    "policies": "chameleond.bench.policies",
+    "worker": "chameleond.bench.worker",
+    "training": "chameleond.bench.training",
+    "sim-check": "chameleond.bench.simcheck",
+    "peers": "chameleond.bench.peers",
 }
 
 

@@ -40,9 +40,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from chameleond.cli.bench_chaos_kinds import KINDS
-from chameleond.cli.bench_chaos_report import line, summary
-from chameleond.cli.bench_chaos_runner import Bench, Trial
+from chameleond.bench.chaos_kinds import KINDS
+from chameleond.bench.chaos_report import line, summary
+from chameleond.bench.chaos_runner import Bench, Trial
 from chameleond.extras import require
 
 ORDER = ("kill", "storm", "redis_restart", "kill", "fuzz", "forged", "stall", "kill", "storm",

@@ -1,8 +1,8 @@
-"""The chaos bench's trial kinds (the list and what each shows: chameleond/cli/bench_chaos.py).
+"""The chaos bench's trial kinds (the list and what each shows: chameleond/bench/chaos.py).
 
 Each is a function of a `Scene` (the running `Bench`, the trial, its keys, the leading and the
 standing-by daemon, the workers' side): it does its harm and returns the victims, the ids of their
-real faults and when the recovery clock starts. `KINDS` names them; bench_chaos.py runs them.
+real faults and when the recovery clock starts. `KINDS` names them; chaos.py runs them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import redis
 
 from chameleond.auth import SIG_FIELD, event_payload
-from chameleond.cli.bench_chaos_runner import (
+from chameleond.bench.chaos_runner import (
     SETTLE_SECONDS,
     Bench,
     Kind,

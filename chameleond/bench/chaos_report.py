@@ -1,12 +1,12 @@
 """The chaos bench's figures: the summary over the trials, and one line per trial (the figures
-themselves are described in chameleond/cli/bench_chaos.py)."""
+themselves are described in chameleond/bench/chaos.py)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 from typing import Any
 
-from chameleond.cli.bench_chaos_runner import Trial
+from chameleond.bench.chaos_runner import Trial
 
 
 def summary(trials: list[Trial], lease_seconds: float, wall_seconds: float) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The chaos bench's runner: one trial = a fresh job on the bench's redis-server, two daemons
 (a leader and a standby), the workers' side (chameleond/local/chaos.py) and a trial kind
-(chameleond/cli/bench_chaos_kinds.py) applied once the job trains; then the figures of the trial
-are read from Redis (`Trial`). See chameleond/cli/bench_chaos.py for the kinds and the figures.
+(chameleond/bench/chaos_kinds.py) applied once the job trains; then the figures of the trial
+are read from Redis (`Trial`). See chameleond/bench/chaos.py for the kinds and the figures.
 """
 
 from __future__ import annotations

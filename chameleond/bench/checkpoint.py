@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from chameleond.cli.bench_cluster import spec_file, wait_steps, warmed_up, worker_ids
+from chameleond.bench.cluster import spec_file, wait_steps, warmed_up, worker_ids
 from chameleond.core.spec import SpecError
 from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
-from chameleond.cli.exhaustive import partitions, schedule_finishes
+from chameleond.bench.exhaustive import partitions, schedule_finishes
 from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds
 from chameleond.core.search import Layout, spare_counts

@@ -1,6 +1,6 @@
 """Algorithm 1's space enumerated literally: the tests' referee where it finishes (up to about a
 dozen devices), for the search and for the exact search `chameleonctl bench planner` uses
-(cli/exact.py), whose reductions it checks. It lives with the bench, not in the decision core: no
+(bench/exact.py), whose reductions it checks. It lives with the bench, not in the decision core: no
 decision depends on it.
 
 No memo and no pruning: for every survivor count the search may use, every partition, every

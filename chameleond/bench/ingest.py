@@ -73,7 +73,7 @@ def produce(url: str, stream: str, n: int, rate: float) -> None:
 def _producer(url: str, stream: str, n: int, rate: float) -> subprocess.Popen[bytes]:
     """The producer in its own process, so it does not share this event loop's core."""
     call = f"produce({url!r}, {stream!r}, {n}, {rate})"
-    code = f"from chameleond.cli.bench_ingest import produce; {call}"
+    code = f"from chameleond.bench.ingest import produce; {call}"
     return subprocess.Popen([sys.executable, "-c", code])  # noqa: S603 - this interpreter and code of this file
 
 

@@ -4,7 +4,7 @@ For clusters of 8 to 1,024 devices (GPT 1.3B-class per-layer profile, 4 stages p
 8 devices per host, 8 micro-batches per pipeline) and several failure sets each, times `decide()`
 (both candidates: rerouting table, Algorithm 1, Hungarian assignment, migration manifest, colouring
 rounds, estimates, selection). Up to 64 devices, the search's layout is checked against the exact
-search of the same space (`cli/exact.py`): `optimality_gap`, and that search's CPU time.
+search of the same space (`bench/exact.py`): `optimality_gap`, and that search's CPU time.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from chameleond.cli.exact import exact
+from chameleond.bench.exact import exact
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.search import search
 from chameleond.core.spec import JobSpec, load_spec, parse_spec

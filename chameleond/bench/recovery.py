@@ -49,7 +49,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from chameleond.cli.bench_cluster import kill_and_wait, spec_file, wait_steps, warmed_up, worker_ids
+from chameleond.bench.cluster import kill_and_wait, spec_file, wait_steps, warmed_up, worker_ids
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import JobSpec, LayerProfile, load_spec

@@ -31,14 +31,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from chameleond.cli.bench_cluster import (
+from chameleond.bench.cluster import (
     kill_and_wait,
     spec_file,
     wait_steps,
     warmed_up,
     worker_ids,
 )
-from chameleond.cli.bench_recovery import MIN_STEPS, VICTIM, _spec_by, plan_rows
+from chameleond.bench.recovery import MIN_STEPS, VICTIM, _spec_by, plan_rows
 from chameleond.core.plan import Plan, plan_from_dict
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.extras import require

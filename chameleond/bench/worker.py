@@ -5,7 +5,7 @@ transformers GPT2LMHeadModel, random weights, on a BPE of the standard library's
 
 * overhead: the model trained data-parallel on --workers workers (one stage each, no faults)
   through the library, against the same training in the script's plain torch loop, both started
-  once and taking turns in blocks of steps (chameleond/cli/bench_worker_overhead.py says how).
+  once and taking turns in blocks of steps (chameleond/bench/worker_overhead.py says how).
   overhead = library / plain step time - 1 (target <= 0.03); overhead_cpu the same with CPU
   seconds per step and process, which other load on the machine barely moves.
 * loss_match: the example's job (7 workers: pipelines of 2, 2 and 3 stages) trained --steps steps
@@ -31,9 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from chameleond.cli.bench_recovery import plan_rows
-from chameleond.cli.bench_worker_overhead import add_arguments as overhead_arguments
-from chameleond.cli.bench_worker_overhead import overhead
+from chameleond.bench.recovery import plan_rows
+from chameleond.bench.worker_overhead import add_arguments as overhead_arguments
+from chameleond.bench.worker_overhead import overhead
 from chameleond.cli.up import build_spec_document
 from chameleond.core.spec import SpecError, load_spec, parse_spec
 from chameleond.local.cluster import ClusterError, Interrupted

@@ -22,8 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inject": ("chameleond.cli.inject", "send a fault event for a worker"),
     "plan": ("chameleond.cli.plan_cmd", "compare the reroute and dynamic candidates for a fault"),
     "bench": (
-        "chameleond.cli.bench",
-        "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check",
+        "chameleond.bench",
+        "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check, "
+        "peers",
     ),
     "simulate": ("chameleond.cli.simulate", "simulate fault-tolerance policies over a trace"),
     "doctor": (

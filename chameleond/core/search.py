@@ -353,7 +353,7 @@ def search(
     and 3 spares beats any partition of 31). Each count is searched exactly; the fastest wins,
     all survivors on ties. Which survivors stay idle is the caller's choice (core.decide).
     `shape_model` is for referees' negative controls (a deliberately weakened model must show a
-    gap against the exact search, cli/exact.py)."""
+    gap against the exact search, bench/exact.py)."""
     best: SearchResult | None = None
     considered = timed = 0
     shared = Shared()

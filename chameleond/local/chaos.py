@@ -7,7 +7,7 @@ what the workers of a job do towards the daemon and nothing more: register, hear
 `PlanWatcher`; a worker `kill`ed here goes silent as a killed process would. Both hold the job's
 secret (chameleond/auth.py): the daemon through $CHAMELEON_SECRET, the followers sign what they
 send and their watcher refuses plans that do not verify, as workers do. Faults, storms, fuzzed
-and forged messages are written by the trial itself (chameleond/cli/bench_chaos.py).
+and forged messages are written by the trial itself (chameleond/bench/chaos.py).
 """
 
 from __future__ import annotations
