@@ -1,4 +1,5 @@
-"""The wire protocol: key names, and parse_event's contract (typed event or EventError(reason))."""
+"""The wire protocol: key names, parse_event's contract (typed event or EventError(reason)), and
+each event's fields as the worker writes them."""
 
 from __future__ import annotations
 
@@ -8,8 +9,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleond.events import EVENT_CLASSES, Ack, AckPhase, Checkpoint, Fault, Register, Step
-from chameleond.protocol import EVENT_TYPES, EventError, Keys, parse_event, redact_url, url_error
+from chameleond.auth import AuthError, Keyring
+from chameleond.events import (
+    EVENT_CLASSES,
+    Ack,
+    AckPhase,
+    Checkpoint,
+    Event,
+    Fault,
+    Heartbeat,
+    Profile,
+    Register,
+    Rejoin,
+    Step,
+)
+from chameleond.protocol import (
+    EVENT_TYPES,
+    MAX_EVENT_BYTES,
+    EventError,
+    Keys,
+    parse_event,
+    read_event,
+    redact_url,
+    url_error,
+)
 
 
 @pytest.mark.parametrize(
@@ -200,3 +223,111 @@ def test_any_fields_give_an_event_or_an_event_error(fields: dict[object, object]
         assert str(e)
     else:
         assert event.type in EVENT_TYPES and event.worker
+
+
+# ---- the wire in the other direction: typed events written as fields -----------------------------
+
+AT = 1700000000.125  # a clock the worker's `at` (3 decimals) writes exactly
+LAYERS = {"layers": [{"forward_seconds": 0.001, "param_bytes": 12}], "generation": 2}
+ROUND_TRIP: list[Event] = [
+    Fault("w2", "RuntimeError: boom", generation=3, reporter="w1", at=AT),
+    Fault("w2"),
+    Rejoin("w2"),
+    Register("w1", "h1", 2**33, "cuda:0", pid=4242, address="10.0.0.1:0", corpus="ab12"),
+    Register("w1", "h1", 8),
+    Heartbeat("w1", at=AT, refused=2),
+    Profile("w1", LAYERS),
+    Step("w1", 2, 7, 8, 0.125, 5.5, vote_seconds=0.25, learning_rate=0.0003, tokens=1024,
+         skipped_samples=4, at=AT, grad_norm=0.75, eval_loss=5.9, overflow=True, loss_scale=1024.0),
+    Step("w1", 2, 7, 12, 0.5, 5.5),
+    Ack("w1", 4, AckPhase.READY, 2, build_seconds=1.5, migration_seconds=0.25, world_seconds=1.0,
+        moves=3),
+    Ack("w1", 4, AckPhase.STOPPED, reason="left"),
+    Ack("w1", 4, AckPhase.UNRESTORABLE, step=17, cause="no file holds layer 3"),
+    Checkpoint("w1", 2, 9, (3, 1, 2), size_bytes=4096, bubble_seconds=0.5, stall_seconds=0.0),
+]  # fmt: skip
+
+
+def test_every_event_type_is_written_as_fields_that_parse_back_to_it() -> None:
+    assert {type(e) for e in ROUND_TRIP} == set(EVENT_CLASSES)
+    for event in ROUND_TRIP:
+        fields = event.to_fields()
+        assert all(isinstance(v, str) for v in fields.values())
+        again = parse_event({k.encode(): v.encode() for k, v in fields.items()})
+        assert type(again) is type(event) and again.to_fields() == fields
+        if not isinstance(event, Profile):  # compared by identity; its fields say it all
+            assert again == event
+
+
+# What the worker sent before its events were typed: the dicts chameleond/worker/runtime.py,
+# startup.py, saver.py and events.py built, field for field and in order (the stream keeps it).
+T = 1700000000.123456
+WORKER_SENT: list[tuple[Event, dict[str, str]]] = [
+    (Fault("w2", "RuntimeError: boom", 3, reporter="w1", at=T),
+     {"type": "fault", "worker": "w2", "cause": "RuntimeError: boom", "reporter": "w1",
+      "generation": "3", "at": "1700000000.123"}),
+    (Heartbeat("w1", at=T), {"type": "heartbeat", "worker": "w1", "at": "1700000000.123"}),
+    (Heartbeat("w1", at=T, refused=3),
+     {"type": "heartbeat", "worker": "w1", "at": "1700000000.123", "refused": "3"}),
+    (Register("w1", "h1", 2**33, "cpu", 4242, "", "ab12"),
+     {"type": "register", "worker": "w1", "host": "h1", "device": "cpu",
+      "memory_bytes": "8589934592", "pid": "4242", "address": "", "corpus": "ab12"}),
+    (Profile("w1", LAYERS),
+     {"type": "profile", "worker": "w1",
+      "data": '{"layers": [{"forward_seconds": 0.001, "param_bytes": 12}], "generation": 2}'}),
+    (Ack("w1", 4, AckPhase.READY, 1, build_seconds=1.23456, migration_seconds=0.56789,
+         world_seconds=0.234567, moves=3),
+     {"type": "ack", "worker": "w1", "generation": "4", "phase": "ready", "attempt": "1",
+      "build_seconds": "1.2346", "world_seconds": "0.2346", "migration_seconds": "0.5679",
+      "moves": "3"}),
+    (Ack("w1", 4, AckPhase.STOPPED), {"type": "ack", "worker": "w1", "generation": "4",
+                                      "phase": "stopped"}),
+    (Ack("w1", 4, AckPhase.STOPPED, reason="finished"),
+     {"type": "ack", "worker": "w1", "generation": "4", "phase": "stopped", "reason": "finished"}),
+    (Ack("w1", 4, AckPhase.UNRESTORABLE, step=17, cause="gone"),
+     {"type": "ack", "worker": "w1", "generation": "4", "phase": "unrestorable", "step": "17",
+      "cause": "gone"}),
+    (Step("w1", 2, 7, 8, 0.123456789, 5.123456789, vote_seconds=0.01234567,
+          learning_rate=float("nan"), tokens=1024, skipped_samples=4, at=T, grad_norm=2.5),
+     {"type": "step", "worker": "w1", "generation": "2", "step": "7", "samples": "8",
+      "seconds": "0.123457", "vote_seconds": "0.012346", "loss": "5.123456789", "lr": "nan",
+      "tokens": "1024", "skipped": "4", "at": "1700000000.123",
+      "grad_norm": "2.5"}),
+    (Step("w1", 2, 7, 8, 0.5, 5.5, vote_seconds=0.0, learning_rate=0.001, tokens=0,
+          skipped_samples=0, at=T, eval_loss=5.9, overflow=False, loss_scale=65536.0),
+     {"type": "step", "worker": "w1", "generation": "2", "step": "7", "samples": "8",
+      "seconds": "0.500000", "vote_seconds": "0.000000", "loss": "5.5", "lr": "0.001",
+      "tokens": "0", "skipped": "0", "at": "1700000000.123", "eval_loss": "5.9",
+      "overflow": "0", "loss_scale": "65536.0"}),
+    (Checkpoint("w1", 2, 9, (3, 1, 2), size_bytes=123456, bubble_seconds=0.1234567,
+                stall_seconds=0.0),
+     {"type": "checkpoint", "worker": "w1", "step": "9", "generation": "2", "layers": "3,1,2",
+      "bytes": "123456", "bubble_seconds": "0.123457", "stall_seconds": "0.000000"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("event", "sent"), WORKER_SENT)
+def test_a_typed_event_is_written_as_the_worker_always_wrote_it(
+    event: Event, sent: dict[str, str]
+) -> None:
+    assert list(event.to_fields().items()) == list(sent.items())
+
+
+def test_an_entry_is_read_in_one_call_size_then_signature_then_fields() -> None:
+    ring, other = Keyring((b"s" * 32,)), Keyring((b"t" * 32,))
+    beat = Heartbeat("w1", at=AT)
+    signed = {k.encode(): v.encode() for k, v in ring.sign_event("j", beat.to_fields()).items()}
+    assert read_event(signed, "j", ring) == beat
+    assert read_event(beat.to_fields(), "j", None) == beat  # no keyring: nothing to verify
+    with pytest.raises(AuthError, match="unsigned"):
+        read_event(beat.to_fields(), "j", ring)
+    with pytest.raises(AuthError, match="unknown key"):
+        read_event(signed, "j", other)
+    with pytest.raises(AuthError, match="bad signature"):
+        read_event(signed, "another-job", ring)
+    huge = {**beat.to_fields(), "pad": "x" * MAX_EVENT_BYTES}
+    with pytest.raises(EventError, match="bytes: a 'heartbeat' event has at most"):
+        read_event(huge, "j", ring)  # refused before its signature is even looked at
+    bad = ring.sign_event("j", {**beat.to_fields(), "worker": "a b"})
+    with pytest.raises(EventError, match="'worker' must be a printable id"):
+        read_event(bad, "j", ring)

@@ -19,6 +19,7 @@ from typing import Any, cast
 import redis
 
 from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring
+from chameleond.events import Fault
 from chameleond.protocol import (
     JOB_ENV,
     MAX_ID_LEN,
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             "secret refuses it)",
             file=sys.stderr,
         )
-    event = {"type": "fault", "worker": worker, "cause": args.cause}
+    event = Fault(worker, args.cause).to_fields()
     if keyring is not None:
         event = keyring.sign_event(args.job, event)
 

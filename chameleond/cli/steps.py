@@ -28,7 +28,7 @@ from chameleond.cli.inject import add_job, add_redis_url, redis_client
 from chameleond.cli.status import phase
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.events import Step
-from chameleond.protocol import JOB_ENV, EventError, Keys, parse_event, redact_url
+from chameleond.protocol import JOB_ENV, EventError, Keys, read_event, redact_url
 from chameleond.streams import entry_seconds
 
 PAGE = 2000  # stream entries per read
@@ -208,9 +208,7 @@ class StepReader:
         if fields.get(b"type") != b"step":
             return None
         try:
-            if self.keyring is not None:
-                self.keyring.verify_event(self.job, fields)
-            event = parse_event(fields)
+            event = read_event(fields, self.job, self.keyring)
         except AuthError as e:
             self._refuse(entry_id, f"refused: {e}")
             return None

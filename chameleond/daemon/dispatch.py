@@ -1,6 +1,5 @@
-"""The one table from event type to handler (chameleond/handlers/): the daemon's, checked complete
-against
-the protocol's event types (tests/test_handlers.py)."""
+"""The one table from event type to handler (chameleond/handlers/): the daemon's, checked to cover
+exactly the event set, `chameleond.events.Event` (tests/test_handlers.py)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from chameleond.daemon.redis_errors import ErrorCode, has_code
 from chameleond.events import Event
 from chameleond.jobstate.change import SNAPSHOT
 from chameleond.jobstate.job import Job
-from chameleond.protocol import EVENT_TYPES, EventError, check_size, parse_event, shorten
+from chameleond.protocol import EVENT_TYPES, EventError, read_event, shorten
 
 log = logging.getLogger("chameleond")
 
@@ -139,8 +139,7 @@ class Ingest:
                 m.count_event(kind, "invalid")
                 continue
             try:
-                self._verify(e.fields)
-                event = parse_event(e.fields)
+                event = read_event(e.fields, job.name, self.keyring)
                 outcome = dispatch(job, event, e.id, now)
             except AuthError as err:
                 dead.append(_dead(e, e.fields, f"refused: {err}"))
@@ -165,13 +164,6 @@ class Ingest:
                 self.observer(e, event, time.time())
         await self.committer.batch(acks, dead)
         self.decisions.maybe_decide()
-
-    def _verify(self, fields: dict[bytes, bytes]) -> None:
-        """The entry's signature (chameleond/auth.py); its size first, so an oversize entry is
-        refused before it costs a MAC."""
-        if self.keyring is not None:
-            check_size(fields)
-            self.keyring.verify_event(self.job.name, fields)
 
     def _log_forged(self, entry: str, kind: str, why: str) -> None:
         now = time.monotonic()

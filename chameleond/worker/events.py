@@ -1,8 +1,9 @@
 """The worker's side of the protocol: events it sends, plans it watches, peers it believes alive.
 
-Events are flat string fields XADDed to `Keys(job).events` (docs/protocol.md). Plans arrive as the
-`Keys(job).plan` key, announced on `Keys(job).plans_channel`; the watcher re-reads the key on every
-announcement and once a second anyway, so a missed message or a restart still converges.
+Events are typed (chameleond/events.py) and XADDed to `Keys(job).events` as their flat string
+fields (docs/protocol.md). Plans arrive as the `Keys(job).plan` key, announced on
+`Keys(job).plans_channel`; the watcher re-reads the key on every announcement and once a second
+anyway, so a missed message or a restart still converges.
 
 Liveness: every Redis connection of a worker carries the name
 `chameleon-worker:{job}:{id}:{incarnation}` (the incarnation is new for every process). The
@@ -27,6 +28,8 @@ from redis.client import PubSub
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
+from chameleond.events import Event, Fault
+from chameleond.events import Heartbeat as Beat
 from chameleond.protocol import Keys
 from chameleond.worker.outbox import Outbox
 
@@ -91,16 +94,14 @@ class Reporter:
         """Send what is kept, for at most `timeout` seconds; the number of writes left unsent."""
         return self.outbox.close(timeout)
 
-    def send(self, kind: str, fields: Mapping[str, object], *, keep: bool = True) -> None:
-        entry = {"type": kind, "worker": self.worker}
-        entry.update({k: str(v) for k, v in fields.items()})
-        self._xadd(entry, keep)
+    def report(self, event: Event, *, keep: bool = True) -> None:
+        """Send `event` (chameleond/events.py) as its flat fields; `keep`: hold it through a Redis
+        outage (a heartbeat is not kept: a stale one says nothing)."""
+        self._xadd(event.to_fields(), keep)
 
-    def fault(self, failed: str, cause: str, **extra: object) -> None:
-        entry: dict[str, str] = {"type": "fault", "worker": failed, "cause": cause[:500]}
-        entry["reporter"] = self.worker
-        entry.update({k: str(v) for k, v in extra.items()})
-        self._xadd(entry, True)
+    def fault(self, failed: str, cause: str, *, generation: int, at: float) -> None:
+        """Name `failed` out of `generation`, seen at `at` (this worker's clock) for `cause`."""
+        self.report(Fault(failed, cause[:500], generation, reporter=self.worker, at=at))
 
     def set_key(self, key: str, value: str) -> None:
         """SET `key`, in order with the events (a later event is never seen before it)."""
@@ -130,10 +131,9 @@ class Heartbeat(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.is_set():
             try:
-                fields: dict[str, object] = {"at": f"{time.time():.3f}"}
-                if self._reporter.refused.count:
-                    fields["refused"] = self._reporter.refused.count
-                self._reporter.send("heartbeat", fields, keep=False)
+                reporter = self._reporter
+                beat = Beat(reporter.worker, at=time.time(), refused=reporter.refused.count)
+                reporter.report(beat, keep=False)
             except redis.RedisError as e:  # the outbox's error; the main thread ends with it
                 log.warning("heartbeat not sent: %s", e)
                 return

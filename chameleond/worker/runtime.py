@@ -19,7 +19,6 @@ the newest generation anyone has seen, so all workers switch to a newer plan aft
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import math
 import time
@@ -32,6 +31,7 @@ import torch
 
 from chameleond.auth import Keyring
 from chameleond.core.plan import Plan, check_batch
+from chameleond.events import Ack, AckPhase, Profile, Step
 from chameleond.protocol import Keys
 from chameleond.worker import checkpoint
 from chameleond.worker.absence import ABSENT_ATTEMPTS, Absences
@@ -173,8 +173,8 @@ class WorkerRuntime:
             if self.stopping and self._took_part:
                 # Stopped by a signal: tell the daemon this worker left, so it is taken out of
                 # the plans without being declared failed.
-                fields = {"generation": self._member_of, "phase": "stopped", "reason": "left"}
-                self.reporter.send("ack", fields)
+                left = Ack(cfg.worker_id, self._member_of, AckPhase.STOPPED, reason="left")
+                self.reporter.report(left)
             joined.model.close()  # the data prefetch thread
             wait_retired(DRAIN_SECONDS)  # the last generation's groups, torn down
             self.heartbeat.stop()
@@ -217,7 +217,7 @@ class WorkerRuntime:
             # plan leaves out without excluding it (a drop plan's dropped pipelines, a dynamic
             # plan's spares): the daemon keeps it on standby, and a later plan may take it back.
             if self._took_part and me in plan.excluded:
-                self.reporter.send("ack", {"generation": plan.generation, "phase": "stopped"})
+                self.reporter.report(Ack(me, plan.generation, AckPhase.STOPPED))
                 log.info("fenced by generation %d: stopping", plan.generation)
                 return 0
             if me not in plan.workers:
@@ -226,8 +226,8 @@ class WorkerRuntime:
             try:
                 self.run_generation(plan, state, joined, attempt)
             except Finished:
-                fields = {"generation": plan.generation, "phase": "stopped", "reason": "finished"}
-                self.reporter.send("ack", fields)
+                done = Ack(me, plan.generation, AckPhase.STOPPED, reason="finished")
+                self.reporter.report(done)
                 log.info("step %d committed: finished", state.committed_step)
                 return 0
             except GenerationAbandoned as e:
@@ -241,17 +241,15 @@ class WorkerRuntime:
                     self.name_absent(plan, e.absent)
             except checkpoint.Unrestorable as e:
                 log.error("generation %d cannot restore: %s", plan.generation, e)
-                self.reporter.send(
-                    "ack",
-                    {"generation": plan.generation, "phase": "unrestorable", "step": e.step,
-                     "cause": str(e)[:500]},
-                )  # fmt: skip
+                cause = str(e)[:500]
+                lost = Ack(me, plan.generation, AckPhase.UNRESTORABLE, step=e.step, cause=cause)
+                self.reporter.report(lost)
             except StateLost as e:
                 log.error("generation %d cannot start: %s", plan.generation, e)
             except PlanRejected as e:
                 log.error("generation %d: this worker cannot run the plan: %s", plan.generation, e)
                 self.reporter.fault(
-                    me, f"PlanRejected: {e}", generation=plan.generation, at=f"{time.time():.3f}"
+                    me, f"PlanRejected: {e}", generation=plan.generation, at=time.time()
                 )
             except DeviceFailed as e:
                 self.on_own_failure(plan, e)
@@ -267,9 +265,7 @@ class WorkerRuntime:
         (its state is suspect), so the peers also find it gone."""
         detected = self._failed_at or time.time()
         log.error("generation %d: this worker's computation failed: %s", plan.generation, error)
-        self.reporter.fault(
-            self.cfg.worker_id, str(error), generation=plan.generation, at=f"{detected:.3f}"
-        )
+        self.reporter.fault(self.cfg.worker_id, str(error), generation=plan.generation, at=detected)
 
     def on_fault(self, plan: Plan, state: WorkerState, error: BaseException) -> bool:
         """Discard the step and name the generation's dead peers in faults; False when none
@@ -295,7 +291,7 @@ class WorkerRuntime:
         cause = f"{type(error).__name__}: {error}"
         log.warning("generation %d failed (%s); dead peers: %s", plan.generation, cause, dead)
         for w in dead:
-            self.reporter.fault(w, cause, generation=plan.generation, at=f"{detected:.3f}")
+            self.reporter.fault(w, cause, generation=plan.generation, at=detected)
         if not dead:
             log.warning("no dead peer found: building generation %d again", plan.generation)
         return bool(dead)
@@ -310,7 +306,7 @@ class WorkerRuntime:
                 f"{plan.generation} in a row: alive but not building it (hung?)"
             )
             log.warning("naming %s: %s", w, cause)
-            self.reporter.fault(w, cause, generation=plan.generation, at=f"{time.time():.3f}")
+            self.reporter.fault(w, cause, generation=plan.generation, at=time.time())
 
     def _gone(self, gen: Generation) -> list[str]:
         """Members without a live process, checked at most every 0.1 s (one CLIENT LIST)."""
@@ -391,18 +387,12 @@ class WorkerRuntime:
             t_migrated = time.perf_counter()
             connect(sync=True)
             build = time.perf_counter() - t0
-            self.reporter.send(
-                "ack",
-                {
-                    "generation": plan.generation,
-                    "phase": "ready",
-                    "attempt": attempt,
-                    "build_seconds": f"{build:.4f}",
-                    "world_seconds": f"{t_world - t0:.4f}",
-                    "migration_seconds": f"{t_migrated - t_world:.4f}",
-                    "moves": len(rec.moves),
-                },
-            )
+            ready = Ack(
+                self.cfg.worker_id, plan.generation, AckPhase.READY, attempt,
+                build_seconds=build, migration_seconds=t_migrated - t_world,
+                world_seconds=t_world - t0, moves=len(rec.moves),
+            )  # fmt: skip
+            self.reporter.report(ready)
             log.info(
                 "generation %d ready in %.3fs (%d layer moves), resuming at step %d%s",
                 plan.generation,
@@ -438,7 +428,7 @@ class WorkerRuntime:
         self._restored = plan.generation
 
     def _checkpoint_written(self, written: Written) -> None:
-        self.reporter.send("checkpoint", written.fields())
+        self.reporter.report(written.event(self.cfg.worker_id))
 
     def _job_trained(self) -> bool:
         seconds = self.cfg.group_timeout.total_seconds()
@@ -528,7 +518,7 @@ class WorkerRuntime:
                     meter.restart()  # the first step pays for the generation's warm-up
                     first = False
                 elif (profile := meter.step_done()) is not None:
-                    self.reporter.send("profile", {"data": json.dumps(profile)})
+                    self.reporter.report(Profile(self.cfg.worker_id, profile))
                 if not self._marked_trained:
                     self.reporter.set_key(self.trained_key, "1")  # before any later fault report
                     self._marked_trained = True
@@ -583,25 +573,14 @@ class WorkerRuntime:
             data_overlap=data["overlap"] if data["prepare_seconds"] > 0 else None,
             eval_loss=eval_loss,
         )
-        fields: dict[str, object] = {
-            "generation": plan.generation,
-            "step": info.step,
-            "samples": info.samples,
-            "seconds": f"{seconds:.6f}",
-            "vote_seconds": f"{vote_seconds:.6f}",
-            "loss": repr(info.loss),
-            "lr": repr(info.learning_rate),
-            "tokens": info.tokens,
-            "skipped": info.skipped_samples,
-            "at": f"{time.time():.3f}",
-        }
-        if math.isfinite(info.grad_norm):
-            fields["grad_norm"] = repr(info.grad_norm)
-        if eval_loss is not None:
-            fields["eval_loss"] = repr(eval_loss)
-        if training.precision == "fp16":
-            fields["overflow"] = int(info.overflow)
-            fields["loss_scale"] = repr(scale)
-        self.reporter.send("step", fields)
+        fp16 = training.precision == "fp16"
+        event = Step(
+            self.cfg.worker_id, plan.generation, info.step, info.samples, seconds, info.loss,
+            vote_seconds=vote_seconds, learning_rate=info.learning_rate, tokens=info.tokens,
+            skipped_samples=info.skipped_samples, at=time.time(), eval_loss=eval_loss,
+            grad_norm=info.grad_norm if math.isfinite(info.grad_norm) else None,
+            overflow=fp16 and info.overflow, loss_scale=scale if fp16 else None,
+        )  # fmt: skip
+        self.reporter.report(event)
         if training.on_step is not None:
             training.on_step(info)

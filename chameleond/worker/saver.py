@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from chameleond.events import Checkpoint
 from chameleond.worker.checkpoint import open_layers
 from chameleond.worker.state import WorkerState
 
@@ -54,15 +55,12 @@ class Written:
     bubble_seconds: float  # writing inside the step's bubbles
     stall_seconds: float  # training stopped for it: writing outside bubbles (sync: all of it)
 
-    def fields(self) -> dict[str, object]:
-        return {
-            "step": self.step,
-            "generation": self.generation,
-            "layers": ",".join(map(str, self.layers)),
-            "bytes": self.bytes,
-            "bubble_seconds": f"{self.bubble_seconds:.6f}",
-            "stall_seconds": f"{self.stall_seconds:.6f}",
-        }
+    def event(self, worker: str) -> Checkpoint:
+        """The `checkpoint` event of `worker` that reports this file."""
+        return Checkpoint(
+            worker, self.generation, self.step, self.layers, size_bytes=self.bytes,
+            bubble_seconds=self.bubble_seconds, stall_seconds=self.stall_seconds,
+        )  # fmt: skip
 
 
 def place(sizes: Sequence[int], idle: Sequence[float]) -> list[int]:

@@ -28,6 +28,7 @@ import torch
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
+from chameleond.events import Profile, Register
 from chameleond.protocol import Keys
 from chameleond.worker.api import DataError, Job, Training, TrainingOf
 from chameleond.worker.backend import DeviceChoice, device_memory_bytes
@@ -197,20 +198,11 @@ def join(
         "profiled %d layers of %s in %.2fs", model.n_layers, model.name, time.perf_counter() - t0
     )
     reporter.start()
-    profile = ("profile", {"data": json.dumps(data)})
-    registration = (
-        "register",
-        {
-            "host": host,
-            "device": str(device),
-            "memory_bytes": device_memory_bytes(device),
-            "pid": os.getpid(),
-            "address": bind_address,
-            "corpus": digest,
-        },
-    )
-    for kind, fields in (profile, registration) if me in hosts else (registration, profile):
-        reporter.send(kind, fields)
+    profile = Profile(me, data)
+    memory = device_memory_bytes(device)
+    registration = Register(me, host, memory, str(device), os.getpid(), bind_address, digest)
+    for event in (profile, registration) if me in hosts else (registration, profile):
+        reporter.report(event)
     return Joined(spec, model, outputs, hosts, host, data["layers"])
 
 
