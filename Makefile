@@ -30,7 +30,7 @@ lint: setup
 
 test: setup lint
 	bash scripts/test-peers.sh
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 bench: setup
 	$(VENV)/bin/chameleonctl bench planner

@@ -67,8 +67,9 @@ def _num(v: float | None, places: int | None = None) -> str | None:
 
 @dataclass(frozen=True)
 class Fault:
-    """A worker (or a node, named like a worker) is out. `reporter` (the worker that saw it) and
-    `at` (its clock then) are for people and benchmarks: the daemon does not act on them."""
+    """A worker (or a node, named like a worker) is out. `reporter` (the worker that saw it),
+    `at` (its clock then) and `source` (`detector` when the daemon's failure detector suspected
+    it) are for people and benchmarks: the daemon does not act on them."""
 
     type: ClassVar[str] = "fault"
     worker: str
@@ -76,6 +77,7 @@ class Fault:
     generation: int | None = None  # the generation the reporter saw it fail in, when known
     reporter: str | None = _note()
     at: float | None = _note()
+    source: str | None = _note()
 
     @classmethod
     def from_fields(cls, f: Fields) -> Self:
@@ -84,12 +86,12 @@ class Fault:
         worker = read_ident(f, "worker") if "worker" in f else read_ident(f, "node")
         generation = read_int(f, "generation", minimum=1) if "generation" in f else None
         cause, reporter, at = read_text(f, "cause"), f.get("reporter"), loose_float(f, "at")
-        return cls(worker, cause, generation, reporter, at)
+        return cls(worker, cause, generation, reporter, at, f.get("source"))
 
     def to_fields(self) -> dict[str, str]:
         return _entry(self.type, self.worker, {
             "cause": self.cause, "reporter": self.reporter, "generation": _num(self.generation),
-            "at": _num(self.at, 3),
+            "at": _num(self.at, 3), "source": self.source,
         })  # fmt: skip
 
 

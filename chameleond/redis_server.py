@@ -16,11 +16,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlsplit, urlunsplit
 
 import redis
 
+from chameleond.auth import Keyring
+from chameleond.events import Fault
 from chameleond.extras import install_hint
+from chameleond.protocol import Keys
 
 
 def redis_binary(name: str = "redis-server", *, tls: bool = False) -> str:
@@ -197,3 +200,36 @@ class RedisServer:
     def __del__(self) -> None:  # never leave a redis-server behind
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, 9)
+
+
+_TLS_FLAGS = {
+    "ssl_ca_certs": "--cacert",
+    "ssl_ca_path": "--cacertdir",
+    "ssl_certfile": "--cert",
+    "ssl_keyfile": "--key",
+}
+
+
+def redis_cli_args(
+    redis_url: str, job: str, worker: str, cause: str, keyring: Keyring | None = None
+) -> list[str]:
+    """The argv of the redis-cli line an operator would type to report a fault; with the job's
+    keyring it carries the event's signature (`sig`, docs/security.md).
+
+    redis-cli reads neither a URL's query nor TLS settings in it: a rediss:// URL's certificates
+    become --tls flags, and the query is dropped.
+    """
+    url = urlsplit(redis_url)
+    cli = [redis_binary("redis-cli", tls=url.scheme == "rediss")]
+    if url.scheme == "rediss":
+        cli.append("--tls")
+        for key, value in parse_qsl(url.query):
+            if key in _TLS_FLAGS:
+                cli += [_TLS_FLAGS[key], value]
+            elif key == "ssl_cert_reqs" and value.lower() == "none":
+                cli.append("--insecure")
+    cli += ["-u", urlunsplit(url._replace(query="", fragment=""))]
+    event = Fault(worker, cause).to_fields()
+    if keyring is not None:
+        event = keyring.sign_event(job, event)
+    return [*cli, "XADD", Keys(job).events, "*", *(x for kv in event.items() for x in kv)]

@@ -24,18 +24,15 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from hf_text import TokenBlocks, collate, default_cache_dir, stdlib_blocks
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from chameleond.hf import causal_lm_loss, split_causal_lm
 from chameleond.worker import Job, Training, run
-from chameleond.worker.gate import (
-    StepGate,  # instrumentation of `chameleonctl bench worker`, not training
-)
+from chameleond.worker.hf import causal_lm_loss, split_causal_lm
 
 # [model.arch] keys and their defaults: a GPT-2 that trains on a laptop CPU.
 ARCH: dict[str, Any] = {
@@ -97,14 +94,22 @@ def training(job: Job, cache_dir: Path) -> Training:
 # -- the same training without chameleond ---------------------------------------------------------
 
 
+class Pace(Protocol):
+    """Something a plain loop calls around its steps (`chameleonctl bench worker` times the loop
+    and takes turns with the library through one)."""
+
+    def before(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def plain(
-    spec_path: Path, steps: int, cache_dir: Path, timings: Path | None, gate: Path | None = None
+    spec_path: Path, steps: int, cache_dir: Path, timings: Path | None, pace: Pace | None = None
 ) -> int:
     """Train `steps` steps in one torch.distributed process group (torchrun's environment, or a
     world of one); rank 0 prints each step's loss and writes the step times (wall and this
-    process's CPU) and losses to `timings`. With `gate` (`chameleonctl bench worker`), each rank
-    waits before each step until the bench's gate file lets it start, and records the step's
-    times to the gate file's name + `.plain{rank}` (chameleond.worker.gate)."""
+    process's CPU) and losses to `timings`. `pace.before(step)` is called before each step and
+    `pace.close()` after the last."""
     from chameleond.core.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -126,10 +131,9 @@ def plain(
     seconds: list[float] = []
     cpu_seconds: list[float] = []
     losses: list[float] = []
-    gated = None if gate is None else StepGate(gate, "plain", Path(f"{gate}.plain{rank}"))
     for step in range(steps):
-        if gated is not None:
-            gated.before(step)
+        if pace is not None:
+            pace.before(step)
         start, cpu_start = time.perf_counter(), time.process_time()
         loss_sum = torch.zeros(1)
         first = step * B + rank * per_rank
@@ -153,8 +157,8 @@ def plain(
         losses.append(float(flat[-1]) / B)
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f} {seconds[-1]:.3f} s", flush=True)
-    if gated is not None:
-        gated.close()
+    if pace is not None:
+        pace.close()
     if rank == 0 and timings is not None:
         out = {"step_seconds": seconds, "cpu_seconds": cpu_seconds, "losses": losses}
         timings.write_text(json.dumps({**out, "world": world}))
@@ -170,14 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", type=Path, help="--plain: the job spec giving model and batch sizes")
     p.add_argument("--steps", type=int, default=20, help="--plain: steps to train")
     p.add_argument("--timings", type=Path, help="--plain: write step times and losses here (JSON)")
-    p.add_argument(
-        "--gate", type=Path, help="--plain: take turns with the library (chameleond.worker.gate)"
-    )
     args, rest = p.parse_known_args(argv)
     if args.plain:
         if args.spec is None:
             p.error("--plain needs --spec")
-        return plain(args.spec, args.steps, args.cache_dir, args.timings, args.gate)
+        return plain(args.spec, args.steps, args.cache_dir, args.timings)
     return run(lambda job: training(job, args.cache_dir), rest)
 
 

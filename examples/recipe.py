@@ -14,7 +14,7 @@ RECIPE_LOG=DIR each worker appends its committed steps to DIR/<worker>.jsonl (`o
 `--plain` is this recipe without chameleond, as its team would write it: the whole model in one
 process, one AdamW over the model's named parameters, `torch.autocast` and `torch.amp.GradScaler`,
 `clip_grad_norm_`, the samples in the order the library's shuffle gives them
-(`chameleond.worker.sampler.permutation`, one permutation of the dataset per epoch from the seed).
+(`chameleond.worker.permutation`, one permutation of the dataset per epoch from the seed).
 `chameleonctl bench training` compares the two step for step.
 """
 
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from chameleond.hf import causal_lm_loss, split_causal_lm
 from chameleond.worker import Evaluation, Job, StepInfo, Training, run
+from chameleond.worker.hf import causal_lm_loss, split_causal_lm
 
 # [model.arch] keys and their defaults.
 ARCH: dict[str, Any] = {
@@ -231,7 +231,7 @@ def plain(
     its wall-clock seconds. `trained[step]`: the micro-batches the step trains (default: all), as
     a chameleond `drop` plan trains fewer: the samples of the others are skipped, not moved."""
     from chameleond.core.spec import load_spec
-    from chameleond.worker.sampler import permutation
+    from chameleond.worker import permutation
 
     dev = torch.device(device)
     if dev.type == "cpu":

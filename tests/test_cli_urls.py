@@ -20,7 +20,7 @@ COMMANDS = {
     "chameleonctl inject": ["chameleond.cli.ctl", "inject", "--worker", "w1", "--redis-url"],
     "chameleonctl steps": ["chameleond.cli.ctl", "steps", "--redis-url"],
     "chameleonctl up": ["chameleond.cli.ctl", "up", "--redis-url"],
-    "chameleon-worker": ["chameleond.worker.main", "--worker-id", "w0", "--redis-url"],
+    "chameleon-worker": ["chameleond.worker._main", "--worker-id", "w0", "--redis-url"],
 }
 
 
@@ -50,7 +50,7 @@ def test_a_bad_url_is_a_one_line_usage_error_without_the_password(
         ["chameleond.cli.ctl", "inject"],
         ["chameleond.cli.ctl", "steps", "--last", "many"],
         ["chameleond.cli.ctl", "bench", "nothing"],
-        ["chameleond.worker.main", "--group-timeout", "x"],
+        ["chameleond.worker._main", "--group-timeout", "x"],
     ],
 )
 def test_a_bad_argument_is_a_one_line_usage_error(argv: list[str], tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import pytest
     [
         ("chameleonctl", "chameleond.cli.ctl"),
         ("chameleond", "chameleond.daemon.cli"),
-        ("chameleon-worker", "chameleond.worker.main"),
+        ("chameleon-worker", "chameleond.worker._main"),
     ],
 )
 def test_version(prog: str, module: str) -> None:

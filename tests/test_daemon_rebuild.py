@@ -1,6 +1,6 @@
 """The communicator rebuild the planner prices: the spec's `rebuild_seconds` until the workers have
 measured one, then per backend the slowest member's build of the newest generation's groups, from
-their `ack` ready events (the fields chameleond/worker/runtime.py sends), through the handlers."""
+their `ack` ready events (the fields chameleond/worker/_build.py sends), through the handlers."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ import redis
 from daemon_harness import Daemon, RunningJob, Workers, wait_for
 
 from chameleond.core.plan import plan_from_dict
+from chameleond.records import entry_seconds
 from chameleond.redis_server import RedisServer
-from chameleond.streams import entry_seconds
 
 WAIT = 2.0
 

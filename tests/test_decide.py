@@ -13,18 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chameleond.core import selector
-from chameleond.core.decide import (
-    Candidate,
+from chameleond.core.candidates import Candidate
+from chameleond.core.decide import decide, initial_plan
+from chameleond.core.decision import (
     Decision,
-    decide,
     decision_to_dict,
-    initial_plan,
-    own_layout,
-    own_layout_rerouted,
+    join_not_taken,
+    prepared_switch,
     select,
 )
 from chameleond.core.holdings import of_plan
+from chameleond.core.layout import own_layout, own_layout_rerouted
 from chameleond.core.plan import Plan, check_batch, plan_from_dict, plan_to_dict
+from chameleond.core.policy import Policy
 from chameleond.core.search import search
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
 
@@ -434,3 +435,47 @@ def test_a_partial_return_takes_the_jobs_own_layout_with_the_missing_host_rerout
     assert up.selected == "dynamic"
     # With the current plan already on the job's own slots, the reroute candidate is that plan.
     assert own_layout_rerouted(spec, dyn, survivors, of_plan(dyn)) is None
+
+
+# ---- how a decision is acted on: the rules the daemon and the simulator share (core/decision.py)
+
+
+def test_a_join_the_planner_does_not_take_keeps_the_plan_and_one_that_changes_it_is_taken() -> None:
+    spec = job(4, 2, 8, 16)
+    start = initial_plan(spec)
+    # w3 out of the layout (dynamic): back, it has no slot in it; the kept layout leaves it idle.
+    moved = decide(spec, start, ["w3"], mtbf_seconds=1e6, generation=2, force="dynamic").plan
+    assert moved is not None and "w3" not in {st.worker for p in moved.pipelines for st in p.stages}
+    idle = decide(spec, moved, [], mtbf_seconds=1e6, generation=3, joined=["w3"], force="reroute")
+    assert idle.selected == Policy.REROUTE and idle.plan is not None
+    assert join_not_taken(moved, idle.plan, joins_only=True)
+    # The same plan answering a fault is taken: only a decision on joins alone keeps the plan.
+    assert not join_not_taken(moved, idle.plan, joins_only=False)
+    # w3 rerouted around: back, it takes its slot again, a layout that differs: taken.
+    rerouted = decide(spec, start, ["w3"], mtbf_seconds=1e6, generation=2, force="reroute").plan
+    assert rerouted is not None and "w3" in rerouted.excluded
+    back = decide(spec, rerouted, [], mtbf_seconds=1e6, generation=3, joined=["w3"],
+                  force="reroute", holdings=of_plan(rerouted))  # fmt: skip
+    assert back.plan is not None and back.plan.routing == start.routing
+    assert not join_not_taken(rerouted, back.plan, joins_only=True)
+
+
+def test_the_prepared_switch_follows_a_reroute_unless_a_policy_is_forced() -> None:
+    # The paper's score (no risk term), and a search slow enough that hiding it pays.
+    spec = replace(
+        job(2, 4, 8, 16), restart_seconds=0.0, costs=CostSpec(search_seconds_per_plan=0.01)
+    )
+    current = initial_plan(spec)
+    rr, dyn, _ = decide(spec, current, ["w1"], mtbf_seconds=1e6, generation=2).candidates
+    direct = selector.break_even_seconds(
+        rr.step_seconds, rr.transition_seconds, dyn.step_seconds, dyn.transition_seconds
+    )
+    assert direct is not None
+    d = decide(spec, current, ["w1"], mtbf_seconds=direct * 0.99, generation=2)
+    assert d.selected == Policy.REROUTE and d.follow_up is not None
+    assert prepared_switch(d, None) == (d.follow_up, d.follow_up_after_seconds)
+    assert prepared_switch(d, Policy.REROUTE) is None  # forced: no switch
+    assert prepared_switch(None, None) is None  # no decision (the planner failed)
+    # Long enough for the direct switch: dynamic now, nothing to follow.
+    now = decide(spec, current, ["w1"], mtbf_seconds=direct * 2, generation=2)
+    assert now.selected == Policy.DYNAMIC and prepared_switch(now, None) is None

@@ -26,7 +26,7 @@ from worker_harness import Workers, tiny_spec
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.redis_server import RedisServer, free_port
-from chameleond.worker.main import EXIT_BACKEND
+from chameleond.worker._main import EXIT_BACKEND
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_a_worker_waiting_for_a_spec_says_why_at_once_and_again(
     client.set("chameleon:default:spec", "{}")  # a daemon runs job `default`, not ours
     client.close()
     worker = subprocess.Popen(
-        [sys.executable, "-m", "chameleond.worker.main", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "chameleond.worker._main", "--redis-url", redis_server.url,
          "--job", "myjob", "--worker-id", "w0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -177,7 +177,7 @@ def test_a_device_that_is_not_there_is_one_line(redis_server: RedisServer) -> No
     if torch.cuda.device_count() > 3:
         pytest.skip("this machine has a cuda:3")
     r = subprocess.run(
-        [sys.executable, "-m", "chameleond.worker.main", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "chameleond.worker._main", "--redis-url", redis_server.url,
          "--worker-id", "w0", "--device", "cuda:3"],
         capture_output=True, text=True, timeout=90,
     )  # fmt: skip

@@ -228,7 +228,9 @@ def test_a_worker_that_cannot_load_the_restore_moves_it_to_an_older_checkpoint()
     assert unrestorable(j, "7-1", "w1", generation=1) == DUPLICATE
     moved = unrestorable(j, "8-0", "w1")
     assert (moved.label, moved.owed) == ("handled", True)
-    assert moved.change.snapshot and [r["to"] for r in moved.change.records] == ["fault_detected"]
+    assert moved.change.snapshot and [r.to_fields()["to"] for r in moved.change.records] == [
+        "fault_detected"
+    ]
     assert j.checkpoints.newest(n) == 4
     assert unrestorable(j, "8-1", "w1") == DUPLICATE_OWED  # redelivered
     assert unrestorable(j, "8-2", "w2") == DUPLICATE  # the same redo answers it

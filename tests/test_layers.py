@@ -1,4 +1,5 @@
-"""The import graph of the product's packages: no circles, and no arrow from a lower layer up.
+"""The import graph of the product's packages against docs/architecture.md's layer table: no
+circles, no arrow from a lower layer up or across a row, and no module the table does not place.
 
 Every import counts, at module level, inside a function or under TYPE_CHECKING: a circle a type
 checker needs is a circle a reader has to hold in their head all the same.
@@ -7,36 +8,42 @@ checker needs is a circle a reader has to hold in their head all the same.
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("chameleond",)
-
-# What each layer must not import (by module prefix): data flows down, from the edges to the core.
-DAEMON, STATE, CLI, SIM, HANDLERS, WORKER = (
-    "chameleond.daemon",
-    "chameleond.jobstate",
-    "chameleond.cli",
-    "chameleond.sim",
-    "chameleond.handlers",
-    "chameleond.worker",
-)
-# The benchmarks sit above everything they drive (the cli, the local cluster, the daemon, the
-# worker): no module outside them imports them. `chameleonctl bench` reaches them through its
-# command table, a module name loaded on demand, not an import.
 BENCH = "chameleond.bench"
-FORBIDDEN = {
-    "chameleond.core": (DAEMON, STATE, CLI, SIM, "chameleond.local", HANDLERS, WORKER),
-    "chameleond.events": (DAEMON, STATE, CLI, HANDLERS),
-    "chameleond.protocol": (DAEMON, STATE, CLI, HANDLERS),
-    "chameleond.streams": (DAEMON, STATE, CLI, SIM, HANDLERS, WORKER, "chameleond.local"),
-    "chameleond.jobstate": (DAEMON, CLI, SIM, HANDLERS, WORKER),
-    HANDLERS: (DAEMON, CLI, SIM, WORKER),
-    "chameleond.sim": (DAEMON, CLI, HANDLERS),
-    DAEMON: (CLI, WORKER, "chameleond.local"),
-    WORKER: (DAEMON, STATE, CLI, HANDLERS),
-}
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MARK = "<!-- layers: read by tests/test_layers.py -->"
+
+
+def layers() -> list[tuple[str, ...]]:
+    """docs/architecture.md's layer table, top to bottom: each row's entries (module names or
+    package prefixes)."""
+    lines = ARCHITECTURE.read_text().split(MARK, 1)[1].strip().splitlines()
+    rows = []
+    for line in lines[2:]:  # after the header and its rule
+        if not line.startswith("|"):
+            break
+        rows.append(tuple(re.findall(r"`([\w.]+)`", line.split("|")[2])))
+    return rows
+
+
+def place(module: str, rows: list[tuple[str, ...]]) -> tuple[int, str] | None:
+    """The row and entry that hold `module`: the longest entry naming it or a package above it
+    (the root `chameleond` names only its own `__init__`)."""
+    found = [
+        (len(entry), i, entry)
+        for i, row in enumerate(rows)
+        for entry in row
+        if module == entry or (entry != "chameleond" and module.startswith(entry + "."))
+    ]
+    if not found:
+        return None
+    _, i, entry = max(found)
+    return i, entry
 
 
 def modules() -> dict[str, Path]:
@@ -117,16 +124,24 @@ def test_no_import_cycles() -> None:
     assert cycles(graph()) == set()
 
 
-def test_no_arrow_from_a_lower_layer_up() -> None:
-    wrong = sorted(
-        f"{m} imports {t}"
-        for m, targets in graph().items()
-        for layer, banned in FORBIDDEN.items()
-        if within(m, layer)
-        for t in targets
-        if any(within(t, b) for b in banned)
-    )
-    assert wrong == []
+def test_every_module_sits_on_the_table() -> None:
+    rows = layers()
+    assert len(rows) >= 10 and all(rows)
+    assert [m for m in sorted(modules()) if place(m, rows) is None] == []
+
+
+def test_no_arrow_up_or_across_a_row() -> None:
+    rows = layers()
+    wrong = []
+    for m, targets in graph().items():
+        here = place(m, rows)
+        assert here is not None
+        for t in targets:
+            there = place(t, rows)
+            assert there is not None
+            if there[1] != here[1] and there[0] <= here[0]:
+                wrong.append(f"{m} ({here[1]}) imports {t} ({there[1]})")
+    assert sorted(wrong) == []
 
 
 def test_nothing_in_the_product_imports_the_benchmarks() -> None:
@@ -155,3 +170,15 @@ def test_the_walk_sees_the_imports() -> None:
     ]
     assert "chameleond.cli.up" in g["chameleond.bench.training"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == {frozenset({"a", "b"})}
+
+
+def test_the_table_places_what_it_names() -> None:
+    """The table as the checks above read it: rows in order, longest entry first."""
+    rows = layers()
+    names = [entry for row in rows for entry in row]
+    assert names[0] == BENCH and "chameleond.core" in names
+    daemon, worker = place("chameleond.daemon.ingest", rows), place("chameleond.worker", rows)
+    assert daemon is not None and worker is not None and daemon[0] == worker[0]
+    core = place("chameleond.core.decide", rows)
+    assert core is not None and core[1] == "chameleond.core" and core[0] > daemon[0]
+    assert place("chameleond.nowhere", rows) is None  # the root names only itself

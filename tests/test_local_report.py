@@ -8,6 +8,7 @@ from typing import Any
 
 from chameleond.local.report import Injection, build_report, print_table, write_report
 from chameleond.local.timeline import committed_steps
+from chameleond.records import DecisionRecord
 
 T0 = 1_700_000_000_000  # ms
 
@@ -55,18 +56,11 @@ def decision(ms: float, gen: int, failed: list[str], selected: str) -> tuple[str
             "score": 30.0,
         },
     ]
-    plan = {
-        "generation": gen,
-        "estimates": {"step_seconds": 0.3 if selected == "reroute" else 0.25},
-    }
-    return eid(ms), {
-        "generation": str(gen),
-        "selected": selected,
-        "failed": json.dumps(failed),
-        "mtbf_seconds": "60",
-        "candidates": json.dumps(cands),
-        "plan": json.dumps(plan),
-    }
+    estimate = 0.3 if selected == "reroute" else 0.25
+    record = DecisionRecord(gen, selected, "fault", (T0 + ms) / 1000, mtbf_seconds=60.0,
+                            failed=tuple(failed), faults=tuple(failed), candidates=tuple(cands),
+                            step_seconds=estimate)  # fmt: skip
+    return eid(ms), record.to_fields()
 
 
 def recorded() -> tuple[list[tuple[str, dict[str, str]]], list[tuple[str, dict[str, str]]]]:

@@ -31,7 +31,7 @@ import importlib, pkgutil, sys
 import chameleond
 from chameleond.extras import MissingExtra
 # The worker library: it is the [worker] extra, and says so (its modules are not walked into).
-LIBRARY = {"chameleond.worker", "chameleond.hf"}
+LIBRARY = {"chameleond.worker"}
 names = []
 for m in pkgutil.walk_packages(chameleond.__path__, "chameleond.", onerror=lambda _name: None):
     if m.name in LIBRARY:

@@ -259,7 +259,7 @@ def test_every_event_type_is_written_as_fields_that_parse_back_to_it() -> None:
             assert again == event
 
 
-# What the worker sent before its events were typed: the dicts chameleond/worker/runtime.py,
+# What the worker sent before its events were typed: the dicts chameleond/worker/_runtime.py,
 # startup.py, saver.py and events.py built, field for field and in order (the stream keeps it).
 T = 1700000000.123456
 WORKER_SENT: list[tuple[Event, dict[str, str]]] = [

@@ -17,11 +17,11 @@ from chameleond.core.holdings import of_plan
 from chameleond.core.selector import estimate_mtbf
 from chameleond.core.spec import CostSpec, JobSpec, parse_spec
 from chameleond.jobstate.jobspec import spec_document
-from chameleond.local.trace import TraceEvent, parse_trace
 from chameleond.sim.engine import compare, simulate
 from chameleond.sim.policies import POLICIES, Choose, DropReplica, SimConfig, rejoin_seconds
 from chameleond.sim.timeline import Phase, Timeline
 from chameleond.sim.trace import JobEvent, JobTrace, job_trace, synthetic_trace
+from chameleond.traces.replay import TraceEvent, parse_trace
 
 
 def job(pipes: int = 4, stages: int = 2, layers: int = 4, **extra: Any) -> JobSpec:

@@ -197,7 +197,7 @@ def test_the_worker_notifies_readiness_and_pings_the_watchdog(
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(str(path))
         worker = subprocess.Popen(
-            [sys.executable, "-m", "chameleond.worker.main", "--worker-id", "w0"], env=env,
+            [sys.executable, "-m", "chameleond.worker._main", "--worker-id", "w0"], env=env,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         try:

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from chameleond.local.trace import (
+from chameleond.traces import packaged_traces
+from chameleond.traces.replay import (
     ReplayStep,
     TraceError,
     TraceEvent,
@@ -15,7 +16,6 @@ from chameleond.local.trace import (
     parse_trace,
     plan_replay,
 )
-from chameleond.traces import packaged_traces
 
 WORKERS = ["w0", "w1", "w2", "w3", "w4", "w5"]
 

@@ -20,11 +20,11 @@ from chameleond.cli.up import build_spec_document
 from chameleond.core.decide import initial_plan
 from chameleond.core.spec import parse_spec
 from chameleond.jobs import load_default_spec
-from chameleond.worker.backend import new_group, parse_device
-from chameleond.worker.events import PeerWatch
-from chameleond.worker.generation import Generation
-from chameleond.worker.migrate import reconcile
-from chameleond.worker.state import WorkerState
+from chameleond.worker._backend import new_group, parse_device
+from chameleond.worker._generation import Generation
+from chameleond.worker._link import PeerWatch
+from chameleond.worker._migrate import reconcile
+from chameleond.worker._state import WorkerState
 
 
 def test_peer_watch_reports_the_gone_peers_once_then_ends() -> None:
@@ -124,7 +124,7 @@ def test_an_ended_generation_on_nccl_is_torn_down_off_the_workers_path() -> None
     """A generation of an accelerator closes at once, its groups aborted in a thread of their
     own while the next builds; at exit the worker waits for them. On gloo (abort in
     microseconds) the groups are aborted and dropped where the generation closes."""
-    from chameleond.worker.backend import DeviceChoice, wait_retired
+    from chameleond.worker._backend import DeviceChoice, wait_retired
 
     gen = Generation.__new__(Generation)
     gen.device = DeviceChoice("cuda", 0, "nccl")

@@ -1,8 +1,8 @@
-"""Naming a live peer that never joins the generation's attempts (chameleond.worker.absence)."""
+"""Naming a live peer that never joins the generation's attempts (chameleond.worker._absence)."""
 
 from __future__ import annotations
 
-from chameleond.worker.absence import ABSENT_ATTEMPTS, Absences
+from chameleond.worker._absence import ABSENT_ATTEMPTS, Absences
 
 PEERS = ("w0", "w2", "w3")
 

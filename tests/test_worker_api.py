@@ -18,13 +18,14 @@ from worker_harness import TINY_ARCH, Controller, Workers, builtin_model, signed
 
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from chameleond.worker import Layers, ModelError, Tie, Training, checkpoint, split
-from chameleond.worker.identity import from_env
-from chameleond.worker.layer import LayerState, run_layers
-from chameleond.worker.main import EXIT_MODEL, EXIT_SPEC, EXIT_USAGE
-from chameleond.worker.profile import profile_model
-from chameleond.worker.trainable import Trainable
-from chameleond.worker.validate import check_model
+from chameleond.worker import Layers, ModelError, Tie, Training, split
+from chameleond.worker import _checkpoint as checkpoint
+from chameleond.worker._identity import from_env
+from chameleond.worker._layer import LayerState, run_layers
+from chameleond.worker._main import EXIT_MODEL, EXIT_SPEC, EXIT_USAGE
+from chameleond.worker._profile import profile_model
+from chameleond.worker._trainable import Trainable
+from chameleond.worker._validate import check_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "sgd_tied.py"
@@ -171,7 +172,7 @@ def test_a_script_without_a_training_is_a_usage_error(tmp_path: Path) -> None:
     script.write_text("x = 1\n")
     for path, why in ((script, "defines no `training`"), (tmp_path / "gone.py", "No such file")):
         r = subprocess.run(
-            [sys.executable, "-m", "chameleond.worker.main", "--script", str(path),
+            [sys.executable, "-m", "chameleond.worker._main", "--script", str(path),
              "--worker-id", "w0",
              "--redis-url", "redis://127.0.0.1:1/0"],
             capture_output=True, text=True, timeout=60,
@@ -253,7 +254,7 @@ def test_a_user_script_survives_repartition_with_its_optimizer_state(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "command",
-    [[str(SCRIPT)], ["-m", "chameleond.worker.main", "--script", str(SCRIPT)]],
+    [[str(SCRIPT)], ["-m", "chameleond.worker._main", "--script", str(SCRIPT)]],
     ids=["the script", "chameleon-worker --script"],
 )
 def test_a_malformed_model_is_refused_at_start(
@@ -306,7 +307,7 @@ def test_a_moved_state_that_cannot_load_is_a_model_error_not_a_fault() -> None:
     """A state buffer holding a user's type (sent by a worker that never checked it) fails its
     receiver with a ModelError naming the layer and the type: the worker exits 8 at once
     instead of failing the generation, to be retried on every worker it moves to."""
-    from chameleond.worker.runtime import FAILS_GENERATION
+    from chameleond.worker._attribution import FAILS_GENERATION
 
     model = Trainable(sgd_tied.build("state"))
     sender = LayerState(model, 1, CPU)
@@ -363,7 +364,7 @@ def test_a_training_the_spec_disagrees_with_is_refused(
     client = redis.Redis.from_url(redis_server.url)
     client.set(Keys("s").spec, signed_doc("spec", "s", spec))
     client.close()
-    command = [str(SCRIPT)] if script else ["-m", "chameleond.worker.main"]
+    command = [str(SCRIPT)] if script else ["-m", "chameleond.worker._main"]
     r = subprocess.run(
         [sys.executable, *command, "--redis-url", redis_server.url, "--job", "s",
          "--worker-id", "w0"],

@@ -25,7 +25,7 @@ from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.core.spec import parse_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from chameleond.worker.model import Arch
+from chameleond.worker._model import Arch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -94,8 +94,8 @@ def test_restart_from_checkpoint_resumes_after_the_checkpointed_step(
 def test_a_restore_reads_each_layer_from_whichever_file_of_the_step_has_it(tmp_path: Path) -> None:
     import torch
 
-    from chameleond.worker import checkpoint
-    from chameleond.worker.state import WorkerState
+    from chameleond.worker import _checkpoint as checkpoint
+    from chameleond.worker._state import WorkerState
 
     arch = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
     cpu = torch.device("cpu")
@@ -132,8 +132,8 @@ def test_a_restart_loads_the_newest_step_whose_files_cover_every_layer(tmp_path:
     layers over, went on to steps 11 and 15. Their files of step 15 hold every layer."""
     import torch
 
-    from chameleond.worker import checkpoint
-    from chameleond.worker.state import WorkerState
+    from chameleond.worker import _checkpoint as checkpoint
+    from chameleond.worker._state import WorkerState
 
     arch = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
     cpu = torch.device("cpu")

@@ -20,12 +20,12 @@ from chameleond.core.plan import plan_to_dict
 from chameleond.core.spec import parse_spec
 from chameleond.protocol import REDIS_URL_ENV, Keys
 from chameleond.redis_server import RedisServer, free_port
-from chameleond.worker.main import EXIT_BACKEND, EXIT_REDIS, EXIT_SPEC, EXIT_USAGE
+from chameleond.worker._main import EXIT_BACKEND, EXIT_REDIS, EXIT_SPEC, EXIT_USAGE
 
 
 def worker(url: str, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "chameleond.worker.main", "--redis-url", url, *args],
+        [sys.executable, "-m", "chameleond.worker._main", "--redis-url", url, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -60,7 +60,7 @@ def test_unreachable_redis_is_reported_without_its_password() -> None:
 
 def test_a_bad_fault_hook_is_a_usage_error() -> None:
     env = {**os.environ, "CHAMELEON_WORKER_KILL_AT": "vote-lost:soon"}
-    argv = [sys.executable, "-m", "chameleond.worker.main", "--redis-url", "redis://127.0.0.1:1/0"]
+    argv = [sys.executable, "-m", "chameleond.worker._main", "--redis-url", "redis://127.0.0.1:1/0"]
     r = subprocess.run([*argv, "--worker-id", "w0"], capture_output=True, text=True, timeout=60,
                        env=env)  # fmt: skip
     assert r.returncode == EXIT_USAGE
@@ -70,7 +70,7 @@ def test_a_bad_fault_hook_is_a_usage_error() -> None:
 
 def test_the_redis_url_is_required_from_a_flag_or_the_environment() -> None:
     env = {k: v for k, v in os.environ.items() if k != REDIS_URL_ENV}
-    argv = [sys.executable, "-m", "chameleond.worker.main", "--worker-id", "w0"]
+    argv = [sys.executable, "-m", "chameleond.worker._main", "--worker-id", "w0"]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == EXIT_USAGE
     assert f"no Redis: pass --redis-url or set {REDIS_URL_ENV}" in r.stderr
@@ -102,7 +102,7 @@ def test_fenced_worker_acks_stopped_and_exits_0(
     plan = initial_plan(parse_spec(spec), generation=1, mtbf_seconds=3600.0)
     redis_client.set(keys.plan, signed_doc("plan", keys.job, plan_to_dict(plan)))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "chameleond.worker.main", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "chameleond.worker._main", "--redis-url", redis_server.url,
          "--job", "fence", "--worker-id", "w0"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -141,7 +141,7 @@ def test_a_new_process_excluded_by_the_plan_waits_to_rejoin(
     plan["excluded"] = ["w5"]
     redis_client.set(keys.plan, signed_doc("plan", keys.job, plan))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "chameleond.worker.main", "--redis-url", redis_server.url,
+        [sys.executable, "-m", "chameleond.worker._main", "--redis-url", redis_server.url,
          "--job", "back", "--worker-id", "w5"],
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

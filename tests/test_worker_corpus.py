@@ -8,9 +8,9 @@ import pytest
 import redis
 
 from chameleond.protocol import Keys
+from chameleond.worker._data import Corpus
+from chameleond.worker._startup import agree_on_corpus
 from chameleond.worker.api import DataError
-from chameleond.worker.data import Corpus
-from chameleond.worker.startup import agree_on_corpus
 
 
 def test_a_worker_on_another_corpus_stops(redis_client: redis.Redis) -> None:

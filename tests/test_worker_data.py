@@ -1,5 +1,5 @@
-"""The worker's data path (chameleond.worker.sampler): each sample position reads one sample, a pure
-function of (position, dataset, shuffle, seed), for map-style datasets (shuffled per epoch) and
+"""The worker's data path (chameleond.worker._sampler): each sample position reads one sample, a
+pure function of (position, dataset, shuffle, seed), for map-style datasets (shuffled per epoch) and
 streams (read again pass after pass, sought back exactly); the prefetch thread that hides reading
 behind compute (the step being read and `prefetch` more ahead, a failed step's batches kept for its
 retry, a read no longer wanted stopped, a restore's first step read while the generation builds, a
@@ -21,9 +21,9 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from chameleond.worker import ModelError, Training
-from chameleond.worker.sampler import MapReader, StreamReader, permutation
-from chameleond.worker.step import resume_step
-from chameleond.worker.trainable import Trainable
+from chameleond.worker._sampler import MapReader, StreamReader, permutation
+from chameleond.worker._step import resume_step
+from chameleond.worker._trainable import Trainable
 
 CPU = torch.device("cpu")
 

@@ -4,7 +4,7 @@ half the global batch). The kept pipeline trains on alone; a later full-B plan t
 worker of the dropped pipeline back. The oracle (oracles.reference) trains the same model in one
 process, each step on the micro-batches that step's plan trains.
 
-The step gate of `chameleonctl bench worker` (chameleond.worker.gate) holds the workers at chosen
+The step gate of `chameleonctl bench worker` (chameleond.worker._gate) holds the workers at chosen
 steps, so the kill and each plan land where the test says, whatever the machine's load.
 """
 
@@ -28,8 +28,8 @@ from chameleond.core.plan import Pipeline, Plan, Stage
 from chameleond.core.policy import Policy
 from chameleond.core.restorer import sync_groups
 from chameleond.redis_server import RedisServer
-from chameleond.worker.gate import GATE_ENV, open_gate
-from chameleond.worker.samples import sample_ids, trained_micro_batches
+from chameleond.worker._gate import GATE_ENV, open_gate
+from chameleond.worker._samples import sample_ids, trained_micro_batches
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

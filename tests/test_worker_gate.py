@@ -1,4 +1,4 @@
-"""chameleond.worker.gate: the bench's turns between the library and the plain loop, and their
+"""chameleond.worker._gate: the bench's turns between the library and the plain loop, and their
 records."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from chameleond.bench.worker_overhead import _block, _ratios
-from chameleond.worker.gate import StepGate, open_gate, read_record
+from chameleond.worker._gate import StepGate, open_gate, read_record
 
 
 def test_a_training_waits_at_its_limit_and_records_each_step(tmp_path: Path) -> None:

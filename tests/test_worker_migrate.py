@@ -9,7 +9,7 @@ from worker_harness import tiny_spec
 from chameleond.core.decide import decide, initial_plan
 from chameleond.core.plan import Plan
 from chameleond.core.spec import parse_spec
-from chameleond.worker.migrate import Move, StateLost, plan_moves
+from chameleond.worker._migrate import Move, StateLost, plan_moves
 
 N_LAYERS = 6
 ABSENT = -2.0
@@ -137,10 +137,10 @@ def test_a_late_commit_divides_by_the_batch_its_step_was_summed_over() -> None:
 
     import torch.distributed as dist
 
-    from chameleond.worker.backend import new_group, parse_device
-    from chameleond.worker.generation import Generation
-    from chameleond.worker.migrate import reconcile
-    from chameleond.worker.state import WorkerState
+    from chameleond.worker._backend import new_group, parse_device
+    from chameleond.worker._generation import Generation
+    from chameleond.worker._migrate import reconcile
+    from chameleond.worker._state import WorkerState
 
     def spec(batch: int) -> dict[str, object]:
         return tiny_spec("m", workers=2, stages=2, global_batch=batch, micro_batch=2)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chameleond.worker import builtin
-from chameleond.worker.data import Corpus
-from chameleond.worker.layer import LayerState, run_layers
-from chameleond.worker.model import Arch, ArchError, build_module
-from chameleond.worker.trainable import Trainable
+from chameleond.worker import _builtin as builtin
+from chameleond.worker._data import Corpus
+from chameleond.worker._layer import LayerState, run_layers
+from chameleond.worker._model import Arch, ArchError, build_module
+from chameleond.worker._trainable import Trainable
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 

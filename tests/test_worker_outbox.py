@@ -1,5 +1,5 @@
-"""A worker's Redis writes through an outage (chameleond/worker/outbox.py), and what a survivor may
-conclude about its peers right after a Redis restart (chameleond/worker/events.py): a real
+"""A worker's Redis writes through an outage (chameleond/worker/_outbox.py), and what a survivor may
+conclude about its peers right after a Redis restart (chameleond/worker/_link.py): a real
 redis-server, stopped and started again on the same port and data directory."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import redis
 from worker_harness import wait_until
 
 from chameleond.redis_server import RedisServer
-from chameleond.worker.events import RECONNECT_SECONDS, connection_name, gone, live_incarnations
-from chameleond.worker.outbox import Outbox, OutboxFull
-from chameleond.worker.store import RedisStore
+from chameleond.worker._link import RECONNECT_SECONDS, connection_name, gone, live_incarnations
+from chameleond.worker._outbox import Outbox, OutboxFull
+from chameleond.worker._store import RedisStore
 
 STREAM = "chameleon:t:events"
 

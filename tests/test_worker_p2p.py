@@ -16,10 +16,10 @@ from chameleond.core.plan import Plan
 from chameleond.core.schedule import BACKWARD, FORWARD
 from chameleond.core.spec import parse_spec
 from chameleond.jobs import load_default_spec
-from chameleond.worker import generation
-from chameleond.worker.backend import DeviceChoice
-from chameleond.worker.generation import Generation, op_order
-from chameleond.worker.p2p import (
+from chameleond.worker import _generation as generation
+from chameleond.worker._backend import DeviceChoice
+from chameleond.worker._generation import Generation, op_order
+from chameleond.worker._p2p import (
     Batch,
     Endpoint,
     MessageId,

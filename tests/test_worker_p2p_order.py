@@ -21,13 +21,14 @@ from chameleond.core.plan import Plan
 from chameleond.core.schedule import Op
 from chameleond.core.spec import JobSpec, parse_spec
 from chameleond.jobs import load_default_spec
-from chameleond.worker import builtin, generation
-from chameleond.worker.backend import DeviceChoice
-from chameleond.worker.generation import Generation
-from chameleond.worker.layer import LayerState
-from chameleond.worker.migrate import Move, plan_moves, round_order, round_transfers
-from chameleond.worker.model import Arch
-from chameleond.worker.trainable import Trainable
+from chameleond.worker import _builtin as builtin
+from chameleond.worker import _generation as generation
+from chameleond.worker._backend import DeviceChoice
+from chameleond.worker._generation import Generation
+from chameleond.worker._layer import LayerState
+from chameleond.worker._migrate import Move, plan_moves, round_order, round_transfers
+from chameleond.worker._model import Arch
+from chameleond.worker._trainable import Trainable
 
 GLOO = DeviceChoice("cpu", 0, "gloo")
 ABSENT = -2.0
@@ -90,7 +91,7 @@ def one_op_order_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def step_wire(plan: Plan, worker: str, shape: tuple[int, ...]) -> list[Wire]:
     """The step's ops of `worker` in the order its StepRunner issues them: its batches, each in
-    its endpoints' order (chameleond.worker.step, `_issue`)."""
+    its endpoints' order (chameleond.worker._step, `_issue`)."""
     gen = Generation.for_plan(plan, worker, GLOO, "i")
     return [(e.send, e.peer, e.message, shape) for b in gen.batches for e in b.endpoints]
 
@@ -150,7 +151,7 @@ def test_a_pair_out_of_order_is_a_mismatch() -> None:
 def rows_for(
     world: tuple[str, ...], n_layers: int, held: Mapping[str, Mapping[int, int]], committed: int
 ) -> torch.Tensor:
-    """The reconcile rows (chameleond.worker.migrate) of workers holding `held` (layer ->
+    """The reconcile rows (chameleond.worker._migrate) of workers holding `held` (layer ->
     version)."""
     rows = torch.zeros((len(world), 2, n_layers + 2), dtype=torch.float64)
     for r, w in enumerate(world):
@@ -170,8 +171,8 @@ def state_numel(arch: Arch, layer: int) -> int:
 
 
 def migration_wire(moves: Sequence[Move], world: Sequence[str], arch: Arch) -> list[dict]:
-    """Per round, each worker's transfers as it issues them (chameleond.worker.migrate, `_execute`),
-    with
+    """Per round, each worker's transfers as it issues them (chameleond.worker._migrate,
+    `_execute`), with
     the flat state buffer's size of each layer."""
     numel = {i: (state_numel(arch, i),) for i in range(arch.n_layers)}
     rounds = []

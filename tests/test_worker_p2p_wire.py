@@ -20,8 +20,8 @@ from oracles.reference import reference_losses
 from worker_harness import TINY_ARCH, Controller, Workers, tiny_spec, wait_until
 
 from chameleond.redis_server import RedisServer
-from chameleond.worker import builtin
-from chameleond.worker.model import Arch
+from chameleond.worker import _builtin as builtin
+from chameleond.worker._model import Arch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from chameleond.worker import Layers, ModelError, Training, split
-from chameleond.worker.commit import Commit, LossScale, overflowed
-from chameleond.worker.layer import LayerState
-from chameleond.worker.state import WorkerState
-from chameleond.worker.trainable import Trainable
+from chameleond.worker._commit import Commit, LossScale, overflowed
+from chameleond.worker._layer import LayerState
+from chameleond.worker._state import WorkerState
+from chameleond.worker._trainable import Trainable
 
 CPU = torch.device("cpu")
 

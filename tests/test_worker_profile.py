@@ -9,9 +9,9 @@ import torch
 from worker_harness import builtin_model
 
 from chameleond.jobstate.jobspec import parse_host_report, parse_profile
-from chameleond.worker import profile
-from chameleond.worker.model import Arch
-from chameleond.worker.profile import TrainingMeter, profile_model
+from chameleond.worker import _profile as profile
+from chameleond.worker._model import Arch
+from chameleond.worker._profile import TrainingMeter, profile_model
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 MODEL = builtin_model(ARCH)

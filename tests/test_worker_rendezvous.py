@@ -8,7 +8,7 @@ import time
 import redis
 
 from chameleond.redis_server import RedisServer
-from chameleond.worker.rendezvous import start_together
+from chameleond.worker._rendezvous import start_together
 
 
 def test_workers_start_together_once_the_last_arrives(redis_server: RedisServer) -> None:

@@ -1,4 +1,4 @@
-"""The sample-id and divisor rules of a plan's steps (chameleond.worker.samples): ids laid out by
+"""The sample-id and divisor rules of a plan's steps (chameleond.worker._samples): ids laid out by
 the job's B whatever the plan trains, a drop plan's steps dividing by the samples they train, and
 the core's batch check (`core.plan.check_batch`, tested in test_drop.py) accepting both."""
 
@@ -14,10 +14,10 @@ from chameleond.core.decide import initial_plan
 from chameleond.core.plan import Pipeline, Plan, check_batch
 from chameleond.core.policy import Policy
 from chameleond.core.spec import parse_spec
+from chameleond.worker._samples import sample_ids, trained_micro_batches
+from chameleond.worker._state import WorkerState
+from chameleond.worker._trainable import Trainable
 from chameleond.worker.api import Factory, Training
-from chameleond.worker.samples import sample_ids, trained_micro_batches
-from chameleond.worker.state import WorkerState
-from chameleond.worker.trainable import Trainable
 
 JOB_BATCH, MICRO_BATCH = 8, 2
 CPU = torch.device("cpu")

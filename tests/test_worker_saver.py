@@ -1,4 +1,4 @@
-"""Checkpoints in pipeline bubbles (chameleond.worker.saver): placement, a snapshot that is the
+"""Checkpoints in pipeline bubbles (chameleond.worker._saver): placement, a snapshot that is the
 committed
 step's state whatever runs meanwhile, and the background write. Real tensors and files; the end to
 end proof (a job restored from bubble checkpoints retrains the same losses) is in test_up.py."""
@@ -14,12 +14,14 @@ from worker_harness import builtin_model, tiny_spec
 from chameleond.core.decide import initial_plan
 from chameleond.core.schedule import idle_before
 from chameleond.core.spec import parse_spec
-from chameleond.worker import checkpoint
-from chameleond.worker.generation import op_order
-from chameleond.worker.layer import run_layers
-from chameleond.worker.model import Arch
-from chameleond.worker.saver import BUBBLE, MODES, SYNC, Saver, Snapshot, Written, place
-from chameleond.worker.state import WorkerState
+from chameleond.worker import _checkpoint as checkpoint
+from chameleond.worker._generation import op_order
+from chameleond.worker._layer import run_layers
+from chameleond.worker._model import Arch
+from chameleond.worker._saver import MODES, CheckpointMode, Saver, Snapshot, Written, place
+from chameleond.worker._state import WorkerState
+
+BUBBLE, SYNC = CheckpointMode.BUBBLE, CheckpointMode.SYNC
 
 ARCH = Arch(d_model=16, heads=2, blocks=2, seq_len=8, vocab=256, seed=3, lr=1e-2)
 CPU = torch.device("cpu")

@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from chameleond.redis_server import RedisServer
-from chameleond.worker.store import KEY_TTL_SECONDS, RedisStore, StoreAborted
+from chameleond.worker._store import KEY_TTL_SECONDS, RedisStore, StoreAborted
 
 
 @pytest.fixture
@@ -71,8 +71,8 @@ def test_wait_times_out_and_abort_cuts_it_short(raw_client: redis.Redis) -> None
 _GROUP = textwrap.dedent(
     """
     import sys, datetime, redis, torch
-    from chameleond.worker.backend import parse_device, new_group
-    from chameleond.worker.store import RedisStore
+    from chameleond.worker._backend import parse_device, new_group
+    from chameleond.worker._store import RedisStore
     url, rank, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     store = RedisStore(redis.Redis.from_url(url), "job:store:7:world/")
     pg = new_group(store, rank, size, parse_device("cpu"), bind_address="127.0.0.1",

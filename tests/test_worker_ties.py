@@ -1,6 +1,5 @@
-"""chameleond.worker.ties: the two copies of a tied parameter get the same summed gradient; replicas
-of one
-stage that hold both copies add them themselves, without a collective."""
+"""chameleond.worker._ties: the two copies of a tied parameter get the same summed gradient;
+replicas of one stage that hold both copies add them themselves, without a collective."""
 
 from __future__ import annotations
 
@@ -13,11 +12,11 @@ from worker_harness import tiny_spec
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.spec import parse_spec
-from chameleond.worker.backend import parse_device
-from chameleond.worker.generation import Generation
-from chameleond.worker.state import WorkerState
-from chameleond.worker.ties import sync_ties
-from chameleond.worker.trainable import Trainable
+from chameleond.worker._backend import parse_device
+from chameleond.worker._generation import Generation
+from chameleond.worker._state import WorkerState
+from chameleond.worker._ties import sync_ties
+from chameleond.worker._trainable import Trainable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import sgd_tied  # six layers, the embedding tied to the head

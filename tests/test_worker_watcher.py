@@ -14,7 +14,7 @@ from chameleond.core.plan import plan_to_dict
 from chameleond.core.spec import parse_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from chameleond.worker.events import PlanWatcher
+from chameleond.worker._link import PlanWatcher
 
 
 def test_the_watcher_sees_plans_once_redis_is_there(tmp_path: Path) -> None:

@@ -39,12 +39,12 @@ def signed_doc(kind: str, job: str, doc: dict[str, Any]) -> str:
 def builtin_model(
     arch: Mapping[str, Any] | Any, global_batch: int = 8, micro_batch: int = 2
 ) -> Any:
-    """The built-in training (chameleond.worker.builtin) of `arch` (an Arch or a [model.arch]
+    """The built-in training (chameleond.worker._builtin) of `arch` (an Arch or a [model.arch]
     mapping), as
-    the runtime holds it (a chameleond.worker.trainable.Trainable)."""
-    from chameleond.worker import builtin
-    from chameleond.worker.model import Arch
-    from chameleond.worker.trainable import Trainable
+    the runtime holds it (a chameleond.worker._trainable.Trainable)."""
+    from chameleond.worker import _builtin as builtin
+    from chameleond.worker._model import Arch
+    from chameleond.worker._trainable import Trainable
 
     arch = arch if isinstance(arch, Arch) else Arch.from_mapping(arch)
     return Trainable(builtin.training(arch, global_batch, micro_batch))
@@ -366,7 +366,7 @@ class Workers:
         extra_args: list[str] | None = None,
         command: list[str] | None = None,
     ) -> None:
-        self.command = command or [sys.executable, "-m", "chameleond.worker.main"]
+        self.command = command or [sys.executable, "-m", "chameleond.worker._main"]
         self.extra_args = list(extra_args or [])
         self.url = url
         self.job = job

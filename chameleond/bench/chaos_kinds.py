@@ -149,7 +149,7 @@ def forged(s: Scene) -> Outcome:
         bench.client.publish(keys.plans_channel, str(generation + n))
         t.forged_sent += 1
         reader = redis.Redis.from_url(bench.redis.url)
-        from chameleond.worker.events import (
+        from chameleond.worker._link import (
             PlanWatcher,  # the workers' own (needs chameleond[worker])
         )
 

@@ -19,9 +19,11 @@ from typing import Any, cast
 import redis
 
 from chameleond.auth import Keyring
+from chameleond.events import Fault
 from chameleond.jobs import load_default_spec
 from chameleond.local.chaos import Daemon, PlanFollowers
 from chameleond.protocol import CONSUMER_GROUP, Keys
+from chameleond.records import DecisionRecord, Entry, read_decisions
 from chameleond.redis_server import RedisServer
 
 SETTLE_SECONDS = 60.0
@@ -84,19 +86,15 @@ class Bench:
         plan = self.plan(keys)
         return plan is not None and workers <= set(plan.get("excluded", ()))
 
-    def decisions(self, keys: Keys, *, planned: bool = False) -> list[dict[str, str]]:
+    def decisions(self, keys: Keys, *, planned: bool = False) -> list[DecisionRecord]:
         """The job's decision records (`planned`: only those that published a plan)."""
         # decode_responses=True: every field is a str (redis-py's stubs cannot say so).
-        entries: list[tuple[str, dict[str, str]]] = cast(Any, self.client.xrange(keys.decisions))
-        return [
-            f
-            for _, f in entries
-            if f.get("kind") == "decision" and (f.get("selected") or not planned)
-        ]
+        entries: list[Entry] = cast(Any, self.client.xrange(keys.decisions))
+        return [d for d in read_decisions(entries) if d.selected or not planned]
 
     def fault(self, keys: Keys, worker: str, signer: Keyring | None = None, **extra: str) -> str:
         """A fault about `worker`, signed with the job's key (or `signer`; None: unsigned)."""
-        fields: dict[str, str] = {"type": "fault", "worker": worker, "cause": "chaos", **extra}
+        fields = {**Fault(worker, "chaos").to_fields(), **extra}
         ring = signer if signer is not None else self.keyring
         if extra.get("cause") != "forged" or signer is not None:
             fields = ring.sign_event(keys.job, fields)
@@ -193,7 +191,7 @@ class Bench:
     # ---- the figures -------------------------------------------------------------------------
 
     def answered(self, keys: Keys, victim: str) -> bool:
-        return any(victim in json.loads(d.get("faults", "[]")) for d in self.decisions(keys))
+        return any(victim in d.faults for d in self.decisions(keys))
 
     def _check(self, t: Trial, keys: Keys, victims: set[str], fault_ids: list[str],
                since: float, daemons: tuple[Daemon, ...]) -> None:  # fmt: skip
@@ -216,12 +214,12 @@ class Bench:
         if unanswered or held:
             t.notes.append(f"unanswered {sorted(unanswered)}, unacknowledged {sorted(held)}")
         records = self.decisions(keys)
-        per_generation: dict[str, int] = {}
+        per_generation: dict[int, int] = {}
         for d in self.decisions(keys, planned=True):
-            per_generation[d["generation"]] = per_generation.get(d["generation"], 0) + 1
+            per_generation[d.generation] = per_generation.get(d.generation, 0) + 1
         t.duplicates += sum(n - 1 for n in per_generation.values())
         for v in victims:
-            n = sum(v in json.loads(d.get("faults", "[]")) for d in records)
+            n = sum(v in d.faults for d in records)
             t.duplicates += max(0, n - 1)
         if not wait_until(lambda: any(d.ready() for d in daemons), self.args.lease_seconds + 30):
             t.crashes += 1

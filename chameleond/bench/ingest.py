@@ -27,7 +27,7 @@ import uvloop
 from chameleond.daemon.config import Config
 from chameleond.daemon.consumer import Entry
 from chameleond.daemon.service import Service
-from chameleond.events import Event
+from chameleond.events import Ack, AckPhase, Event, Heartbeat, Register, Step
 from chameleond.jobs import load_default_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
@@ -59,15 +59,18 @@ def produce(url: str, stream: str, n: int, rate: float) -> None:
         for i in range(chunk):
             w = WORKERS[(sent + i) % len(WORKERS)]
             if (sent + i) % 2:
-                pipe.xadd(stream, {"type": "heartbeat", "worker": w, "sent": now})
+                pipe.xadd(stream, _stamped(Heartbeat(w), now))
             else:
                 step += 1
-                pipe.xadd(stream, {"type": "step", "worker": w, "generation": "1",
-                                   "step": str(step // len(WORKERS)), "samples": "12",
-                                   "seconds": "0.05", "loss": "1.0", "sent": now})  # fmt: skip
+                pipe.xadd(stream, _stamped(Step(w, 1, step // len(WORKERS), 12, 0.05, 1.0), now))
         pipe.execute()
         sent += chunk
     client.close()
+
+
+def _stamped(event: Event, now: str) -> dict[Any, Any]:
+    """The event's fields and `sent`, the producer's clock (the daemon ignores it)."""
+    return {**event.to_fields(), "sent": now}
 
 
 def _producer(url: str, stream: str, n: int, rate: float) -> subprocess.Popen[bytes]:
@@ -128,12 +131,11 @@ async def through_daemon(url: str, n: int, rate: float) -> tuple[float, list[flo
     while not service.ready:
         await asyncio.sleep(0.01)
     for w in WORKERS:
-        client.xadd(stream, {"type": "register", "worker": w, "host": "localhost",
-                             "memory_bytes": str(2**31)})  # fmt: skip
+        client.xadd(stream, Register(w, "localhost", 2**31).to_fields())  # type: ignore[arg-type]
     while service.job.machine.generation < 1:
         await asyncio.sleep(0.01)
     for w in WORKERS:
-        client.xadd(stream, {"type": "ack", "worker": w, "generation": "1", "phase": "ready"})
+        client.xadd(stream, Ack(w, 1, AckPhase.READY).to_fields())  # type: ignore[arg-type]
     while str(service.job.machine.phase) != "training":
         await asyncio.sleep(0.01)
     proc = _producer(url, stream, n, rate)

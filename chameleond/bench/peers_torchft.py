@@ -50,7 +50,7 @@ EPOCHS = 50  # the sampler's positions: 50 passes over the dataset
 
 def sample_id(arch: dict[str, Any], position: int) -> int:
     """The sample a position reads, as the chameleond workers and recipe.py's plain loop read it."""
-    from chameleond.worker.sampler import permutation
+    from chameleond.worker._sampler import permutation
 
     n = int(arch["samples"])
     if not arch["shuffle"]:
@@ -97,7 +97,7 @@ def train(args: argparse.Namespace) -> int:
     from torch.distributed import TCPStore
 
     from chameleond.core.spec import load_spec
-    from chameleond.hf import causal_lm_loss
+    from chameleond.worker.hf import causal_lm_loss
 
     torch.set_num_threads(1)  # the chameleond workers' kernels
     if args.patched:

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Any
 
 from chameleond.core.spec import load_spec
-from chameleond.local.trace import TraceEvent, load_trace
 from chameleond.sim.engine import compare
 from chameleond.sim.policies import POLICIES, VARIABLE_BATCH
 from chameleond.sim.report import plot, policy_rows, table
 from chameleond.sim.trace import LLAMA3_GPU_SECONDS_PER_INTERRUPTION, job_trace, synthetic_trace
 from chameleond.traces import packaged_traces
+from chameleond.traces.replay import TraceEvent, load_trace
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SPECS = ("gpt-32", "cluster-1024", "cluster-8192")

@@ -58,7 +58,7 @@ from chameleond.jobstate.jobspec import fold_profile, measured_layers
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.timeline import group_rebuild_seconds
-from chameleond.streams import entry_seconds
+from chameleond.records import entry_seconds
 
 VICTIM = "w3"  # a stage-1 worker of the packaged 2 x 3 layout (the head: loss and largest state)
 MIN_STEPS = 5  # committed steps a plan needs for a measured step time

@@ -46,6 +46,7 @@ from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster
 from chameleond.local.monitor import StreamMonitor
 from chameleond.sim.engine import simulate
 from chameleond.sim.policies import SimConfig
+from chameleond.sim.timeline import Kind
 from chameleond.sim.trace import JobEvent, JobTrace
 
 TARGET = 0.15
@@ -79,7 +80,7 @@ def simulated(
     trace = JobTrace((JobEvent(at, frozenset({victim}), frozenset()),), 1, len(spec.workers), 0,
                      at + 3600.0)  # fmt: skip
     result = simulate(spec, trace, policy, SimConfig(bubble_checkpoint_overhead=0.0))
-    rates = [s.throughput for s in result.segments if s.kind == "training" and s.throughput > 0]
+    rates = [s.throughput for s in result.segments if s.kind == Kind.TRAINING and s.throughput > 0]
     batch = spec.training.global_batch
     return {
         "initial": batch / rates[0],

@@ -121,7 +121,7 @@ def _library(
 
 def _trained(mon: StreamMonitor, lines: Lines) -> dict[int, list[int]]:
     """step -> the global micro-batches the plan that committed it trains."""
-    from chameleond.worker.samples import trained_micro_batches
+    from chameleond.worker._samples import trained_micro_batches
 
     out: dict[int, list[int]] = {}
     for entries in lines.values():
@@ -202,7 +202,7 @@ def compare(lines: Lines, ref: Mapping[str, Any], steps: int) -> dict[str, Any]:
 
 def _layer_bytes(doc: Mapping[str, Any]) -> tuple[list[int], list[int]]:
     """Per layer of the recipe's split model: (trainable bytes, all parameter bytes)."""
-    from chameleond.hf import split_causal_lm
+    from chameleond.worker.hf import split_causal_lm
 
     sys.path.insert(0, str(find_example("recipe").script.parent))
     import recipe

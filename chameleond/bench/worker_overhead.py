@@ -1,16 +1,17 @@
 """`overhead` of `chameleonctl bench worker`: the library against a plain torch loop, side by side.
 
-Both trainings run examples/hf_gpt2.py on the same spec: the library on --workers workers (one
-stage each, data-parallel, no faults) under a local chameleond; the plain loop (the script's
---plain: one gloo process group of as many ranks, each its share of the same micro-batches, one
-all-reduce of the gradients, one AdamW; what a user writes without chameleond) on as many ranks,
-each in a session of its own as each worker is. Both are started once, warmed up, then take turns in
-blocks of --block-steps steps (plain, library, plain, ..., --rounds library blocks), each pausing
-between two steps while the other runs (chameleond.worker.gate), so every library block is measured
-within seconds of a plain block on either side, under the same load. Both use one torch thread per
-process (OMP_NUM_THREADS=1; the library and the plain loop both set torch's threads to 1).
+Both trainings run examples/hf_gpt2.py on the same spec: the library on --workers workers (one stage
+each, data-parallel, no faults) under a local chameleond; the plain loop (the script's --plain loop,
+paced by chameleond.bench.plain_gated: one gloo process group of as many ranks, each its share of
+the same micro-batches, one all-reduce of the gradients, one AdamW; what a user writes without
+chameleond) on as many ranks, each in a session of its own as each worker is. Both are started once,
+warmed up, then take turns in blocks of --block-steps steps (plain, library, plain, ..., --rounds
+library blocks), each pausing between two steps while the other runs (chameleond.worker._gate), so
+every library block is measured within seconds of a plain block on either side, under the same load.
+Both use one torch thread per process (OMP_NUM_THREADS=1; the library and the plain loop both set
+torch's threads to 1).
 
-Each process times its own steps, the same way in both trainings (chameleond.worker.gate): wall
+Each process times its own steps, the same way in both trainings (chameleond.worker._gate): wall
 seconds and CPU seconds of the whole process (gloo's and the library's threads included) from the
 start of a step to the start of the next. The first step of a block is left out (the other
 training's turn left the caches cold). A step's time is its slowest process's; a block's time the
@@ -27,6 +28,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -75,7 +77,7 @@ def _wait_records(
     paths: Sequence[Path], steps: int, alive: Callable[[], None], timeout: float
 ) -> None:
     """Until every record file holds steps 0..steps-1 (each process reached the gate of `steps`)."""
-    from chameleond.worker.gate import read_record
+    from chameleond.worker._gate import read_record
 
     deadline = time.monotonic() + timeout
     while not all(len(read_record(p)) >= steps for p in paths):
@@ -104,8 +106,8 @@ def _plain_ranks(
 ) -> list[subprocess.Popen[bytes]]:
     port = free_port()
     base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    argv = [*example.worker_command(), "--plain", "--spec", str(spec), "--steps", str(steps),
-            "--gate", str(gate)]  # fmt: skip
+    argv = [sys.executable, "-m", "chameleond.bench.plain_gated", "--example", str(example.script),
+            "--spec", str(spec), "--steps", str(steps), "--gate", str(gate)]  # fmt: skip
     procs = []
     for rank in range(workers):
         env = {**base, "RANK": str(rank), "WORLD_SIZE": str(workers),
@@ -124,7 +126,7 @@ def _plain_ranks(
 def overhead(
     args: argparse.Namespace, example: FoundExample, tmp: Path, timeout: float
 ) -> dict[str, Any]:
-    from chameleond.worker.gate import GATE_ENV, open_gate, read_record
+    from chameleond.worker._gate import GATE_ENV, open_gate, read_record
 
     base = load_spec(example.spec)
     doc = build_spec_document(base, job=JOB, workers=args.workers, pp=1,

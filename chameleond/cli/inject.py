@@ -30,7 +30,7 @@ from chameleond.protocol import (
     scrub_url,
     url_error,
 )
-from chameleond.streams import redis_cli_args
+from chameleond.redis_server import redis_cli_args
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
 

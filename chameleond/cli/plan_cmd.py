@@ -15,13 +15,8 @@ import math
 import sys
 from typing import Any
 
-from chameleond.core.decide import (
-    Decision,
-    DecisionError,
-    decide,
-    decision_to_dict,
-    initial_plan,
-)
+from chameleond.core.decide import DecisionError, decide, initial_plan
+from chameleond.core.decision import Decision, decision_to_dict
 from chameleond.core.plan import plan_to_dict
 from chameleond.core.policy import Selection
 from chameleond.core.spec import SpecError, load_spec

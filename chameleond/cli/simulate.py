@@ -14,11 +14,11 @@ import json
 import sys
 
 from chameleond.core.spec import SpecError, load_spec
-from chameleond.local.trace import TraceError, load_trace
 from chameleond.sim.engine import compare
 from chameleond.sim.policies import POLICIES
 from chameleond.sim.report import plot, policy_rows, table
 from chameleond.sim.trace import job_trace
+from chameleond.traces.replay import TraceError, load_trace
 
 COLUMNS = ("policy", "average_throughput", "gap_to_ideal", "chameleon_ratio", "training_s",
            "transition_s", "restart_s", "lost_s", "down_s")  # fmt: skip

@@ -16,7 +16,7 @@ import redis
 from chameleond.cli.inject import add_job, add_redis_url, redis_client
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.protocol import Keys, redact_url
-from chameleond.streams import entry_seconds, is_decision, parse_decision
+from chameleond.records import DecisionRecord, read_record
 
 LAST_DECISIONS = 5
 
@@ -55,22 +55,22 @@ def collect(client: redis.Redis, job: str) -> dict[str, Any]:
         Any, client.xrevrange(keys.decisions, count=50 * LAST_DECISIONS)
     )
     for entry_id, fields in entries:
-        if not is_decision(fields):
+        d = read_record(entry_id, fields)
+        if not isinstance(d, DecisionRecord):
             continue
-        d = parse_decision(entry_id, fields)
         decisions.append(
             {
                 "id": entry_id,
-                "at": entry_seconds(entry_id),
+                "at": d.stored_at,
                 "generation": d.generation,
-                "selected": d.selected,
+                "selected": d.selected or None,
                 "cause": d.cause,
                 "failed": list(d.failed),
                 "joined": list(d.joined),
                 "mtbf_seconds": d.mtbf_seconds,
-                "unrecoverable": d.unrecoverable,
+                "unrecoverable": d.unrecoverable or None,
                 # worker -> the raw error behind a shortened cause (the record's `detail`)
-                "detail": _maybe_json(fields.get("detail", "{}")),
+                "detail": dict(d.detail),
                 "candidates": [
                     {
                         k: c.get(k)

@@ -29,7 +29,7 @@ from chameleond.cli.status import phase
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.events import Step
 from chameleond.protocol import JOB_ENV, EventError, Keys, read_event, redact_url
-from chameleond.streams import entry_seconds
+from chameleond.records import entry_seconds
 
 PAGE = 2000  # stream entries per read
 BLOCK_MS = 1000  # --follow: how long one XREAD waits

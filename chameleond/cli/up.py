@@ -32,8 +32,8 @@ from chameleond.local.faults import FaultSpecError, check_workers, parse_faults
 from chameleond.local.progress import ProgressView
 from chameleond.local.report import build_report, print_table, write_report
 from chameleond.local.run import LocalRun, RunOptions
-from chameleond.local.trace import ReplayStep, TraceError, load_trace, plan_replay
 from chameleond.protocol import Keys, url_error
+from chameleond.traces.replay import ReplayStep, TraceError, load_trace, plan_replay
 
 # The default schedule (docs/local.md, "Why the two default faults end differently").
 # w0 has a replica of its stage (w2): rerouting keeps the layout and wins. w5 then holds a layer

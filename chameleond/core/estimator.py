@@ -52,7 +52,7 @@ PathKey = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], int]
 # Durations are clamped like schedule.py does, so both give the same longest path.
 _MIN_SECONDS = 1e-12
 VOTE_BYTES = (
-    24  # per worker: [loss, 1, newest generation seen] as float64 (chameleond/worker/runtime.py)
+    24  # per worker: [loss, 1, newest generation seen] as float64 (chameleond/worker/_loop.py)
 )
 
 

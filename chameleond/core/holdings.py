@@ -4,7 +4,7 @@ A plan says who *should* hold what. What the workers acknowledged says who *does
 differ while a transition is in flight. Take a plan whose new receiver is cut off from its only
 source by a fault: the receiver owns layers in the plan but holds nothing. Planning from the
 plan's stage owners would then publish a plan on a worker with no state. The rules follow the
-worker runtime (chameleond.worker.migrate, chameleond.worker.runtime):
+worker runtime (chameleond.worker._migrate, chameleond.worker._runtime):
 
 * `published(plan)`: nothing moves yet. A new owner holds its layers only once it acknowledges.
 * `ready(worker)`: the worker finished the generation's migration. It holds what the plan gives

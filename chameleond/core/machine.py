@@ -373,9 +373,9 @@ class PolicyMachine:
     def overdue(self, now: float) -> tuple[str, ...]:
         """Workers of the current plan that have not acknowledged it in time, while others have.
         When none has, nothing tells them apart: a generation is built by all of its workers or none
-        (chameleond.worker.rendezvous), so one that hangs keeps them all from it, and declaring all
+        (chameleond.worker._rendezvous), so one that hangs keeps them all from it, and declaring all
         of them failed would leave no plan at all. The workers name the member missing from their
-        attempts (chameleond.worker.absence)."""
+        attempts (chameleond.worker._absence)."""
         if not self.awaiting_ready or now <= self.ready_deadline:
             return ()
         if not set(self.plan_workers) - self.awaiting_ready:

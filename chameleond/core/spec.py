@@ -31,7 +31,7 @@ class WorkerSpec:
 
 def backend_of(device: str) -> str:
     """The collective backend a worker on `device` builds its groups with (as
-    chameleond/worker/backend.py picks it): nccl on `cuda:N`, hccl on `npu:N`, gloo otherwise."""
+    chameleond/worker/_backend.py picks it): nccl on `cuda:N`, hccl on `npu:N`, gloo otherwise."""
     return {"cuda": "nccl", "npu": "hccl"}.get(device.partition(":")[0], "gloo")
 
 

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from chameleond.daemon.lease import Lease, hold_lua
 from chameleond.daemon.redis_errors import ErrorCode, lua_error
 from chameleond.protocol import CONSUMER_GROUP, Keys
+from chameleond.records import Record
 
 STATE_LOST = lua_error(
     ErrorCode.STATE_LOST,
@@ -84,7 +85,7 @@ class Commit:
     plan_json: str = ""
     snapshot: dict[str, Any] | None = None
     progress: dict[str, Any] | None = None
-    records: list[Mapping[str, Any]] = field(default_factory=list)
+    records: list[Record] = field(default_factory=list)
     dead_letters: list[list[str | bytes]] = field(default_factory=list)
     acks: Sequence[str] = ()
 
@@ -118,7 +119,7 @@ class Broadcaster:
             c.plan_json,
             json.dumps(c.snapshot, separators=(",", ":")) if c.snapshot is not None else "",
             json.dumps(c.progress, separators=(",", ":")) if c.progress is not None else "",
-            json.dumps([flat(r) for r in c.records]),
+            json.dumps([flat(r.to_fields()) for r in c.records]),
             json.dumps(dead),
             k.plans_channel,
             self.records_maxlen,

@@ -31,8 +31,7 @@ from chameleond.core.decide import DecisionError, initial_plan
 from chameleond.core.spec import JobSpec, SpecError, load_spec
 from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, given, load, validate
 from chameleond.protocol import CONSUMER_GROUP, Keys
-from chameleond.redis_server import RedisServer
-from chameleond.streams import redis_cli_args
+from chameleond.redis_server import RedisServer, redis_cli_args
 from chameleond.usage import Parser
 
 log = logging.getLogger("chameleond")

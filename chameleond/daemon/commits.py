@@ -30,11 +30,12 @@ from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.redis_errors import ErrorCode, error_message, has_code
 from chameleond.daemon.views import progress
-from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, Record
+from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.jobstate.snapshot import snapshot
 from chameleond.protocol import Keys
+from chameleond.records import Record
 
 log = logging.getLogger("chameleond")
 # Refusals that end by themselves: a replica until failover completes, memory until freed.
@@ -203,8 +204,9 @@ class Committer:
         """Redis came back without the job's state (restarted without persistence, or a failover
         to a replica that missed writes): write it again from memory, up to the generation `c`
         expects, so that `c` lands next. The workers hold the plan already; publishing its
-        generation again changes nothing for them. The consumer group is made again by the read
-        loop (daemon/ingest.py) and the workers' spec by the next batch."""
+        generation again changes nothing for them. The workers' spec is written first, so whoever
+        sees the plan again finds its spec; the consumer group is made again by the read loop
+        (daemon/ingest.py)."""
         job = self.job
         raw = await self.client.hget(self.keys.state, "generation")
         stored = int(raw or 0)
@@ -218,6 +220,8 @@ class Committer:
         plan = job.plan
         if plan is None or plan.generation != c.expected_generation:  # cannot be: 0 < expected
             raise RuntimeError(f"no plan of generation {c.expected_generation} to write again")
+        await self.client.set(self.keys.spec, self._signed("spec", spec_document(job.spec)))
+        self.spec_written = job.spec_version
         seed = Commit(
             expected_generation=stored,
             generation=plan.generation,
@@ -225,7 +229,6 @@ class Committer:
             snapshot=self._snapshot() if job.machine.generation == plan.generation else None,
         )
         await self.broadcaster.commit(seed)
-        self.spec_written = -1  # write the workers' spec again
 
     def _snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
         """The job's snapshot as persisted (with `plan`, the one about to be published): signed,

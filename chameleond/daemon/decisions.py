@@ -11,13 +11,18 @@ ever sees a generation Redis does not hold yet.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import replace
 from typing import Any
 
-from chameleond.core.decide import Decision, DecisionError, decide, decision_to_dict, initial_plan
+from chameleond.core.decide import DecisionError, decide, initial_plan
+from chameleond.core.decision import (
+    Decision,
+    decision_to_dict,
+    join_not_taken,
+    prepared_switch,
+)
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import DecisionRequest, DecisionResult
 from chameleond.core.plan import Plan
@@ -29,6 +34,7 @@ from chameleond.daemon.views import refresh_gauges
 from chameleond.jobstate.change import SNAPSHOT, recorded
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.records import FollowUp
+from chameleond.records import DecisionRecord
 
 log = logging.getLogger("chameleond")
 decisions_log = logging.getLogger("chameleond.decisions")
@@ -107,7 +113,8 @@ class Decisions:
                     note(recorded(job.machine.fault(w.id, cause, now)[1]))
                 elif w.id not in plan.workers and job.workers[w.id].registered:
                     note(recorded(job.machine.join(w.id, now)[1]))
-            record = _record(generation, Policy.INITIAL, "initial plan", now)
+            record = DecisionRecord(generation, Policy.INITIAL, "initial plan", now,
+                                    step_seconds=plan.estimates.step_seconds)  # fmt: skip
             published = await self.committer.publish(plan, record, [])
         for seconds in waits.values():
             self.metrics.fault_waiting_seconds.observe(seconds)
@@ -124,7 +131,7 @@ class Decisions:
             job.last_decision = {"cause": "initial plan", "at": now, "unrecoverable": reason,
                                  "selected": None, "candidates": []}  # fmt: skip
             self.committer.note(SNAPSHOT)
-            record = _record(0, "", "initial plan", now, unrecoverable=reason)
+            record = DecisionRecord(0, "", "initial plan", now, unrecoverable=reason)
             await self.committer.record([record], job.acks_for(None))
 
     # ---- a decision ----------------------------------------------------------------------------
@@ -161,7 +168,7 @@ class Decisions:
             now = time.time()
             plan = decision.plan if decision is not None else None
             joins_only = not request.faults and not request.unrestorable
-            if plan is not None and joins_only and _same_layout(plan, current):
+            if plan is not None and join_not_taken(current, plan, joins_only=joins_only):
                 plan = None  # a join the planner does not take: keep the current plan
             result = DecisionResult(
                 generation=plan.generation if plan is not None else None,
@@ -205,7 +212,7 @@ class Decisions:
         error: str | None,
         mtbf: float,
         now: float,
-    ) -> dict[str, str]:
+    ) -> DecisionRecord:
         """The decision record (the candidates, the D they were scored over) and the status's
         last decision."""
         job = self.job
@@ -217,29 +224,24 @@ class Decisions:
             decision_seconds=now - request.first_event_at,
         )  # fmt: skip
         job.last_decision = summary
-        record = {
-            "kind": "decision",
-            "generation": str(request.generation if plan is not None else job.machine.generation),
-            "selected": (decision.selected or "") if plan is not None and decision else "",
-            "cause": request.cause,
-            "unrecoverable": result.unrecoverable or "",
-            "mtbf_seconds": f"{mtbf:.3f}",
-            "failed": json.dumps(sorted(request.failed)),
-            "faults": json.dumps(sorted(request.faults)),
-            "joined": json.dumps(sorted(request.joined)),
-            "unrestorable": json.dumps(sorted(request.unrestorable)),
-            "candidates": json.dumps(summary.get("candidates", [])),
-            "search_seconds": f"{summary.get('search_seconds', 0.0):.6f}",
-            "decision_seconds": f"{now - request.first_event_at:.6f}",
-            "at": f"{now:.6f}",
-        }
-        if request.details:  # the raw errors the faults' causes shorten (handlers/cause.py)
-            record["detail"] = json.dumps(dict(sorted(request.details.items())))
-        if decision is not None and decision.note:
-            record["note"] = decision.note
-        if plan is not None:
-            record["step_seconds"] = f"{plan.estimates.step_seconds:.6f}"
-        return record
+        return DecisionRecord(
+            generation=request.generation if plan is not None else job.machine.generation,
+            selected=(decision.selected or "") if plan is not None and decision else "",
+            cause=request.cause,
+            at=now,
+            unrecoverable=result.unrecoverable or "",
+            mtbf_seconds=mtbf,
+            failed=tuple(sorted(request.failed)),
+            faults=tuple(sorted(request.faults)),
+            joined=tuple(sorted(request.joined)),
+            unrestorable=tuple(sorted(request.unrestorable)),
+            candidates=tuple(summary.get("candidates", [])),
+            search_seconds=summary.get("search_seconds", 0.0),
+            decision_seconds=now - request.first_event_at,
+            step_seconds=plan.estimates.step_seconds if plan is not None else None,
+            detail=dict(request.details),  # the raw errors the faults' causes shorten
+            note=decision.note if decision is not None else "",
+        )
 
     # ---- reroute first, switch later -----------------------------------------------------------
 
@@ -260,7 +262,7 @@ class Decisions:
                     f"switch to the prepared {follow_up.plan.policy} plan dropped: "
                     f"D {window:.0f} s no longer exceeds {follow_up.after_seconds:.0f} s"
                 )
-                record = _record(m.generation, "", cause, now, mtbf_seconds=f"{window:.3f}")
+                record = DecisionRecord(m.generation, "", cause, now, mtbf_seconds=window)
                 await self.committer.record([record], [])
                 decisions_log.info("%s", cause)
                 return
@@ -271,7 +273,8 @@ class Decisions:
             self.committer.note(
                 recorded(m.switch(generation, plan.workers, now, plan.cause, of_plan(plan)))
             )
-            record = _record(generation, plan.policy, plan.cause, now, mtbf_seconds=f"{window:.3f}")
+            record = DecisionRecord(generation, plan.policy, plan.cause, now, mtbf_seconds=window,
+                                    step_seconds=plan.estimates.step_seconds)  # fmt: skip
             published = await self.committer.publish(plan, record, [])
         self._published(published, published.cause, None)
 
@@ -297,16 +300,5 @@ class Decisions:
 def _follow_up(decision: Decision | None, plan: Plan, force: Policy | None) -> FollowUp | None:
     """The prepared dynamic plan to switch to once `plan` (a reroute) trains; None when the
     planner offered none or the policy is forced."""
-    if decision is None or decision.follow_up is None or force is not None:
-        return None
-    return FollowUp(plan.generation, decision.follow_up, decision.follow_up_after_seconds or 0.0)
-
-
-def _record(generation: int, selected: str, cause: str, now: float, **more: str) -> dict[str, str]:
-    """A decision record without candidates (the initial plan, a switch, no initial plan)."""
-    head = {"kind": "decision", "generation": str(generation), "selected": selected}
-    return {**head, "cause": cause, **more, "at": f"{now:.6f}"}
-
-
-def _same_layout(a: Plan, b: Plan) -> bool:
-    return a.pipelines == b.pipelines and a.routing == b.routing and a.excluded == b.excluded
+    prepared = prepared_switch(decision, force)
+    return None if prepared is None else FollowUp(plan.generation, *prepared)

@@ -32,7 +32,9 @@ from redis.exceptions import RedisError
 from chameleond.core.machine import Phase
 from chameleond.daemon.config import Config
 from chameleond.daemon.reachability import Reachability
+from chameleond.events import Event, Fault
 from chameleond.jobstate.job import Job
+from chameleond.jobstate.records import WorkerState
 
 log = logging.getLogger("chameleond.detector")
 TICK_SECONDS = 0.2
@@ -46,7 +48,7 @@ class Detector:
         job: Job,
         cfg: Config,
         reachability: Reachability,
-        write_event: Callable[[dict[str, str]], Awaitable[None]],
+        write_event: Callable[[Event], Awaitable[None]],
         nudge: Callable[[int], Awaitable[None]],
     ) -> None:
         self.job, self.cfg, self.reachability = job, cfg, reachability
@@ -111,15 +113,13 @@ class Detector:
                 for worker, cause in self.suspects(now).items():
                     self.reported[worker] = now
                     log.warning("suspect %s: %s", worker, cause)
-                    fault = {"type": "fault", "worker": worker, "cause": cause}
-                    fault["source"] = "detector"
-                    await self.write_event(fault)
+                    await self.write_event(Fault(worker, cause, source="detector"))
                 states = job.worker_states(now, cfg.heartbeat_timeout_seconds)
-                fenced = sorted(w for w, s in states.items() if s == "fenced")
+                fenced = sorted(w for w, s in states.items() if s is WorkerState.FENCED)
                 for w in set(fenced) - self.fenced_logged:
                     log.warning("fenced %s: heard from after it was declared failed", w)
                 self.fenced_logged = set(fenced)
-                dead = {w for w, s in states.items() if s == "failed"}
+                dead = {w for w, s in states.items() if s is WorkerState.FAILED}
                 for w in sorted(dead - self.dead_logged):
                     log.warning("%s is dead: nothing heard from it since it was declared failed", w)
                 self.dead_logged = dead

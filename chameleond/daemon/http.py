@@ -21,7 +21,7 @@ from chameleond.daemon.health import Health
 from chameleond.daemon.metrics import Metrics
 from chameleond.jobstate.job import Job
 from chameleond.protocol import Keys
-from chameleond.streams import is_decision, parse_decision
+from chameleond.records import read_decisions
 
 
 class HttpServer:
@@ -94,9 +94,7 @@ class HttpServer:
                 data.events = _text(await client.xrevrange(keys.events, count=PAGE_EVENTS))
                 data.dead = _text(await client.xrevrange(keys.dead, count=PAGE_EVENTS))
                 records = _text(await client.xrevrange(keys.decisions, count=200))
-                data.decisions = [parse_decision(i, f) for i, f in records if is_decision(f)][
-                    :PAGE_DECISIONS
-                ]
+                data.decisions = read_decisions(records)[:PAGE_DECISIONS]
             except (RedisError, OSError) as e:
                 data.errors.append(f"Redis unreadable: {e}")
         return web.Response(text=page.render(data), content_type="text/html", charset="utf-8")

@@ -25,6 +25,7 @@ from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.redis_errors import ErrorCode, has_code
 from chameleond.events import Event
+from chameleond.handlers.outcome import EventOutcome
 from chameleond.jobstate.change import SNAPSHOT
 from chameleond.jobstate.job import Job
 from chameleond.protocol import EVENT_TYPES, EventError, read_event, shorten
@@ -129,14 +130,14 @@ class Ingest:
             if e.fields is None:
                 dead.append(_dead(e, {}, "the entry was deleted from the stream before handling"))
                 acks.append(e.id)
-                m.count_event("unknown", "invalid")
+                m.count_event("unknown", EventOutcome.INVALID)
                 continue
             kind = _kind(e.fields)
             if e.deliveries > self.max_deliveries:
                 reason = f"delivered {e.deliveries} times without being handled"
                 dead.append(_dead(e, e.fields, reason))
                 acks.append(e.id)
-                m.count_event(kind, "invalid")
+                m.count_event(kind, EventOutcome.INVALID)
                 continue
             try:
                 event = read_event(e.fields, job.name, self.keyring)
@@ -144,14 +145,14 @@ class Ingest:
             except AuthError as err:
                 dead.append(_dead(e, e.fields, f"refused: {err}"))
                 acks.append(e.id)
-                m.count_event(kind, "invalid")
+                m.count_event(kind, EventOutcome.INVALID)
                 m.forged_counters[kind].inc()
                 self._log_forged(e.id, kind, str(err))
                 continue
             except EventError as err:
                 dead.append(_dead(e, e.fields, str(err)))
                 acks.append(e.id)
-                m.count_event(kind, "invalid")
+                m.count_event(kind, EventOutcome.INVALID)
                 continue
             except Exception:  # a handler bug: leave the entry pending; it comes back, then dies
                 log.exception("handler for entry %s failed; it stays pending", e.id)

@@ -13,10 +13,11 @@ from prometheus_client.registry import Collector
 
 from chameleond.core.machine import Phase
 from chameleond.core.policy import Policy
-from chameleond.jobstate.records import WORKER_STATES
+from chameleond.handlers.outcome import EventOutcome
+from chameleond.jobstate.records import WORKER_STATES, WorkerState
 from chameleond.protocol import EVENT_TYPES
 
-OUTCOMES = ("handled", "invalid", "duplicate")
+OUTCOMES = tuple(EventOutcome)
 POLICY_LABELS = (Policy.REROUTE, Policy.DYNAMIC, Policy.INITIAL, Policy.RESTORE, Policy.DROP)
 # Decisions take milliseconds to seconds; recoveries seconds to minutes.
 DECISION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -237,14 +238,14 @@ class Metrics:
     def set_training(self, figures: TrainingFigures) -> None:
         self.training.figures = figures
 
-    def count_event(self, kind: str, outcome: str) -> None:
+    def count_event(self, kind: str, outcome: EventOutcome) -> None:
         self.event_counters[kind, outcome].inc()
 
     def set_phase(self, phase: Phase) -> None:
         for p in Phase:
             self.job_state.labels(p.value).set(1.0 if p is phase else 0.0)
 
-    def set_workers(self, states: dict[str, str]) -> None:
+    def set_workers(self, states: dict[str, WorkerState]) -> None:
         counts = dict.fromkeys(WORKER_STATES, 0)
         for s in states.values():
             counts[s] += 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chameleond.core.plan import Plan
-from chameleond.streams import DecisionRecord
+from chameleond.records import DecisionRecord
 
 REFRESH_SECONDS = 2
 Entry = tuple[str, Mapping[str, str]]

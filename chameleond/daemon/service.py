@@ -43,6 +43,7 @@ from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
+from chameleond.events import Event
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.jobstate.snapshot import restore
@@ -388,12 +389,12 @@ class Service:
 
 def own_event_writer(
     lease: Lease, keys: Keys, keyring: Keyring | None
-) -> Callable[[dict[str, str]], Awaitable[None]]:
+) -> Callable[[Event], Awaitable[None]]:
     """How the daemon writes an event to its own stream (the detector's faults): signed as the
     workers sign theirs, so that it passes the same check, and only while it holds the lease."""
 
-    async def write(fields: dict[str, str]) -> None:
-        event = keyring.sign_event(keys.job, fields) if keyring else fields
-        await lease.xadd(keys.events, event)
+    async def write(event: Event) -> None:
+        fields = event.to_fields()
+        await lease.xadd(keys.events, keyring.sign_event(keys.job, fields) if keyring else fields)
 
     return write

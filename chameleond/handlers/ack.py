@@ -21,6 +21,7 @@ from chameleond.handlers.outcome import (
 )
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, recorded, snapshot_if
 from chameleond.jobstate.job import Job
+from chameleond.jobstate.records import WorkerState
 
 
 def handle_ack(job: Job, event: Ack, entry_id: str, now: float) -> Outcome:
@@ -54,16 +55,17 @@ def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -
         and event.worker in m.plan_workers
         and not job.declared_failed(event.worker)
     )
-    if not member or (rec.ended and rec.stopped_generation >= generation):
+    if not member or (rec.ended is not None and rec.stopped_generation >= generation):
         if rec.stopped_generation >= generation:
             return DUPLICATE
         rec.stopped_generation = generation
         return HANDLED.having(SNAPSHOT)
     rec.stopped_generation = generation
-    rec.ended = "left" if event.reason == "left" else "finished"
-    if rec.ended == "finished":
+    rec.ended = WorkerState.LEFT if event.reason == "left" else WorkerState.FINISHED
+    if rec.ended is WorkerState.FINISHED:
         # Its peers finish at the same step: nothing to decide. Once all have, the job is done.
-        done = all(job.workers[w].ended == "finished" for w in m.plan_workers if w in job.workers)
+        peers = [job.workers[w] for w in m.plan_workers if w in job.workers]
+        done = all(r.ended is WorkerState.FINISHED for r in peers)
         return HANDLED.having(SNAPSHOT | recorded(m.finish(now) if done else []))
     new, transitions = m.fault(event.worker, "left the job", now)
     change = SNAPSHOT | recorded(transitions)

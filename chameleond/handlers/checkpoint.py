@@ -2,7 +2,7 @@
 directory. A step whose files together cover every layer is a checkpoint the daemon can restore
 when backup-free recovery is impossible (decide(checkpoint_step=...), policy `restore`). A file
 of a step after a restore's, written before that restore's generation, is stale: its worker
-deletes it (chameleond.worker.checkpoint.restore)."""
+deletes it (chameleond.worker._checkpoint.restore)."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 from chameleond.events import Ack, Checkpoint, Step
 from chameleond.jobstate.change import UNCHANGED, Change
@@ -10,25 +11,34 @@ from chameleond.jobstate.job import Job
 from chameleond.protocol import EventError
 
 
+class EventOutcome(StrEnum):
+    """The `outcome` label of chameleon_events_total: what became of one event. A handler says
+    handled or duplicate; an event the protocol rejects is counted invalid (dead-lettered)."""
+
+    HANDLED = "handled"
+    INVALID = "invalid"
+    DUPLICATE = "duplicate"
+
+
 @dataclass(frozen=True)
 class Outcome:
-    label: str  # handled | duplicate (the chameleon_events_total outcome)
+    label: EventOutcome  # HANDLED | DUPLICATE
     owed: bool = False  # True: acknowledged by the commit of the decision it feeds
     change: Change = UNCHANGED  # what the daemon must make durable (snapshot, records)
 
     @property
     def duplicate(self) -> bool:
-        return self.label == "duplicate"
+        return self.label is EventOutcome.DUPLICATE
 
     def having(self, change: Change) -> Outcome:
         """This outcome, with `change` on top of what it changed already."""
         return replace(self, change=self.change | change) if change else self
 
 
-HANDLED = Outcome("handled")
-DUPLICATE = Outcome("duplicate")
-HANDLED_OWED = Outcome("handled", owed=True)
-DUPLICATE_OWED = Outcome("duplicate", owed=True)
+HANDLED = Outcome(EventOutcome.HANDLED)
+DUPLICATE = Outcome(EventOutcome.DUPLICATE)
+HANDLED_OWED = Outcome(EventOutcome.HANDLED, owed=True)
+DUPLICATE_OWED = Outcome(EventOutcome.DUPLICATE, owed=True)
 
 
 def reported_generation(job: Job, event: Step | Ack | Checkpoint) -> int:

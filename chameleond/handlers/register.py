@@ -2,7 +2,7 @@
 counts towards --min-workers; afterwards a worker outside the current plan is a join.
 
 A worker the spec does not list becomes one of the job's workers only once its profile follows
-(workers send `register` then `profile`, chameleond/worker/startup.py): until then its registration
+(workers send `register` then `profile`, chameleond/worker/_startup.py): until then its registration
 is held (`Job.unconfirmed`), for at most the registration TTL and with at most UNCONFIRMED_MAX held
 at once, so registrations nobody follows up can neither pile up nor be planned in."""
 
@@ -33,7 +33,7 @@ def handle_register(job: Job, event: Register, entry_id: str, now: float) -> Out
     known = (rec.host, rec.device, rec.memory_bytes, rec.registered)
     changed = known != (host, device, memory, True)
     rec.host, rec.device, rec.memory_bytes, rec.registered = host, device, memory, True
-    ended = bool(rec.ended)
+    ended = rec.ended is not None
     job.new_process(event.worker)
     rec.last_heartbeat = now
     if event.worker in job.extra_workers and changed:

@@ -7,13 +7,11 @@ snapshot, the transition records for the decisions stream, the recoveries for th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from chameleond.core.machine import Recovery, Transition
-
-Record = Mapping[str, Any]  # one entry of the decisions stream
+from chameleond.records import Record, TransitionRecord
 
 
 @dataclass(frozen=True)
@@ -43,15 +41,5 @@ def snapshot_if(changed: bool) -> Change:
 
 def recorded(ts: Iterable[Transition]) -> Change:
     """The policy machine moved: its snapshot changed, and each transition is recorded."""
-    records = tuple(
-        {
-            "kind": "transition",
-            "from": t.source.value,
-            "to": t.target.value,
-            "generation": str(t.generation),
-            "cause": t.cause,
-            "at": f"{t.at:.6f}",
-        }
-        for t in ts
-    )
+    records: tuple[Record, ...] = tuple(TransitionRecord.of(t) for t in ts)
     return Change(snapshot=bool(records), records=records)

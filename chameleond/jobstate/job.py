@@ -24,10 +24,12 @@ from chameleond.jobstate.jobspec import measured_layers
 from chameleond.jobstate.records import (
     UNCONFIRMED_MAX,
     FollowUp,
+    Liveness,
     RebuildMeter,
     Registration,
     StepMeter,
     WorkerRecord,
+    WorkerState,
 )
 
 REPAIRS = 1000  # the workers' repairs kept (and persisted) for the window estimate
@@ -192,11 +194,11 @@ class Job:
     def new_process(self, worker: str) -> None:
         """A registration or rejoin: whatever the worker's earlier process did is over."""
         rec = self.worker(worker)
-        rec.ended, rec.heard_while_failed = "", 0.0
+        rec.ended, rec.heard_while_failed = None, 0.0
 
     def ended(self, worker: str) -> bool:
         rec = self.workers.get(worker)
-        return rec is not None and bool(rec.ended)
+        return rec is not None and rec.ended is not None
 
     # ---- registrations from outside the spec ---------------------------------------------------
 
@@ -392,36 +394,40 @@ class Job:
 
     # ---- views ---------------------------------------------------------------------------------
 
-    def worker_state(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> str | None:
+    def worker_state(
+        self, rec: WorkerRecord, now: float, heartbeat_timeout: float
+    ) -> WorkerState | None:
         m = self.machine
-        if rec.ended:
+        if rec.ended is not None:
             return rec.ended  # stopped cleanly: finished its steps, or left the job
         if rec.id in m.standby or rec.id in m.pending_joins:
-            return "waiting"  # back, offered to the next decision (core/machine.py)
+            return WorkerState.WAITING  # back, offered to the next decision (core/machine.py)
         if rec.id in m.failed or (self.plan and rec.id in self.plan.excluded):
             if rec.stopped_generation >= m.generation and m.generation:
-                return "stopped"
+                return WorkerState.STOPPED
             # Fenced only on evidence: heard from after it was declared failed, recently.
             heard = rec.heard_while_failed
-            return "fenced" if heard and now - heard <= heartbeat_timeout else "failed"
+            fenced = heard and now - heard <= heartbeat_timeout
+            return WorkerState.FENCED if fenced else WorkerState.FAILED
         if rec.id in m.plan_workers:
-            return "active"
-        return "waiting" if rec.registered else None
+            return WorkerState.ACTIVE
+        return WorkerState.WAITING if rec.registered else None
 
-    def liveness(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> str:
+    def liveness(self, rec: WorkerRecord, now: float, heartbeat_timeout: float) -> Liveness:
         """What the daemon knows of the worker's process, on evidence: `stopped` (it said so:
         finished, left or fenced), `dead` (declared failed, nothing heard since), `heartbeating`
         (heard within the timeout) or `silent`."""
         m = self.machine
-        if rec.ended or (rec.stopped_generation >= m.generation and m.generation):
-            return "stopped"
+        if rec.ended is not None or (rec.stopped_generation >= m.generation and m.generation):
+            return Liveness.STOPPED
         if self.declared_failed(rec.id) or (self.plan and rec.id in self.plan.excluded):
             heard = rec.heard_while_failed
-            return "heartbeating" if heard and now - heard <= heartbeat_timeout else "dead"
+            alive = heard and now - heard <= heartbeat_timeout
+            return Liveness.HEARTBEATING if alive else Liveness.DEAD
         fresh = rec.last_heartbeat and now - rec.last_heartbeat <= heartbeat_timeout
-        return "heartbeating" if fresh else "silent"
+        return Liveness.HEARTBEATING if fresh else Liveness.SILENT
 
-    def worker_states(self, now: float, heartbeat_timeout: float) -> dict[str, str]:
+    def worker_states(self, now: float, heartbeat_timeout: float) -> dict[str, WorkerState]:
         out = {}
         for rec in self.workers.values():
             state = self.worker_state(rec, now, heartbeat_timeout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
@@ -13,7 +14,29 @@ from chameleond.core.spec import LayerProfile
 from chameleond.events import Step
 from chameleond.jobstate.jobspec import profile_from_json, profile_to_json
 
-WORKER_STATES = ("waiting", "active", "failed", "fenced", "stopped", "finished", "left")
+
+class WorkerState(StrEnum):
+    """What a worker is to the job (the status page's `state`, chameleon_workers' label)."""
+
+    WAITING = "waiting"  # registered outside the plan: a spare, or back and offered to a decision
+    ACTIVE = "active"  # runs the current plan
+    FAILED = "failed"  # declared failed or fenced by the plan, not heard from since
+    FENCED = "fenced"  # declared failed, yet heard from recently: alive, kept out of the plans
+    STOPPED = "stopped"  # out of the plans and said it stopped
+    FINISHED = "finished"  # stopped cleanly: trained its steps
+    LEFT = "left"  # stopped cleanly: left the job
+
+
+class Liveness(StrEnum):
+    """What the daemon knows of a worker's process, on evidence (Job.liveness)."""
+
+    STOPPED = "stopped"  # it said so: finished, left or fenced
+    DEAD = "dead"  # declared failed, nothing heard since
+    HEARTBEATING = "heartbeating"  # heard within the heartbeat timeout
+    SILENT = "silent"  # not heard within it
+
+
+WORKER_STATES = tuple(WorkerState)
 # Registrations of workers the spec does not list wait for the worker's profile (docs/daemon.md,
 # Failure detection): at most this many at once, each for at most the registration TTL.
 UNCONFIRMED_MAX = 64
@@ -30,7 +53,8 @@ class WorkerRecord:
     since_generation: int = 0  # the first generation this worker's current process can be in
     last_heartbeat: float = 0.0  # soft state: wall-clock time of the last heartbeat seen
     profile: dict[int, LayerProfile] = field(default_factory=dict)
-    ended: str = ""  # "finished" or "left": this process stopped cleanly; never declared failed
+    ended: WorkerState | None = None  # FINISHED or LEFT: this process stopped cleanly; never
+    # declared failed (None: it has not)
     # Soft state: the last time this worker was heard from while declared failed (0: never). Only
     # that makes a failed worker `fenced` (alive); a heartbeat from before it was declared, or the
     # restart of the daemon, does not.
@@ -46,7 +70,7 @@ class WorkerRecord:
             "registered": self.registered,
             "stopped_generation": self.stopped_generation,
             "since_generation": self.since_generation,
-            "ended": self.ended,
+            "ended": self.ended or "",
             "down_since": self.down_since,
             "profile": profile_to_json(self.profile),
         }
@@ -56,7 +80,8 @@ class WorkerRecord:
         self.memory_bytes, self.registered = int(d["memory_bytes"]), bool(d["registered"])
         self.stopped_generation = int(d["stopped_generation"])
         self.since_generation = int(d.get("since_generation", 0))
-        self.ended = str(d.get("ended", ""))
+        ended = str(d.get("ended", ""))
+        self.ended = WorkerState(ended) if ended else None
         self.down_since = float(d.get("down_since", 0.0))
         self.profile = profile_from_json(d["profile"])
 

@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from chameleond.auth import SECRET_ENV, Keyring
+from chameleond.events import Ack, AckPhase, Heartbeat, Register
 from chameleond.protocol import REDIS_URL_ENV, Keys
 from chameleond.redis_server import free_port
 
@@ -130,7 +131,7 @@ class PlanFollowers(threading.Thread):
         self.keys = Keys(job)
         self.keyring = keyring
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
-        from chameleond.worker.events import (
+        from chameleond.worker._link import (
             PlanWatcher,  # the workers' own (needs chameleond[worker])
         )
 
@@ -163,8 +164,7 @@ class PlanFollowers(threading.Thread):
             try:
                 if not registered:
                     for w in self.workers:
-                        self._send({"type": "register", "worker": w, "host": "localhost",
-                                    "memory_bytes": str(self.memory_bytes)})  # fmt: skip
+                        self._send(Register(w, "localhost", self.memory_bytes).to_fields())
                     registered = True
                 with self._lock:
                     alive = sorted(self.alive)
@@ -172,14 +172,13 @@ class PlanFollowers(threading.Thread):
                 if now - last_beat >= HEARTBEAT_SECONDS:
                     last_beat = now
                     for w in alive:
-                        self._send({"type": "heartbeat", "worker": w})
+                        self._send(Heartbeat(w).to_fields())
                 self.watcher.refresh()
                 plan = self.watcher.newest
                 if plan is not None and plan.generation > self.acked:
                     members = set(plan.workers) - set(plan.excluded)
                     for w in sorted(members & set(alive)):
-                        self._send({"type": "ack", "worker": w, "phase": "ready",
-                                    "generation": str(plan.generation)})  # fmt: skip
+                        self._send(Ack(w, plan.generation, AckPhase.READY).to_fields())
                     self.acked = plan.generation
             except (redis.RedisError, OSError):
                 continue

@@ -48,7 +48,7 @@ def console_script(name: str) -> list[str]:
         return [found]
     modules = {
         "chameleond": "chameleond.daemon.cli",
-        "chameleon-worker": "chameleond.worker.main",
+        "chameleon-worker": "chameleond.worker._main",
     }
     return [sys.executable, "-m", modules[name]]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from chameleond.auth import Keyring
 from chameleond.protocol import MAX_ID_LEN
-from chameleond.streams import redis_cli_args
+from chameleond.redis_server import redis_cli_args
 
 DEFAULT_CAUSES = {
     "kill": "kill -9 (injected)",
@@ -118,7 +118,7 @@ def check_workers(faults: Sequence[Fault], workers: Sequence[str]) -> None:
 def corrupt_newest_checkpoint(directory: Path, worker: str) -> Path | None:
     """Cut the worker's newest checkpoint file to half its length; the file, or None when the
     worker has written none. Files are named `{worker}-{step:09d}.safetensors`
-    (chameleond.worker.checkpoint.checkpoint_path), so the newest sorts last."""
+    (chameleond.worker._checkpoint.checkpoint_path), so the newest sorts last."""
     files = sorted(directory.glob(f"{worker}-[0-9]*.safetensors"))
     if not files:
         return None

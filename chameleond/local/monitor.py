@@ -19,7 +19,7 @@ import redis
 
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.protocol import Keys
-from chameleond.streams import Entry, entry_seconds, is_decision
+from chameleond.records import DecisionRecord, Entry, TransitionRecord, entry_seconds, read_record
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,15 @@ class StreamMonitor:
                 else:
                     self._last_decision = entry_id
                     self.decisions.append((entry_id, fields))
-                    self._on_decision(fields)
+                    self._on_decision(read_record(entry_id, fields))
         return new_commits
 
-    def _on_decision(self, f: Mapping[str, str]) -> None:
-        if f.get("kind") == "transition":
-            self.state = f.get("to", self.state)
-        elif is_decision(f) and f.get("selected"):
-            self.policy = f["selected"]
-            with contextlib.suppress(ValueError):
-                self.generation = max(self.generation or 0, int(f.get("generation", "")))
+    def _on_decision(self, r: DecisionRecord | TransitionRecord | None) -> None:
+        if isinstance(r, TransitionRecord):
+            self.state = r.target or self.state
+        elif isinstance(r, DecisionRecord) and r.selected:
+            self.policy = r.selected
+            self.generation = max(self.generation or 0, r.generation)
 
     def _plan_members(self, generation: int) -> frozenset[str] | None:
         if generation in self.members:
@@ -124,16 +123,6 @@ class StreamMonitor:
 
     def first_commit_on(self, generation: int) -> Commit | None:
         return next((c for c in self.commits if c.generation == generation), None)
-
-    def decision_for(self, worker: str, since: float) -> Mapping[str, str] | None:
-        """The first decision recorded after `since` whose failed or joined include `worker`."""
-        for entry_id, f in self.decisions:
-            if entry_seconds(entry_id) < since or not is_decision(f):
-                continue
-            text = " ".join(str(f.get(k, "")) for k in ("failed", "joined", "cause", "decision"))
-            if worker in text.replace('"', " ").replace(",", " ").split():
-                return f
-        return None
 
     def read_all(self) -> None:
         """Drain both streams (after training ended, before the report)."""

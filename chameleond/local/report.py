@@ -30,7 +30,7 @@ from chameleond.local.timeline import (
     group_rebuild_seconds,
     median_interval,
 )
-from chameleond.streams import DecisionRecord, Entry, entry_seconds, is_decision, parse_decision
+from chameleond.records import DecisionRecord, Entry, entry_seconds, read_decisions
 
 WINDOW = 5  # steps before a fault that define "throughput before"
 
@@ -59,7 +59,7 @@ def _why(d: DecisionRecord) -> str:
         elif c.get("score") is not None:
             parts.append(f"{c.get('policy')} score {float(c['score']):.2f}")
     d_text = f"D={d.mtbf_seconds:.0f}s" if d.mtbf_seconds is not None else "D unknown"
-    note = str(d.raw.get("note", ""))
+    note = d.note
     if d.unrestorable and note:  # a restore decided again: what the failed one could not load
         note = f"{d.cause}; {note}"
     if d.selected == "restore" and note:  # both candidates lost the same layers: say it once
@@ -103,7 +103,7 @@ def build_report(
     """`plan_docs`: generation -> the plan as published, where the run saw it (its estimates fill
     in a decision record that carries none: the initial plan, a switch)."""
     steps = committed_steps(events, members)
-    records = [parse_decision(i, f) for i, f in decisions if is_decision(f)]
+    records = read_decisions(decisions)
     t0 = steps[0].at if steps else (injections[0].at if injections else 0.0)
     fault_events = [(entry_seconds(i), f) for i, f in events if f.get("type") == "fault"]
     rows: list[dict[str, Any]] = []
@@ -159,16 +159,14 @@ def build_report(
             # Part of the recovery: the new plan's process groups built, per backend.
             "group_rebuild_seconds": group_rebuild_seconds(events, gen) if gen else {},
             "generation": gen,
-            "policy": decision.selected if decision else None,
+            "policy": (decision.selected or None) if decision else None,
             "why": _why(decision) if decision else "no decision recorded",
             "mtbf_seconds": _round(decision.mtbf_seconds) if decision else None,
             "candidates": [_candidate_view(c) for c in decision.candidates] if decision else [],
-            "unrecoverable": decision.unrecoverable if decision else None,
+            "unrecoverable": (decision.unrecoverable or None) if decision else None,
             "throughput_before": _round(_throughput(before, global_batch), 2),
             "throughput_after": _round(_throughput(after, global_batch), 2),
-            "estimated_step_seconds": _round(decision.step_seconds_estimate, 4)
-            if decision
-            else None,
+            "estimated_step_seconds": _round(decision.estimate, 4) if decision else None,
             "measured_step_seconds": _round(measured_step, 4),
         }
         (rows if is_fault else rejoins).append(row)
@@ -210,8 +208,8 @@ def write_report(report: Mapping[str, Any], directory: Path) -> tuple[Path, Path
 
 def _estimate(d: DecisionRecord, docs: Mapping[int, Mapping[str, Any]]) -> float | None:
     """The model's step time of the plan a decision published: its record's, else the plan's."""
-    if d.step_seconds_estimate is not None or d.generation is None:
-        return d.step_seconds_estimate
+    if d.estimate is not None:
+        return d.estimate
     estimates = (docs.get(d.generation) or {}).get("estimates") or {}
     value = estimates.get("step_seconds") if isinstance(estimates, Mapping) else None
     return float(value) if isinstance(value, int | float) else None

@@ -21,9 +21,9 @@ from chameleond.local.faults import Fault, corrupt_newest_checkpoint, send_fault
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.progress import ProgressView
 from chameleond.local.report import Injection
-from chameleond.local.trace import ReplayStep
 from chameleond.protocol import redact_url
-from chameleond.streams import entry_seconds
+from chameleond.records import entry_seconds
+from chameleond.traces.replay import ReplayStep
 
 
 @dataclass

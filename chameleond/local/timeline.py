@@ -17,9 +17,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from chameleond.core.spec import backend_of
-from chameleond.events import Ack, AckPhase
+from chameleond.events import Ack, AckPhase, Step
 from chameleond.protocol import EventError, parse_event
-from chameleond.streams import Entry, entry_seconds, number
+from chameleond.records import Entry, entry_seconds
 
 
 @dataclass(frozen=True)
@@ -38,34 +38,33 @@ def committed_steps(
     """Group step events by (generation, step). A step commits once every worker of its plan has
     reported it (`members`: generation -> workers); where a plan is unknown, every worker that
     reported any step of that generation."""
-    reports: dict[tuple[int, int], list[tuple[float, Mapping[str, str]]]] = defaultdict(list)
+    reports: dict[tuple[int, int], list[tuple[float, Step]]] = defaultdict(list)
     reporters: dict[int, set[str]] = defaultdict(set)
     for entry_id, f in events:
         if f.get("type") != "step":
             continue
         try:
-            key = (int(f["generation"]), int(f["step"]))
-        except (KeyError, ValueError):
+            step = parse_event(f)
+        except EventError:
+            continue  # the daemon dead-letters it: never committed
+        if not isinstance(step, Step):
             continue
-        reports[key].append((entry_seconds(entry_id), f))
-        reporters[key[0]].add(f.get("worker", ""))
+        reports[(step.generation, step.step)].append((entry_seconds(entry_id), step))
+        reporters[step.generation].add(step.worker)
     out: list[CommittedStep] = []
-    for (gen, step), rows in reports.items():
+    for (gen, number), rows in reports.items():
         need = set(members[gen]) if members and gen in members else reporters[gen]
-        if not need <= {f.get("worker", "") for _, f in rows}:
+        if not need <= {s.worker for _, s in rows}:
             continue  # not every worker of the generation reported it: not committed
-        losses = [number(f.get("loss")) for _, f in rows]
-        known = [x for x in losses if x is not None]
-        samples = [int(number(f.get("samples")) or 0) for _, f in rows]
         out.append(
             CommittedStep(
                 generation=gen,
-                step=step,
+                step=number,
                 at=max(t for t, _ in rows),
                 # Workers without the model's head report no loss (or 0); the head's is the loss.
-                loss=max(known) if known else None,
-                samples=max(samples) if samples else 0,
-                seconds=max(number(f.get("seconds")) or 0.0 for _, f in rows),
+                loss=max(s.loss for _, s in rows),
+                samples=max(s.samples for _, s in rows),
+                seconds=max(s.seconds for _, s in rows),
             )
         )
     out.sort(key=lambda c: (c.at, c.step))

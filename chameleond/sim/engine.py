@@ -15,7 +15,7 @@ from chameleond.core.decide import decide
 from chameleond.core.plan import Plan
 from chameleond.core.spec import JobSpec
 from chameleond.sim.policies import POLICIES, JobState, Record, SimConfig, make_policy
-from chameleond.sim.timeline import KINDS, Segment
+from chameleond.sim.timeline import KINDS, Kind, Segment
 from chameleond.sim.trace import JobTrace
 
 
@@ -25,7 +25,7 @@ class PolicyResult:
     average_throughput: float  # useful samples per second over the trace
     ideal_throughput: float  # the proportional ideal's average
     gap_to_ideal: float
-    breakdown: dict[str, float]  # seconds per segment kind
+    breakdown: dict[Kind, float]  # seconds per segment kind
     segments: tuple[Segment, ...]
     records: tuple[Record, ...] = field(default=())
     plan: Plan | None = None  # the plan the policy runs when the trace ends

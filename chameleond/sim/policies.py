@@ -3,10 +3,11 @@
 Every price comes from the daemon's core: step times from `core.estimator`, layouts from
 `core.search`, migrations from `core.restorer`, and the choice from `core.decide`, which the
 `chameleon`, `reroute` and `dynamic` policies call exactly as the daemon does (the last two with
-`force`). Where a policy cannot continue without a checkpoint (its layout lost the only copy of
-some layer, or its forced candidate is infeasible), it falls back to the newest bubble checkpoint
-(PAPER.md section 9): a restore plan over the live workers, priced as checkpoint load + the work
-since that checkpoint + rebuild (`core.decide.restore_seconds`).
+`force`), acting on the decision by the daemon's rules (`core.decision`: a join the planner does
+not take, the prepared switch). Where a policy cannot continue without a checkpoint (its layout
+lost the only copy of some layer, or its forced candidate is infeasible), it falls back to the
+newest bubble checkpoint (PAPER.md section 9): a restore plan over the live workers, priced as
+checkpoint load + the work since that checkpoint + rebuild (`core.candidates.restore_seconds`).
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 
 from chameleond.core import restorer, selector
-from chameleond.core.decide import Decision, decide, initial_plan, restore_seconds
+from chameleond.core.candidates import restore_seconds
+from chameleond.core.decide import decide, initial_plan
+from chameleond.core.decision import Decision, join_not_taken, prepared_switch
 from chameleond.core.estimator import Estimator, pipeline_seconds
 from chameleond.core.holdings import Held, of_plan
 from chameleond.core.layout import own_routing
 from chameleond.core.plan import Pipeline, Plan
+from chameleond.core.policy import Policy as PlanPolicy
 from chameleond.core.spec import JobSpec
-from chameleond.sim.timeline import Phase, Timeline
+from chameleond.sim.timeline import Kind, Phase, Timeline
 from chameleond.sim.trace import JobEvent
 
 POLICIES = (
@@ -123,7 +127,7 @@ class Policy:
         state = JobState(self.initial, of_plan(self.initial))
         self.interval = self.checkpoint_seconds()
         tl = Timeline(state, self.interval)
-        tl.follow([Phase("training", INF, self.throughput(self.initial))])
+        tl.follow([Phase(Kind.TRAINING, INF, self.throughput(self.initial))])
         return tl
 
     def throughput(self, plan: Plan) -> float:
@@ -183,7 +187,7 @@ class Policy:
         return step - int(tl.lost_samples() // self.batch), step
 
     def decide(
-        self, tl: Timeline, now: float, down: Collection[str], *, force: str | None = None,
+        self, tl: Timeline, now: float, down: Collection[str], *, force: PlanPolicy | None = None,
         current: Plan | None = None, holdings: Held | None = None,
     ) -> Decision:  # fmt: skip
         state: JobState = tl.state
@@ -205,7 +209,7 @@ class Policy:
         d = self.decide(tl, now, down, holdings={})
         if d.plan is None:
             self.note(now, None, None, INF, d.unrecoverable or "")
-            tl.follow([Phase("down", INF, 0.0)])
+            tl.follow([Phase(Kind.DOWN, INF, 0.0)])
             return
         self.apply_restore(tl, now, d.plan, extra, "fallback")
 
@@ -217,9 +221,9 @@ class Policy:
         self.note(now, "restore", plan, total)
         tl.roll_back()
         tl.follow([
-            Phase("restart", total - lost, 0.0),
-            Phase("lost", lost, 0.0),
-            Phase("training", INF, self.throughput(plan), JobState(plan, of_plan(plan), mode)),
+            Phase(Kind.RESTART, total - lost, 0.0),
+            Phase(Kind.LOST, lost, 0.0),
+            Phase(Kind.TRAINING, INF, self.throughput(plan), JobState(plan, of_plan(plan), mode)),
         ])  # fmt: skip
 
     def switch(
@@ -228,15 +232,15 @@ class Policy:
         """Stop for `transition`, then train on `plan`."""
         state: JobState = tl.state
         tl.follow([
-            Phase("transition", transition, 0.0, JobState(plan, state.held, mode)),
-            Phase("training", INF, self.throughput(plan), JobState(plan, of_plan(plan), mode)),
+            Phase(Kind.TRANSITION, transition, 0.0, JobState(plan, state.held, mode)),
+            Phase(Kind.TRAINING, INF, self.throughput(plan), JobState(plan, of_plan(plan), mode)),
         ])  # fmt: skip
 
 
 class Choose(Policy):
     """`chameleon` (the selector decides), `reroute` and `dynamic` (forced): core.decide."""
 
-    def __init__(self, spec: JobSpec, cfg: SimConfig, name: str, force: str | None) -> None:
+    def __init__(self, spec: JobSpec, cfg: SimConfig, name: str, force: PlanPolicy | None) -> None:
         super().__init__(spec, cfg)
         self.name, self.force = name, force
 
@@ -244,7 +248,7 @@ class Choose(Policy):
         now = ev.seconds
         state: JobState = tl.state
         current = state.plan
-        if self.force == "reroute" and not ev.failed:
+        if self.force == PlanPolicy.REROUTE and not ev.failed:
             # ReCycle keeps its layout: a worker back from a failure takes its own slot again,
             # receiving its layers from a peer (the reroute candidate's repairs).
             back = set(ev.joined) & set(current.excluded)
@@ -254,9 +258,9 @@ class Choose(Policy):
         d = self.decide(tl, now, down, force=self.force, current=current)
         if d.selected is None or d.plan is None:
             self.note(now, None, None, INF, d.unrecoverable or "")
-            tl.follow([Phase("down", INF, 0.0)])
+            tl.follow([Phase(Kind.DOWN, INF, 0.0)])
             return
-        if d.selected == "restore":
+        if d.selected is PlanPolicy.RESTORE:
             self.apply_restore(tl, now, d.plan, 0.0, "fallback")
             return
         if self.force is not None and d.selected != self.force:
@@ -264,25 +268,27 @@ class Choose(Policy):
             self.restore(tl, now, down)
             return
         plan, tr = d.plan, d.plan.estimates.transition_seconds
-        if (
-            not ev.failed
-            and plan.estimates.step_seconds >= current.estimates.step_seconds
-            and (d.selected == "reroute")
-        ):
+        if self.force == PlanPolicy.REROUTE:
+            # ReCycle's rejoin: the returning worker takes its slot back only where the step
+            # gets faster (its stage's data-parallel group grows, and syncs slower).
+            if not ev.failed and plan.estimates.step_seconds >= current.estimates.step_seconds:
+                return
+        elif join_not_taken(current, plan, joins_only=not ev.failed):
             return  # a join the planner does not take: keep the current plan (as the daemon)
         self.note(now, d.selected, plan, tr, d.note)
         phases = [
-            Phase("transition", tr, 0.0, JobState(plan, state.held)),
-            Phase("training", INF, self.throughput(plan), JobState(plan, of_plan(plan))),
+            Phase(Kind.TRANSITION, tr, 0.0, JobState(plan, state.held)),
+            Phase(Kind.TRAINING, INF, self.throughput(plan), JobState(plan, of_plan(plan))),
         ]
-        if d.follow_up is not None and self.force is None:
-            f = d.follow_up
+        prepared = prepared_switch(d, self.force)
+        if prepared is not None:  # reroute first, switch once the prepared plan is ready
+            f, _ = prepared
             phases[-1] = replace(phases[-1], seconds=d.search_seconds)
             phases += [
                 Phase(
-                    "transition", f.estimates.transition_seconds, 0.0, JobState(f, of_plan(plan))
+                    Kind.TRANSITION, f.estimates.transition_seconds, 0.0, JobState(f, of_plan(plan))
                 ),
-                Phase("training", INF, self.throughput(f), JobState(f, of_plan(f))),
+                Phase(Kind.TRAINING, INF, self.throughput(f), JobState(f, of_plan(f))),
             ]
         tl.follow(phases)
 
@@ -327,9 +333,10 @@ class Restart(Policy):
         if gain > 0 and gain * self.mtbf(now) > cost * self.throughput(state.plan):
             tl.roll_back()  # a planned restart saves first: nothing is lost
             self.note(now, "restore", d.plan, cost, "scale up")
+            plan = d.plan
             tl.follow([
-                Phase("restart", cost, 0.0),
-                Phase("training", INF, self.throughput(d.plan), JobState(d.plan, of_plan(d.plan))),
+                Phase(Kind.RESTART, cost, 0.0),
+                Phase(Kind.TRAINING, INF, self.throughput(plan), JobState(plan, of_plan(plan))),
             ])  # fmt: skip
 
 
@@ -364,8 +371,8 @@ class DropReplica(Policy):
             return
         if ev.failed:
             self.note(now, "drop", state.plan, self.spec.rebuild_seconds)
-            tl.follow([Phase("transition", self.spec.rebuild_seconds, 0.0),
-                       Phase("training", INF, thr)])  # fmt: skip
+            tl.follow([Phase(Kind.TRANSITION, self.spec.rebuild_seconds, 0.0),
+                       Phase(Kind.TRAINING, INF, thr)])  # fmt: skip
             return
         back = [p for p in live if p not in before]
         if not back:
@@ -387,9 +394,9 @@ class DropReplica(Policy):
         stall, overlap = rejoin_seconds(self.spec.rebuild_seconds, fetch, step_before)
         self.note(now, "rejoin", state.plan, stall + overlap)
         tl.follow([
-            Phase("training", overlap, thr_before),
-            Phase("transition", stall, 0.0),
-            Phase("training", INF, thr),
+            Phase(Kind.TRAINING, overlap, thr_before),
+            Phase(Kind.TRANSITION, stall, 0.0),
+            Phase(Kind.TRAINING, INF, thr),
         ])  # fmt: skip
 
 
@@ -468,7 +475,7 @@ class Redundant(Policy):
     def start(self) -> Timeline:
         tl = super().start()
         if not self.memory_ok(self.initial):
-            tl.follow([Phase("down", INF, 0.0)])
+            tl.follow([Phase(Kind.DOWN, INF, 0.0)])
         return tl
 
     def throughput(self, plan: Plan) -> float:
@@ -488,7 +495,7 @@ class Redundant(Policy):
             d = self.decide(tl, now, down, holdings={})
             if d.plan is None:
                 self.note(now, None, None, INF, d.unrecoverable or "")
-                tl.follow([Phase("down", INF, 0.0)])
+                tl.follow([Phase(Kind.DOWN, INF, 0.0)])
                 return
             self.apply_restore(tl, now, d.plan, 0.0, "fallback")
             return
@@ -502,8 +509,8 @@ class Redundant(Policy):
                 for p in plan.pipelines for st in p.stages if st.worker in back
             ) / self.spec.nic_bytes_per_second()  # fmt: skip
         self.note(now, "redundant", plan, self.spec.rebuild_seconds + extra)
-        tl.follow([Phase("transition", self.spec.rebuild_seconds + extra, 0.0),
-                   Phase("training", INF, thr)])  # fmt: skip
+        tl.follow([Phase(Kind.TRANSITION, self.spec.rebuild_seconds + extra, 0.0),
+                   Phase(Kind.TRAINING, INF, thr)])  # fmt: skip
 
 
 def elastic(spec: JobSpec) -> JobSpec:
@@ -519,8 +526,8 @@ def make_policy(name: str, spec: JobSpec, cfg: SimConfig | None = None) -> Polic
         return Choose(spec, cfg, "chameleon", None)
     if name == "chameleon-elastic":
         return Choose(elastic(spec), cfg, name, None)
-    if name in ("reroute", "dynamic"):
-        return Choose(spec, cfg, name, name)
+    if name in (PlanPolicy.REROUTE, PlanPolicy.DYNAMIC):
+        return Choose(spec, cfg, name, PlanPolicy(name))
     if name == "restart":
         return Restart(spec, cfg)
     if name == "drop-replica":

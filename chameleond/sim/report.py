@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from chameleond.sim.engine import PolicyResult
+from chameleond.sim.timeline import Kind
 
 
 def table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
@@ -33,11 +34,11 @@ def policy_rows(results: Mapping[str, PolicyResult]) -> list[dict[str, Any]]:
             "gap_to_ideal": r.gap_to_ideal,
             "chameleon_ratio": (ours / r.average_throughput
                                 if ours is not None and r.average_throughput > 0 else None),
-            "training_s": b["training"],
-            "transition_s": b["transition"],
-            "restart_s": b["restart"],
-            "lost_s": b["lost"],
-            "down_s": b["down"],
+            "training_s": b[Kind.TRAINING],
+            "transition_s": b[Kind.TRANSITION],
+            "restart_s": b[Kind.RESTART],
+            "lost_s": b[Kind.LOST],
+            "down_s": b[Kind.DOWN],
         })  # fmt: skip
     return rows
 

@@ -6,23 +6,35 @@ them; what a cut phase had not finished is dropped. A phase's `state` (the plan 
 workers hold) becomes the policy's state when the phase starts, so a transition cut short leaves
 the previous state in place.
 
-Kinds: `training` (useful samples), `transition` (switching plans: nothing trained), `restart`
-(checkpoint load, job relaunch), `lost` (training again the steps since the last checkpoint),
-`down` (no plan can run).
+Kinds (`Kind`): `training` (useful samples), `transition` (switching plans: nothing trained),
+`restart` (checkpoint load, job relaunch), `lost` (training again the steps since the last
+checkpoint), `down` (no plan can run).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-KINDS = ("training", "transition", "restart", "lost", "down")
+
+class Kind(StrEnum):
+    """What the job does during a phase (the keys of a result's `breakdown_seconds`)."""
+
+    TRAINING = "training"
+    TRANSITION = "transition"
+    RESTART = "restart"
+    LOST = "lost"
+    DOWN = "down"
+
+
+KINDS = tuple(Kind)
 
 
 @dataclass(frozen=True)
 class Phase:
-    kind: str
+    kind: Kind
     seconds: float  # math.inf: until the next event
     throughput: float  # useful samples per second (0 outside training)
     state: Any = None  # the policy's state from this phase on (None: unchanged)
@@ -32,7 +44,7 @@ class Phase:
 class Segment:
     start: float
     end: float
-    kind: str
+    kind: Kind
     throughput: float
 
 
@@ -90,7 +102,7 @@ class Timeline:
             self.segments[-1] = Segment(last.start, end, last.kind, last.throughput)
         else:
             self.segments.append(Segment(self.clock, end, ph.kind, ph.throughput))
-        if ph.kind == "training":
+        if ph.kind == Kind.TRAINING:
             self.samples += dt * ph.throughput
             total = self.since_checkpoint + dt
             if total >= self.checkpoint_seconds:

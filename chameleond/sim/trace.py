@@ -3,7 +3,7 @@
 A trace (`time_ms,add|remove,nodeN`, chameleond/traces) names nodes; a node holds several devices.
 The job's workers, in spec order, are cut into groups of `devices_per_node` consecutive workers
 (the last group may be smaller), one group per node. Nodes take groups as
-`local.trace.plan_replay` gives them slots: every group starts alive; the first nodes the trace
+`traces.replay.plan_replay` gives them slots: every group starts alive; the first nodes the trace
 adds take the groups in order; a `remove` of a node that holds a group fails all its workers at
 once; a later `add` takes a free group (its own former one when free) and its workers rejoin.
 Events on nodes beyond the job (more nodes than groups) change nothing and are counted as skipped.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from chameleond.core.spec import JobSpec
-from chameleond.local.trace import TraceEvent, plan_replay
+from chameleond.traces.replay import TraceEvent, plan_replay
 
 LLAMA3_GPU_SECONDS_PER_INTERRUPTION = 54 * 86400 * 16384 / 419
 

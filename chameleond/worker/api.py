@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Literal, Protocol
 
 import torch
@@ -42,7 +43,7 @@ class StreamDataset(Protocol):
     """A stream: iterating it gives the samples in one fixed order (a torch IterableDataset, a
     Hugging Face datasets.IterableDataset from `streaming=True`, a generator function's
     iterable). Sample position p is the p-th sample of the stream; it restarts as a new epoch
-    when it ends (chameleond.worker.sampler)."""
+    when it ends (chameleond.worker._sampler)."""
 
     def __iter__(self) -> Any: ...
 
@@ -50,12 +51,60 @@ class StreamDataset(Protocol):
 Dataset = MapDataset | StreamDataset
 
 
-class ModelError(ValueError):
-    """The model cannot be trained by the library; the message names the layer."""
+class WorkerError(Exception):
+    """Why `train` ended without training to its end: the base of the library's failures. Each
+    kind below is one exit code of `run` (docs/worker.md)."""
 
 
-class DataError(RuntimeError):
-    """The training data is unavailable, or differs from what the job's other workers read."""
+class ConfigError(WorkerError, ValueError):
+    """The `WorkerConfig` cannot be used (an id, the Redis URL, the bind address, the checkpoint
+    directory); the message names the field. Exit 2."""
+
+
+class RedisUnavailable(WorkerError):
+    """The job's Redis is unreachable at start, refused a write, or was away too long for this
+    worker to keep its events. Exit 3."""
+
+
+class JobSpecError(WorkerError):
+    """The job's spec is missing, malformed, or its [model.arch] is unusable. Exit 4."""
+
+
+class BackendUnavailable(WorkerError, RuntimeError):
+    """The device is not there, or its collective backend cannot be used here; the message says
+    why. Exit 5."""
+
+
+class DataError(WorkerError, RuntimeError):
+    """The training data is unavailable, or differs from what the job's other workers read.
+    Exit 6."""
+
+
+class DeviceFailed(WorkerError, RuntimeError):
+    """This worker's own computation failed (a device error, out of memory): not a peer's
+    fault. The worker reports itself and leaves (docs/worker.md, "Failure detection"). Exit 7."""
+
+
+class ModelError(WorkerError, ValueError):
+    """The model cannot be trained by the library; the message names the layer. Exit 8."""
+
+
+class Ending(Enum):
+    """Why a worker's training ended without an error (exit 0)."""
+
+    FINISHED = "finished"  # its `max_steps` are committed
+    FENCED = "fenced"  # a plan excluded it: the job goes on without it
+    STOPPED = "stopped"  # asked to stop (`train`'s `stop` event, SIGTERM or SIGINT under `run`)
+
+
+@dataclass(frozen=True)
+class TrainingResult:
+    """How `train` ended: why, the last step this worker committed (-1: none) and the last plan
+    generation it trained in (0: none)."""
+
+    ending: Ending
+    committed_step: int
+    generation: int
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs as the library's `Layers` (docs/hf.md; public as `chameleond.hf`).
+"""Hugging Face causal LMs as the library's `Layers` (`chameleond.worker.hf`, docs/hf.md).
 
 `split_causal_lm(model)` cuts a `transformers` causal LM into the layers a pipeline stage holds:
 

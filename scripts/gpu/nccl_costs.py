@@ -1,7 +1,7 @@
 """Where an NCCL group's teardown and rebuild time goes, one process, one GPU (world size 1).
 
 Prints one JSON line per part, then `RESULT` and all of them. `nonblocking`: the phases of
-chameleond.worker.backend's path as a generation builds its groups (construct: ProcessGroupNCCL
+chameleond.worker._backend's path as a generation builds its groups (construct: ProcessGroupNCCL
 on a store; communicator: its first collective, the lazy ncclCommInitRank; a warm all-reduce;
 abort), `reps` times. `change_inline` / `change_retired`: a plan change, the old generation's
 group torn down where the worker waits, or in a thread (backend.retire_groups), then the next one
@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from chameleond.worker.backend import (
+from chameleond.worker._backend import (
     abort_group,
     allreduce_sum,
     build_communicator,
@@ -102,7 +102,7 @@ def used_group(store: dist.Store) -> object:
 def next_generation(tag: str, background: bool) -> dict:
     """A plan change as a worker makes it: the old generation's group torn down, the next built
     and used (its first all-reduce). background: the teardown in a thread (retire_groups)."""
-    from chameleond.worker.backend import retire_groups, wait_retired
+    from chameleond.worker._backend import retire_groups, wait_retired
 
     base = dist.HashStore()
     path, total = [], []

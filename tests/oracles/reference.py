@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from chameleond.worker._layer import LayerState, run_layers
+from chameleond.worker._trainable import Trainable
 from chameleond.worker.api import Training
-from chameleond.worker.layer import LayerState, run_layers
-from chameleond.worker.trainable import Trainable
 
 
 def reference_losses(

@@ -2,7 +2,7 @@
 (ok, warn, fail, skip) and how long it took.
 
 * the collective backend of each kind of local device, in this process, as the workers use it
-  (chameleond.worker.backend): gloo on the CPU always, nccl on each CUDA device, hccl on each
+  (chameleond.worker._backend): gloo on the CPU always, nccl on each CUDA device, hccl on each
   Ascend NPU. Each builds a single-rank group on an in-memory store, all-reduces, aborts the group
   and builds it again; the rebuild time is a lower bound of the job spec's `rebuild_seconds`
   (a real rebuild also waits for every member's rendezvous over Redis);

@@ -1,5 +1,5 @@
 """The collective backend of each kind of local device, in this process, as the workers use it
-(chameleond.worker.backend): gloo on the CPU always, nccl on each CUDA device, hccl on each
+(chameleond.worker._backend): gloo on the CPU always, nccl on each CUDA device, hccl on each
 Ascend NPU; each a single-rank group on an in-memory store: build, all-reduce, abort, rebuild.
 torch is imported here only when the checks run (the daemon's install has none)."""
 
@@ -59,7 +59,7 @@ def _npu_count() -> int | str:
 def group_check(device: str) -> Check:
     """One device's backend as a worker uses it: build a group, all-reduce, abort, rebuild. In a
     thread with a deadline: a backend that hangs is that check's failure."""
-    from chameleond.worker.backend import parse_device
+    from chameleond.worker._backend import parse_device
 
     dev = parse_device(device)
     check = Check(f"{dev.backend} on {device}", figures={"backend": dev.backend, "device": device})
@@ -88,7 +88,7 @@ def _exercise(dev: Any, check: Check) -> None:
     import torch
     import torch.distributed as dist
 
-    from chameleond.worker.backend import (
+    from chameleond.worker._backend import (
         BackendUnavailable,
         abort_group,
         allreduce_sum,

@@ -1,0 +1,136 @@
+"""Who failed a generation: the worker's own device, or which of its peers.
+
+A generation fails on an error from a collective, a group's set-up, the store or Redis (FAULTS).
+The worker first rules out its own device (a CUDA error surfaces at the next synchronisation,
+often inside a collective, where it looks like a peer's), then names in a fault only the peers
+without a live process (chameleond.worker._link: their named Redis connections are gone). With
+nobody gone the generation is built again; a live peer absent from ABSENT_ATTEMPTS rendezvous
+attempts in a row is named as hung (chameleond.worker._absence).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import redis
+import torch
+
+from chameleond.core.plan import Plan
+from chameleond.worker._absence import ABSENT_ATTEMPTS, Absences
+from chameleond.worker._backend import CollectiveFailed, DeviceChoice, check_device_health
+from chameleond.worker._generation import Generation, GenerationAborted
+from chameleond.worker._link import Reporter, dead_peers, gone, live_incarnations
+from chameleond.worker._outbox import OUTAGE_ERRORS, RedisUnreachable
+from chameleond.worker._rendezvous import GenerationAbandoned
+from chameleond.worker._state import WorkerState
+from chameleond.worker._store import StoreAborted
+from chameleond.worker.api import DeviceFailed
+
+log = logging.getLogger("chameleon.worker")
+# The errors that mean a peer, a process group or Redis failed during a generation: the worker
+# names the dead peers, or builds the generation again. Anything else is a bug (the worker's or
+# the user's training) and ends the worker with its traceback instead of being retried forever.
+FAULTS: tuple[type[BaseException], ...] = (
+    CollectiveFailed,  # a collective, a point-to-point op or a group's set-up (backend.py)
+    torch.distributed.DistError,  # torch's own: backend, network and store errors
+    GenerationAborted,  # the groups were aborted: a peer is gone
+    StoreAborted,
+    RedisUnreachable,  # longer than a rendezvous may wait
+)
+# Those, and the ones the plan follower answers apart, that end a generation (their time is noted).
+FAILS_GENERATION: tuple[type[BaseException], ...] = (*FAULTS, GenerationAbandoned, DeviceFailed)
+LIVENESS_CHECK_SECONDS = 0.1  # at most one CLIENT LIST per this many seconds
+
+
+class Attribution:
+    """The evidence of one worker against its peers, and the faults it reports from it."""
+
+    def __init__(
+        self, client: redis.Redis, job: str, me: str, device: DeviceChoice, reporter: Reporter
+    ) -> None:
+        self.redis = client
+        self.job = job
+        self.me = me
+        self.device = device
+        self.reporter = reporter
+        self.absences = Absences()  # peers missing from the rendezvous
+        self._failed_at = 0.0
+        self._peers: dict[str, str | None] = {}  # the failed generation's members (incarnations)
+        self._last_liveness_check = 0.0
+
+    def started(self) -> None:
+        """A generation starts: an earlier generation's peers are no evidence in this one."""
+        self._peers = {}
+
+    def failed(self, gen: Generation) -> None:
+        """`gen` failed: note when (before its groups are torn down) and who was in it."""
+        self._failed_at = time.time()
+        self._peers = gen.peers()
+
+    def gone(self, gen: Generation) -> list[str]:
+        """Members without a live process, checked at most every LIVENESS_CHECK_SECONDS."""
+        now = time.monotonic()
+        if now - self._last_liveness_check < LIVENESS_CHECK_SECONDS:
+            return []
+        self._last_liveness_check = now
+        try:
+            return gone(live_incarnations(self.redis, self.job), gen.peers())
+        except redis.exceptions.NoPermissionError as e:
+            log.warning(
+                "CLIENT LIST denied by the Redis ACL (%s): a failed peer is found by "
+                "--group-timeout instead; allow +client|list (docs/worker.md)", e,
+            )  # fmt: skip
+            self._last_liveness_check = math.inf  # never asked again
+            return []
+        except OUTAGE_ERRORS:  # Redis away: no evidence against anyone
+            return []
+
+    def own_failure(self, plan: Plan, error: DeviceFailed) -> None:
+        """This worker's computation failed: nobody else is to blame. Its peers see only a
+        broken group; this report names the worker and the real cause, and the worker leaves
+        (its state is suspect), so the peers also find it gone."""
+        detected = self._failed_at or time.time()
+        log.error("generation %d: this worker's computation failed: %s", plan.generation, error)
+        self.reporter.fault(self.me, str(error), generation=plan.generation, at=detected)
+
+    def fault(self, plan: Plan, state: WorkerState, error: BaseException) -> bool:
+        """Discard the step and name the generation's dead peers in faults; False when none
+        is found (the generation is then built again). First make sure the error was not this
+        worker's own device's, surfacing outside its computation."""
+        try:
+            check_device_health(self.device.torch_device)
+        except DeviceFailed as own:
+            self.own_failure(plan, own)
+            raise
+        detected = self._failed_at or time.time()
+        self._failed_at = 0.0
+        if state.pending_step is None:
+            state.discard_step()
+        peers = self._peers or {w: None for w in plan.workers if w != self.me}
+        t_close = time.time()
+        dead = dead_peers(self.redis, self.job, peers)
+        log.info(
+            "groups closed %.3fs after the error; dead peers found in %.3fs",
+            t_close - detected,
+            time.time() - t_close,
+        )
+        cause = f"{type(error).__name__}: {error}"
+        log.warning("generation %d failed (%s); dead peers: %s", plan.generation, cause, dead)
+        for w in dead:
+            self.reporter.fault(w, cause, generation=plan.generation, at=detected)
+        if not dead:
+            log.warning("no dead peer found: building generation %d again", plan.generation)
+        return bool(dead)
+
+    def name_absent(self, plan: Plan, absent: tuple[str, ...]) -> None:
+        """Report the peers absent from ABSENT_ATTEMPTS attempts in a row of this generation."""
+        peers = [w for w in plan.workers if w != self.me]
+        for w in self.absences.abandoned(plan.generation, peers, absent):
+            cause = (
+                f"absent from {ABSENT_ATTEMPTS} rendezvous attempts of generation "
+                f"{plan.generation} in a row: alive but not building it (hung?)"
+            )
+            log.warning("naming %s: %s", w, cause)
+            self.reporter.fault(w, cause, generation=plan.generation, at=time.time())
