@@ -25,6 +25,7 @@ from chameleond.jobs import load_default_spec
 from chameleond.jobstate.change import SNAPSHOT
 from chameleond.jobstate.job import Job
 from chameleond.protocol import Keys
+from chameleond.records import DecisionRecord
 from chameleond.redis_server import RedisServer
 
 KEYS = Keys("t")
@@ -44,7 +45,7 @@ async def _publish_initial(c: Committer) -> None:
     plan = initial_plan(job.spec, 1)
     async with c.lock:
         job.machine.initial(1, plan.workers, time.time(), of_plan(plan))
-        await c.publish(plan, {"kind": "decision", "generation": 1}, [])
+        await c.publish(plan, DecisionRecord(1, "initial", "initial plan", time.time()), [])
 
 
 def _run(server: RedisServer, body: Callable[[aioredis.Redis], Awaitable[None]]) -> None:

@@ -15,8 +15,6 @@ import runpy
 import sys
 from pathlib import Path
 
-from chameleond.worker._gate import StepGate
-
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,6 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, required=True, help="steps to train")
     p.add_argument("--gate", type=Path, required=True, help="the bench's gate file")
     args = p.parse_args(argv)
+    from chameleond.worker._gate import StepGate  # the worker extra: torch
+
     sys.path.insert(0, str(args.example.resolve().parent))  # the example's own helper modules
     names = runpy.run_path(str(args.example), run_name="chameleon_plain")
     rank = int(os.environ.get("RANK", "0"))
