@@ -81,6 +81,13 @@ class Keys:
         return self.prefix + "corpus"
 
     @property
+    def weights(self) -> str:
+        """String: the digest of the pretrained weights the job's workers start from
+        (`Layers.weights_digest`; the first worker sets it; a worker whose weights differ stops,
+        exit 8)."""
+        return self.prefix + "weights"
+
+    @property
     def leader(self) -> str:
         """String with a time to live: the daemon that leads the job (daemon/lease.py)."""
         return self.prefix + "leader"

@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -31,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+import transformers
 
-from chameleond.worker import Evaluation, Job, StepInfo, Training, run
-from chameleond.worker.hf import causal_lm_loss, split_causal_lm
+from chameleond.worker import Evaluation, Job, StepInfo, Training, default_collate, hf, run
 
 # [model.arch] keys and their defaults.
 ARCH: dict[str, Any] = {
@@ -58,33 +58,71 @@ ARCH: dict[str, Any] = {
     "lora": False,  # LoRA adapters (r=4) on the attention and MLP projections, base frozen
     "eval_every": 0,  # a held-out loss every N steps (0: none)
     "eval_samples": 16,  # held-out samples (ids past the training set's)
+    # The model family, built from a config: gpt2, llama, qwen2, mistral (its sliding window half
+    # the sequence) or mixtral (a Mixture-of-Experts: 4 experts, 2 per token, its router's
+    # balancing loss in the objective).
+    "family": "gpt2",
+    "padded": False,  # variable-length samples, each micro-batch padded to its longest (a mask)
+    # A save_pretrained directory to start from (each worker reads only its layers' tensors);
+    # "": the model built from the config and the seed.
+    "pretrained": "",
+    "intermediate": 0,  # the MLP's width (0: 4 x n_embd; 2 x for an expert)
+    "router_aux_loss_coef": 0.02,  # mixtral: the balancing loss's weight in the objective
 }
+FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "mixtral")
 
 
 def arch_of(table: Mapping[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(table) - set(ARCH))
     if unknown:
         raise ValueError(f"model.arch: unknown keys {unknown}; known: {sorted(ARCH)}")
-    return {**ARCH, **table}
+    arch = {**ARCH, **table}
+    if arch["family"] not in FAMILIES:
+        raise ValueError(f"model.arch.family {arch['family']!r}: one of {', '.join(FAMILIES)}")
+    return arch
+
+
+def config_of(arch: Mapping[str, Any]) -> Any:
+    """The family's config at the arch's sizes, dropout off (a rerouted micro-batch computes on
+    another worker exactly what it computes on its own)."""
+    d, family = int(arch["n_embd"]), arch["family"]
+    if family == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=arch["vocab"], n_positions=arch["seq_len"], n_embd=d,
+            n_layer=arch["n_layer"], n_head=arch["n_head"], resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    moe = family == "mixtral"
+    common: dict[str, Any] = dict(
+        vocab_size=arch["vocab"], hidden_size=d, num_hidden_layers=arch["n_layer"],
+        num_attention_heads=arch["n_head"], num_key_value_heads=arch["n_head"],
+        intermediate_size=int(arch["intermediate"]) or (2 if moe else 4) * d,
+        max_position_embeddings=arch["seq_len"], bos_token_id=0, eos_token_id=0,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=int(arch["seq_len"]) // 2)
+    return transformers.MixtralConfig(
+        **common, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=float(arch["router_aux_loss_coef"]),
+    )  # fmt: skip
 
 
 def model_of(arch: Mapping[str, Any]) -> torch.nn.Module:
-    """The same initial model on every worker and in the plain loop: seeded, dropout off (a
-    rerouted micro-batch computes on another worker exactly what it computes on its own)."""
+    """The same initial model on every worker and in the plain loop: seeded (or read from the
+    `pretrained` directory), dropout off."""
+    if arch["pretrained"]:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            arch["pretrained"], attn_implementation="sdpa"
+        )
     torch.manual_seed(arch["seed"])
-    config = GPT2Config(
-        vocab_size=arch["vocab"],
-        n_positions=arch["seq_len"],
-        n_embd=arch["n_embd"],
-        n_layer=arch["n_layer"],
-        n_head=arch["n_head"],
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
+    model = transformers.AutoModelForCausalLM.from_config(
+        config_of(arch), attn_implementation="sdpa"
     )
-    model = GPT2LMHeadModel(config)
     if arch["lora"]:
         from peft import LoraConfig, get_peft_model
 
@@ -94,11 +132,28 @@ def model_of(arch: Mapping[str, Any]) -> torch.nn.Module:
 
 
 def sample(i: int, arch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Sample i: a token sequence with a pattern to learn (a start and a stride drawn from i)."""
+    """Sample i: a token sequence with a pattern to learn (a start and a stride drawn from i);
+    `padded`: of a length drawn from i too, between half the sequence and all of it."""
     g = torch.Generator().manual_seed(int(arch["seed"]) * 1_000_003 + i)
     start = int(torch.randint(0, arch["vocab"], (1,), generator=g))
-    ids = (start + torch.arange(arch["seq_len"]) * (1 + i % 5)) % arch["vocab"]
+    n = int(arch["seq_len"])
+    if arch["padded"]:
+        n = n // 2 + int(torch.randint(0, n - n // 2 + 1, (1,), generator=g))
+    ids = (start + torch.arange(n) * (1 + i % 5)) % arch["vocab"]
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def collate(rows: list[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The micro-batch padded on the right to its longest sample: pad ids 0, an attention mask,
+    labels -100 at the pads (no loss there)."""
+    n = max(int(r["input_ids"].shape[0]) for r in rows)
+    ids = torch.zeros(len(rows), n, dtype=torch.long)
+    labels = torch.full((len(rows), n), hf.IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros(len(rows), n, dtype=torch.long)
+    for k, r in enumerate(rows):
+        m = int(r["input_ids"].shape[0])
+        ids[k, :m], labels[k, :m], mask[k, :m] = r["input_ids"], r["labels"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
 def dataset(arch: Mapping[str, Any]) -> Any:
@@ -133,7 +188,7 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], decay: float) -> l
     """No weight decay on biases and norms: the named groups of every LLM recipe."""
 
     def no_decay(name: str) -> bool:
-        return name.endswith(".bias") or ".ln_" in name or "ln_f" in name
+        return name.endswith(".bias") or ".ln_" in name or "ln_f" in name or "norm" in name
 
     groups = [
         {"params": [(n, p) for n, p in named if not no_decay(n)], "weight_decay": decay},
@@ -189,17 +244,31 @@ def log_step(info: StepInfo) -> None:
         "step_sample_id_sum": info.step_sample_id_sum,
         "data_overlap": info.data_overlap,
         "eval_loss": info.eval_loss,
+        # This process's peak resident memory so far, bytes (Linux gives KiB).
+        "max_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     with open(Path(where) / f"{info.worker}.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")
 
 
+def layers_of(arch: Mapping[str, Any]) -> Any:
+    """The model as the library's layers: from the `pretrained` directory each worker reads only
+    the tensors of the layers it holds (the others stay on the meta device); otherwise every
+    worker builds the seeded model and splits it."""
+    if arch["pretrained"]:
+        return hf.pretrained_causal_lm(arch["pretrained"])
+    return hf.split_causal_lm(model_of(arch))
+
+
 def training(job: Job) -> Training:
     arch = arch_of(job.arch)
+    layers = layers_of(arch)
     return Training(
-        model=split_causal_lm(model_of(arch)),
-        loss=causal_lm_loss,
+        model=layers,
+        loss=hf.causal_lm_loss,
         dataset=dataset(arch),
+        collate=collate if arch["padded"] else default_collate,
+        inputs=hf.causal_lm_inputs,
         optimizer=optimizer_of(arch),
         scheduler=schedule_of(arch),
         global_batch=job.global_batch,
@@ -213,7 +282,7 @@ def training(job: Job) -> Training:
         evaluation=Evaluation(held_out(arch), every=arch["eval_every"])
         if arch["eval_every"]
         else None,
-        name="GPT2LMHeadModel",
+        name=layers.meta.get("hf_class", "") if hasattr(layers, "meta") else "",
     )
 
 
@@ -271,7 +340,9 @@ def plain(
             part = ids[g * b : (g + 1) * b]
             used += part
             rows = rows_of[g * b : (g + 1) * b] if rows_of else [data[i] for i in part]
-            batch = {k: torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels")}
+            batch = collate(rows)
+            if not arch["padded"]:
+                del batch["attention_mask"]  # all ones: the model is called without one
             if dev.type == "cuda":  # as a DataLoader with pin_memory=True gives them
                 batch = {k: v.pin_memory() for k, v in batch.items()}
             batches.append(batch)
@@ -282,11 +353,12 @@ def plain(
         for host in batches:
             batch = {k: v.to(dev, non_blocking=True) for k, v in host.items()}
             with torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-                logits = model(input_ids=batch["input_ids"]).logits
-                per_sample = causal_lm_loss(logits, batch)
-            loss = per_sample.sum() / samples
-            scaler.scale(loss).backward()
-            total += per_sample.detach().double().sum()
+                per_sample, aux = forward(model, batch)
+                # The micro-batch's loss: the mean of its samples', plus the router's balancing
+                # loss (a MoE), averaged over the step's micro-batches.
+                summed = per_sample.sum() + aux * len(per_sample)
+            scaler.scale(summed / samples).backward()
+            total += summed.detach().double()
         scaler.unscale_(opt)
         norm = torch.nn.utils.clip_grad_norm_(
             [p for _, p in named], arch["max_grad_norm"] or math.inf
@@ -309,6 +381,19 @@ def plain(
     return out
 
 
+def forward(
+    model: torch.nn.Module, batch: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-sample losses of a micro-batch and, for a MoE model, its router's balancing loss
+    times its coefficient (as the model's own `loss` adds it); 0 otherwise."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    out = model(**inputs)
+    aux = getattr(out, "aux_loss", None)
+    coef = float(getattr(model.config, "router_aux_loss_coef", 0.0))
+    aux = torch.zeros(()) if aux is None else coef * aux
+    return hf.causal_lm_loss(out.logits, batch), aux
+
+
 def evaluate(model: torch.nn.Module, arch: Mapping[str, Any], global_batch: int) -> float:
     """The mean per-sample loss on the held-out samples (whole global batches), in eval mode."""
     rows = held_out(arch)
@@ -317,8 +402,13 @@ def evaluate(model: torch.nn.Module, arch: Mapping[str, Any], global_batch: int)
     dev = next(model.parameters()).device
     model.eval()
     with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=dtype is not None):
-        batch = {k: torch.stack([r[k] for r in rows]).to(dev) for k in ("input_ids", "labels")}
-        total = float(causal_lm_loss(model(input_ids=batch["input_ids"]).logits, batch).sum())
+        total = 0.0
+        for k in range(0, len(rows), global_batch):  # one global batch at a time
+            batch = {key: v.to(dev) for key, v in collate(rows[k : k + global_batch]).items()}
+            if not arch["padded"]:
+                del batch["attention_mask"]
+            per_sample, aux = forward(model, batch)
+            total += float(per_sample.sum() + aux * len(per_sample))
     model.train()
     return total / len(rows)
 

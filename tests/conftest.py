@@ -80,3 +80,14 @@ def make_tls(directory: Path) -> Tls:
             "-CAcreateserial", "-days", "1", "-extfile", "san.ext",
             "-out", "server.pem")  # fmt: skip
     return Tls(directory / "server.pem", directory / "server.key", directory / "ca.pem")
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one thread for a module's tests (tiny matrices), then as it was."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

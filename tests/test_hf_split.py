@@ -1,5 +1,5 @@
 """chameleond.worker.hf: a Hugging Face causal LM cut into layers computes what the model
-computes."""
+computes, on full and on right-padded batches (tests/test_hf_models.py: more families, MoE)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from chameleond.worker import ModelError  # noqa: E402
-from chameleond.worker.hf import causal_lm_loss, split_causal_lm  # noqa: E402
+from chameleond.worker.hf import (  # noqa: E402
+    causal_lm_inputs,
+    causal_lm_loss,
+    split_causal_lm,
+)
 
 VOCAB = 97
 SEQ = 16
+
+
+# Tiny matrices: one torch thread is fastest, and fair to a shared machine (conftest).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gpt2() -> torch.nn.Module:
@@ -219,14 +227,107 @@ def test_ignored_labels_do_not_count() -> None:
     torch.testing.assert_close(part[1], expected)
 
 
-def test_unknown_family_is_refused_naming_the_class() -> None:
+def test_a_model_with_parts_it_does_not_know_is_refused_naming_the_class_and_part() -> None:
     cfg = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
         intermediate_size=64, is_decoder=True,
     )  # fmt: skip
     model = transformers.BertLMHeadModel(cfg)
-    with pytest.raises(ModelError, match="BertLMHeadModel: model_type 'bert'"):
+    with pytest.raises(ModelError, match=r"^BertLMHeadModel: part 'cls' \(BertOnlyMLMHead\)"):
         split_causal_lm(model)
+
+
+def test_an_unknown_part_of_the_base_model_is_refused_naming_it() -> None:
+    model = llama()
+    model.model.extra = torch.nn.Linear(4, 4)
+    with pytest.raises(ModelError, match=r"LlamaForCausalLM: .* LlamaModel .* 'extra' \(Linear\)"):
+        split_causal_lm(model)
+
+
+def padded(batch: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids (pad 0) and their padding mask: lengths SEQ, SEQ - 5, 4, ..."""
+    x = ids(batch)
+    mask = torch.ones_like(x)
+    for i in range(1, batch):
+        mask[i, (SEQ - 5 if i == 1 else 4) :] = 0
+    return x.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        gpt2,
+        llama,
+        rotary("MistralConfig"),
+        rotary("Qwen2Config"),
+        windowed("MistralConfig"),
+        windowed("Qwen2Config", use_sliding_window=True, max_window_layers=1),
+    ],
+)
+def test_right_padded_batches_get_the_models_logits_at_real_tokens(build, attention: str) -> None:
+    model = build()
+    model.config._attn_implementation = attention
+    layers = list(split_causal_lm(model).modules)
+    x, mask = padded()
+    labels = x.masked_fill(mask == 0, -100)
+    batch = {"input_ids": x, "attention_mask": mask, "labels": labels}
+    inputs = causal_lm_inputs(batch)
+    assert set(inputs) == {"input_ids", "attention_mask"}
+    with torch.no_grad():
+        expected = model(x, attention_mask=mask).logits
+        hidden = layers[0](inputs)
+        assert set(hidden) == {"hidden_states", "attention_mask"}
+        got = run(layers[1:], hidden)
+        unpadded = run(layers, x)
+    assert isinstance(got, torch.Tensor)
+    # At the real tokens (which never see the pads after them) and at the pads too, whose
+    # queries see only the real keys: without the padding mask they see pads, other logits.
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    pads = mask == 0
+    torch.testing.assert_close(unpadded[~pads], expected[~pads], atol=1e-5, rtol=0)
+    assert (unpadded[pads] - expected[pads]).abs().max() > 1e-3
+    per_sample = causal_lm_loss(got, batch)
+    for i in range(len(x)):
+        with torch.no_grad():
+            alone = model(x[i : i + 1], attention_mask=mask[i : i + 1], labels=labels[i : i + 1])
+        torch.testing.assert_close(per_sample[i], alone.loss, atol=1e-5, rtol=0)
+
+
+def test_a_padded_batch_builds_its_mask_each_time() -> None:
+    """Two padded batches of one shape but other pads each get their own mask; an unpadded
+    batch (every mask entry 1) gets the model's unpadded logits."""
+    model = llama()
+    model.config._attn_implementation = "eager"
+    layers = list(split_causal_lm(model).modules)
+    x, mask = padded()
+    for m in (mask, mask.flip(0), torch.ones_like(mask)):
+        with torch.no_grad():
+            got = run(layers, {"input_ids": x, "attention_mask": m})
+            expected = model(x, attention_mask=m).logits
+        torch.testing.assert_close(got[m.bool()], expected[m.bool()], atol=1e-5, rtol=0)
+
+
+def test_layer_gradients_on_a_padded_batch_are_the_models() -> None:
+    x, mask = padded()
+    batch = {"input_ids": x, "attention_mask": mask, "labels": x.masked_fill(mask == 0, -100)}
+    reference = gpt2()
+    causal_lm_loss(reference(x, attention_mask=mask).logits, batch).mean().backward()
+    model = gpt2()
+    layers = split_causal_lm(model)
+    causal_lm_loss(run(list(layers.modules), causal_lm_inputs(batch)), batch).mean().backward()
+    [t] = layers.ties
+    g = layers.modules[t.second[0]].get_parameter(t.second[1]).grad
+    layers.modules[t.first[0]].get_parameter(t.first[1]).grad += g
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(model.get_parameter(n).grad, p.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_inputs_without_an_attention_mask_are_the_input_ids() -> None:
+    x = ids()
+    assert causal_lm_inputs({"input_ids": x, "labels": x}) is x
+    assert causal_lm_inputs({"input_ids": x, "attention_mask": None}) is x
+    assert causal_lm_loss({"logits": torch.zeros(3, SEQ, VOCAB)}, {"labels": x}).shape == (3,)
 
 
 def test_a_parameter_used_twice_by_a_later_layer_gets_one_copy_and_one_tie() -> None:

@@ -20,8 +20,9 @@ from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
 from chameleond.worker import Layers, ModelError, Tie, Training, split
 from chameleond.worker import _checkpoint as checkpoint
+from chameleond.worker._activation import run_stage
 from chameleond.worker._identity import from_env
-from chameleond.worker._layer import LayerState, run_layers
+from chameleond.worker._layer import LayerState
 from chameleond.worker._main import EXIT_MODEL, EXIT_SPEC, EXIT_USAGE
 from chameleond.worker._profile import profile_model
 from chameleond.worker._trainable import Trainable
@@ -84,15 +85,15 @@ class Growing(nn.Module):
 
 
 class Trim(nn.Embedding):
-    """Deterministic, but its output length depends on the data."""
+    """Deterministic; its output length depends on the data (a variable-length batch)."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return super().forward(ids)[:, : int(ids[0, 0]) + 1]
 
 
 class Pair(nn.Linear):
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        return super().forward(x), x
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str]:  # type: ignore[override]
+        return super().forward(x), "x"
 
 
 def test_layers_that_cannot_be_pipelined_are_refused_naming_the_layer() -> None:
@@ -101,11 +102,8 @@ def test_layers_that_cannot_be_pipelined_are_refused_naming_the_layer() -> None:
 
     with pytest.raises(ModelError, match=r"layer 1 \(Growing\) changed its output shape"):
         check([nn.Embedding(16, 4), Growing(), nn.Linear(4, 16)])
-    with pytest.raises(
-        ModelError, match=r"layer 0 \(Trim\) returned shape \(2, 1, 4\) for micro-batch 0 "
-    ):
-        check([Trim(16, 4), nn.Linear(4, 16)])
-    with pytest.raises(ModelError, match=r"layer 1 \(Pair\) returned a tuple, not a tensor"):
+    check([Trim(16, 4), nn.Linear(4, 16)])  # shapes may differ between micro-batches
+    with pytest.raises(ModelError, match=r"the output of layer 1 \(Pair\) holds a str at 1"):
         check([nn.Embedding(16, 4), Pair(4, 4), nn.Linear(4, 16)])
     with pytest.raises(ModelError, match=r"one loss per sample \(shape \[2\]\)"):
         check([nn.Embedding(16, 4), nn.Linear(4, 16)], loss=lambda out, batch: out.sum())
@@ -137,7 +135,8 @@ def test_a_moved_layer_carries_momentum_and_schedule_exactly() -> None:
 
     def train(layers: list[LayerState], step: int) -> float:
         batch = model.batch(step, 0, 12, 12, CPU)
-        loss = model.loss_sum(run_layers(layers, model.inputs(batch)), batch, 12)
+        out, _ = run_stage([layer.module for layer in layers], model.inputs(batch))
+        loss = model.loss_sum(out, batch, 12)
         loss.backward()
         for layer in layers:
             layer.apply_update(12, step)
@@ -238,12 +237,11 @@ def test_a_user_script_survives_repartition_with_its_optimizer_state(
     # The tied copies: layer 0's embedding and the head's weight, at the last checkpoint.
     model = Trainable(sgd_tied.build())
     step = checkpoint.covering_step(ckpt, model)
-    assert step == 14
+    assert step == steps - 1  # the checkpoint each worker writes as training finishes
     held: dict[int, LayerState] = {}
     for path in sorted(ckpt.glob(f"*-{step:09d}.safetensors")):
-        _, _, layers = checkpoint.read(path)
-        for i, buf in layers.items():
-            held.setdefault(i, LayerState(model, i, CPU)).load_buffer(buf, step)
+        for i, saved in checkpoint.read(path).layers.items():
+            held.setdefault(i, LayerState(model, i, CPU)).load_state_tensors(saved, step)
     first, last = held[0].module.weight, held[model.n_layers - 1].module.out.weight
     assert torch.equal(first, last)
     assert not torch.equal(first, model.build(0).weight)  # trained, not the initial copy

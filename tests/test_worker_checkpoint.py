@@ -147,12 +147,12 @@ def test_a_restart_loads_the_newest_step_whose_files_cover_every_layer(tmp_path:
         state.committed_step = step
         return checkpoint.save(tmp_path, worker, state, layers)
 
-    for step in (3, 7):
-        save("w2", step, second)
-        save("w0", step, first)
-    for step in (11, 15):
-        save("w0", step, first)
-        save("w1", step, second)
+    for old in (3, 7):
+        save("w2", old, second)
+        save("w0", old, first)
+    for new in (11, 15):
+        save("w0", new, first)
+        save("w1", new, second)
     assert checkpoint.written(tmp_path) == {"w0": {11, 15}, "w1": {11, 15}, "w2": {3, 7}}
 
     def load(worker: str) -> tuple[int | None, WorkerState]:
@@ -170,5 +170,5 @@ def test_a_restart_loads_the_newest_step_whose_files_cover_every_layer(tmp_path:
     path.write_bytes(path.read_bytes()[:100])
     assert load("w0")[0] == 11
     checkpoint.checkpoint_path(tmp_path, "w1", 11).unlink()
-    step, state = load("w0")  # no step covers the model
-    assert step is None and state.layers == {}
+    none, state = load("w0")  # no step covers the model
+    assert none is None and state.layers == {}

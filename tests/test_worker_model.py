@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from chameleond.worker import _builtin as builtin
+from chameleond.worker._activation import run_stage
 from chameleond.worker._data import Corpus
-from chameleond.worker._layer import LayerState, run_layers
+from chameleond.worker._layer import LayerState
 from chameleond.worker._model import Arch, ArchError, build_module
 from chameleond.worker._trainable import Trainable
 
@@ -46,7 +47,8 @@ def test_arch_validation_names_the_field() -> None:
 
 def _train_step(layers: list[LayerState], model: Trainable, step: int) -> float:
     batch = model.batch(step, 0, 4, 4, torch.device("cpu"))
-    loss = model.loss_sum(run_layers(layers, model.inputs(batch)), batch, 4)
+    out, _ = run_stage([layer.module for layer in layers], model.inputs(batch))
+    loss = model.loss_sum(out, batch, 4)
     loss.backward()
     for layer in layers:
         layer.apply_update(4, step)

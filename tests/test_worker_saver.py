@@ -5,6 +5,7 @@ end proof (a job restored from bubble checkpoints retrains the same losses) is i
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -15,8 +16,9 @@ from chameleond.core.decide import initial_plan
 from chameleond.core.schedule import idle_before
 from chameleond.core.spec import parse_spec
 from chameleond.worker import _checkpoint as checkpoint
+from chameleond.worker._activation import run_stage
 from chameleond.worker._generation import op_order
-from chameleond.worker._layer import run_layers
+from chameleond.worker._layer import LayerState
 from chameleond.worker._model import Arch
 from chameleond.worker._saver import MODES, CheckpointMode, Saver, Snapshot, Written, place
 from chameleond.worker._state import WorkerState
@@ -70,14 +72,20 @@ def test_a_checkpoint_written_across_a_step_is_the_committed_state(tmp_path: Pat
     for slot in range(len(idle)):  # the next step runs: forwards and backwards between writes
         assert checkpoint.written(tmp_path) == {}  # no final name before the last piece
         snap.write(slot)
-        run_layers([state.layer(i) for i in sorted(state.layers)], x).sum().backward()
+        run_stage([state.layer(i).module for i in sorted(state.layers)], x)[0].sum().backward()
     assert snap.complete and snap.stall_seconds == 0.0 and snap.bubble_seconds > 0
     state.mark_pending(2, tuple(state.layers))
     state.apply_pending(12)  # the next update
-    step, model, layers = checkpoint.read(checkpoint.checkpoint_path(tmp_path, "w1", 1))
-    assert (step, model, layers.keys()) == (1, MODEL.fingerprint, committed.keys())
+    saved = checkpoint.read(checkpoint.checkpoint_path(tmp_path, "w1", 1))
+    assert (saved.step, saved.model, saved.layers.keys()) == (
+        1,
+        MODEL.fingerprint,
+        committed.keys(),
+    )
     for i, buf in committed.items():
-        assert torch.equal(layers[i], buf)
+        back = LayerState(MODEL, i, CPU)
+        back.load_state_tensors(saved.layers[i], 1)
+        assert torch.equal(back.state_buffer(), buf)
         assert not torch.equal(state.layer(i).state_buffer(), buf)
 
 
@@ -92,15 +100,17 @@ def test_the_file_is_safetensors(tmp_path: Path) -> None:
     (n,) = struct.unpack("<Q", raw[:8])
     header = json.loads(raw[8 : 8 + n])
     assert n % 8 == 0 and header.pop("__metadata__")["step"] == "1"
-    ends = [0]
-    for i in (0, 1):
-        t = header[f"layer.{i}"]
-        assert t["dtype"] == "U8" and t["data_offsets"][0] == ends[-1]  # contiguous, in order
-        assert t["data_offsets"][1] - t["data_offsets"][0] == t["shape"][0]
-        ends.append(t["data_offsets"][1])
-    assert len(raw) == 8 + n + ends[-1]
-    got = torch.frombuffer(bytearray(raw[8 + n :][: ends[1]]), dtype=torch.uint8)
-    assert torch.equal(got, state.layer(0).state_buffer())
+    end = 0
+    for t in header.values():  # contiguous, in order
+        assert t["data_offsets"][0] == end
+        end = t["data_offsets"][1]
+    assert len(raw) == 8 + n + end
+    weight = header["0.tokens.weight"]
+    begin, stop = weight["data_offsets"]
+    assert weight["dtype"] == "F32" and stop - begin == 4 * math.prod(weight["shape"])
+    got = torch.frombuffer(bytearray(raw[8 + n + begin : 8 + n + stop]), dtype=torch.float32)
+    tokens = dict(state.layer(0).module.named_parameters())["tokens.weight"]
+    assert torch.equal(got, tokens.detach().reshape(-1))
 
 
 def test_bubble_and_sync_checkpoints_write_the_same_file(tmp_path: Path) -> None:
@@ -237,7 +247,7 @@ def test_a_piece_written_again_at_its_offset_changes_nothing(tmp_path: Path) -> 
 
 def test_a_short_file_never_gets_its_final_name(tmp_path: Path) -> None:
     """The size checked is the whole file's (length and header included), not the tensors'."""
-    out = checkpoint.FileWriter(tmp_path, "w0", 3, MODEL.fingerprint, {0: 10})
+    out = checkpoint.FileWriter(tmp_path, "w0", 3, {"x": torch.zeros(10, dtype=torch.uint8)}, {})
     out.write(torch.zeros(9, dtype=torch.uint8))
     with pytest.raises(OSError, match="header says"):
         out.commit()

@@ -43,6 +43,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from chameleond.bench import models
 from chameleond.cli.up import build_spec_document
 from chameleond.core.plan import plan_from_dict
 from chameleond.core.spec import SpecError, load_spec, parse_spec
@@ -248,6 +249,7 @@ def measure(args: argparse.Namespace, example: FoundExample, tmp: Path) -> dict[
     def variant(**arch: Any) -> dict[str, Any]:
         d = json.loads(json.dumps(doc))
         d["model"]["arch"].update(arch)
+        _blocks(d)
         return d
 
     runs: dict[str, Any] = {}
@@ -283,6 +285,21 @@ def measure(args: argparse.Namespace, example: FoundExample, tmp: Path) -> dict[
             _, full = synced_bytes(mon, lines, whole)
             figures["lora_synced_bytes_ratio"] = done / expected
             figures["lora_whole_layers_ratio"] = full / expected
+
+    def family_run(name: str, arch: dict[str, Any]) -> dict[str, Any]:
+        d = variant(**arch)
+        mon, lines = _library(example, d, tmp / name, args, faults)
+        got = compare(lines, _plain(example, d, tmp / name, args.steps, _trained(mon, lines)),
+                      args.steps)  # fmt: skip
+        got["policies"] = [p["policy"] for g, p in sorted(mon.plans.items()) if g > 1]
+        return got
+
+    figures["models"] = models.models(family_run)
+    mixtral = variant(family="mixtral", padded=True)["model"]["arch"]
+    figures["export_logits_match"] = models.export_logits_match(
+        example.script, mixtral, tmp / "mixtral" / "checkpoints", tmp / "export"
+    )
+    figures.update(_rss(args, example, base, tmp))
     figures.update(
         loss_match_fp32=runs["fp32"]["loss_abs"],
         loss_match_bf16=runs["bf16"]["loss_rel"],
@@ -295,6 +312,35 @@ def measure(args: argparse.Namespace, example: FoundExample, tmp: Path) -> dict[
             "faults": [f"kill:{f.worker}@{f.when}" for f in faults],
             "stream_faults": [f"kill:{f.worker}@{f.when}" for f in restore],
             "runs": runs}  # fmt: skip
+
+
+def _blocks(doc: dict[str, Any]) -> None:
+    """The spec's rough per-layer figures for the arch's number of blocks: the embeddings, one
+    entry per block, the head."""
+    layers = doc["model"]["layers"]
+    blocks = int(doc["model"]["arch"].get("n_layer", len(layers) - 2))
+    doc["model"]["layers"] = [layers[0], *[layers[1]] * blocks, layers[-1]]
+
+
+def _rss(args: argparse.Namespace, example: FoundExample, base: Any, tmp: Path) -> dict[str, Any]:
+    """rss_ratio's run (chameleond.bench.models): a larger Llama from a save_pretrained directory
+    on one pipeline of four workers, a few steps, no fault."""
+    pretrained = tmp / "rss-pretrained"
+    arch = {**models.RSS_ARCH, "pretrained": str(pretrained)}
+    models.save_pretrained(example.script, models.RSS_ARCH, pretrained)
+    doc = build_spec_document(base, job=JOB, workers=len(models.RSS_WORKERS),
+                              pp=len(models.RSS_WORKERS), bind_addresses=[],
+                              mtbf_prior_seconds=None)  # fmt: skip
+    doc["model"]["arch"].update(arch)
+    _blocks(doc)
+    doc["training"].update(global_batch=8, micro_batch=2)
+    steps = argparse.Namespace(**{**vars(args), "steps": 3, "checkpoint_every": 0})
+    mon, lines = _library(example, doc, tmp / "rss", steps, ())
+    plan = plan_from_dict(mon.plans[max(mon.plans)])
+    got = models.rss_ratio(
+        lines, plan, models.profiles_of(mon.events), models.runtime_allowance(example.script)
+    )
+    return {"rss_ratio": got.pop("rss_ratio"), "rss": got}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -343,3 +389,14 @@ def _print(out: dict[str, Any]) -> None:
         f"syncing the whole layers: {out['lora_whole_layers_ratio']:.1f}x the adapters"
     )
     print(f"  prefetch_overlap: {out['prefetch_overlap']} (target >= 0.9)")
+    for cls, r in out["models"].items():
+        print(
+            f"  {cls} (padded, {', '.join(r['policies'])}): loss_match {r['loss_match']:.3g} "
+            f"(target <= 1e-5); samples lost {r['samples_lost']}, repeated "
+            f"{r['samples_repeated']}"
+        )
+    print(f"  export_logits_match: {out['export_logits_match']:.3g} (target <= 1e-5)")
+    print(
+        f"  rss_ratio: {out['rss_ratio']:.3f} (target <= 1.5), runtime allowance "
+        f"{out['rss']['allowance_bytes'] / 2**20:.0f} MiB"
+    )

@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check, "
         "peers",
     ),
+    "export": (
+        "chameleond.cli.export",
+        "write a checkpoint as a Hugging Face model directory (--checkpoint DIR --hf OUT)",
+    ),
     "simulate": ("chameleond.cli.simulate", "simulate fault-tolerance policies over a trace"),
     "doctor": (
         "chameleond.cli.doctor",

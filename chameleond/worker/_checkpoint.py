@@ -2,18 +2,41 @@
 baseline it is measured against.
 
 With `--checkpoint-dir DIR --checkpoint-every N`, a worker writes the layers it owns (module,
-optimizer and scheduler state, the byte buffers a migration sends: LayerState.state_buffer) after
-every N-th committed step to `DIR/{worker}-{step}.safetensors`, keeping its two newest. How the
-write is scheduled (in pipeline bubbles, or stopping training) is chameleond.worker._saver's
-business; this module is the files.
+optimizer, scheduler and loss-scaler state) after every N-th committed step to
+`DIR/{worker}-{step}.safetensors`, keeping its `--checkpoint-keep` newest (default 2); when
+training ends (finished or stopped) it writes its last committed step too, unless that file exists
+(chameleond.worker._runtime). How a write is scheduled (in pipeline bubbles, or stopping training)
+is chameleond.worker._saver's business; this module is the files.
 
-The format is safetensors (an 8-byte little-endian header length, a JSON header, the raw bytes): one
-uint8 tensor `layer.{i}` per layer, and the step, the worker and the model's fingerprint
-(Trainable.fingerprint: its layers' parameter names and shapes) in the header's `__metadata__`. It
-can be written a piece at a time (`FileWriter`), and any safetensors reader opens it. A file gets
-its final name only once complete (written to `.tmp`, synced to disk, then renamed, and the rename
-synced), so neither a killed process nor a crashed host leaves a partial checkpoint under a final
-name.
+The format is safetensors (chameleond.worker._safetensors): `safetensors.torch.load_file(path)`
+gives the model's own tensors under their names in the whole model's state_dict, with their
+dtypes and shapes:
+
+    {model name}                          every module state_dict entry of each layer held, but
+                                          frozen parameters (LayerState.names: parameters'
+                                          Trainable.param_names, buffers by their siblings' prefix,
+                                          else "{layer}.{name in the layer}")
+    optimizer.{param model name}.{key}    the optimizer's per-parameter tensors (step, exp_avg,
+                                          exp_avg_sq, momentum_buffer, ...)
+    state.{layer}                         only when a layer's non-tensor state is not JSON: it,
+                                          torch.save'd, as uint8 (loaded with weights_only=True)
+
+and the header's `__metadata__` (strings) holds `format`, `step`, `worker`, `model` (the
+fingerprint: Trainable.fingerprint), `n_layers`, `layers` (a JSON list), every entry of
+Trainable.meta (chameleond.worker.hf: `hf_class`, `hf_config`), and per layer `layer.{i}`, a JSON
+object: `module` ({name in the layer: tensor name}), `optimizer` ([[param index, {state key:
+tensor name}], ...]) and `rest` (JSON text of the layer's version, the optimizer's param_groups
+and non-tensor per-parameter state, the scheduler's and the loss scaler's state_dict; tuples
+tagged {"__tuple__": [...]}), or no `rest` when `state.{layer}` holds it. Loading rebuilds each
+layer's state exactly as LayerState.load_buffer does from a migration's buffer (bit for bit).
+`chameleonctl export --hf` (chameleond.cli.export) turns a step's files into a Hugging Face
+model directory.
+
+The header (names, dtypes, shapes, offsets) is fixed when a checkpoint begins, its tensors copied
+to the host then; the data is then written a piece of about a MiB at a time (`FileWriter`). A file
+gets its final name only once complete (written to `.tmp`, synced to disk, then renamed, and the
+rename synced), so neither a killed process nor a crashed host leaves a partial checkpoint under a
+final name.
 
 A kill can interrupt one round of checkpoints, leaving workers at different steps, and a worker that
 died long ago left only files of old steps; so a worker started with the same directory loads its
@@ -35,25 +58,31 @@ reported as an `ack` with phase `unrestorable`), and the daemon restores an olde
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
-import struct
+import pickle
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from chameleond.worker._layer import LayerState
+from chameleond.worker import _safetensors as fmt
+from chameleond.worker._layer import LayerState, LayerTensors
 from chameleond.worker._migrate import StateLost
 from chameleond.worker._state import WorkerState
 from chameleond.worker._trainable import Trainable
 
 log = logging.getLogger("chameleon.worker")
+FORMAT = "chameleond-checkpoint/2"  # the metadata's "format"
 
-KEEP = 2
+KEEP = 2  # files per worker kept by default (WorkerConfig.checkpoint_keep)
 SUFFIX = ".safetensors"
+OPTIMIZER = "optimizer."  # the prefix of optimizer tensors' names
+STATE = "state."  # "state.{layer}": a layer's non-tensor state JSON cannot hold (torch.save)
 
 
 def checkpoint_path(directory: Path, worker: str, step: int) -> Path:
@@ -71,34 +100,32 @@ def written(directory: Path) -> dict[str, set[int]]:
 
 
 class FileWriter:
-    """One checkpoint file, written piece by piece in the layers' order, then `commit`ted."""
+    """One checkpoint file of `tensors` (CPU, contiguous), written piece by piece, then
+    `commit`ted."""
 
     def __init__(
-        self, directory: Path, worker: str, step: int, model: str, numel: Mapping[int, int]
+        self,
+        directory: Path,
+        worker: str,
+        step: int,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, str],
+        keep: int = KEEP,
     ) -> None:
+        if keep < 1:
+            raise ValueError(f"checkpoint_keep must be >= 1, got {keep}")
         directory.mkdir(parents=True, exist_ok=True)
-        self.directory, self.worker, self.step = directory, worker, step
+        self.directory, self.worker, self.step, self.keep = directory, worker, step, keep
         self.path = checkpoint_path(directory, worker, step)
         self._tmp = self.path.with_suffix(".tmp")
-        header: dict[str, Any] = {
-            "__metadata__": {"step": str(step), "worker": worker, "model": model}
-        }
-        offset = 0
-        for i, n in numel.items():
-            header[f"layer.{i}"] = {
-                "dtype": "U8",
-                "shape": [n],
-                "data_offsets": [offset, offset + n],
-            }
-            offset += n
-        self.nbytes = offset  # the tensors' bytes (what a `checkpoint` event reports)
-        text = json.dumps(header).encode()
-        text += b" " * (-len(text) % 8)
-        self._data_start = 8 + len(text)
-        self.size = self._data_start + offset  # the whole file: length, header, tensors
+        head = fmt.header(tensors, metadata)
+        # the tensors' bytes (what a `checkpoint` event reports)
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self._data_start = len(head)
+        self.size = self._data_start + self.nbytes  # the whole file: length, header, tensors
         self._end = 0  # where the next piece goes, by default (bytes after the header)
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 - open across a step's bubbles
-        self._file.write(struct.pack("<Q", len(text)) + text)
+        self._file: IO[bytes] = open(self._tmp, "wb")  # noqa: SIM115 - open across bubbles
+        self._file.write(head)
 
     def write(self, piece: torch.Tensor, at: int | None = None) -> None:
         """A piece of the data, a flat uint8 tensor (copied to the host if elsewhere), at byte
@@ -113,7 +140,7 @@ class FileWriter:
         self._end = start + raw.nbytes
 
     def commit(self) -> Path:
-        """Give the file its final name; delete this worker's files but the newest KEEP."""
+        """Give the file its final name; delete this worker's files but the newest `keep`."""
         self._file.flush()
         # On disk before the rename: after a host crash the final name never shows a file whose
         # data was still in the page cache.
@@ -124,7 +151,7 @@ class FileWriter:
             raise OSError(f"checkpoint {self._tmp} has {size} bytes, its header says {self.size}")
         os.replace(self._tmp, self.path)
         _sync_directory(self.directory)  # the rename itself survives a host crash
-        for old in sorted(written(self.directory).get(self.worker, set()))[:-KEEP]:
+        for old in sorted(written(self.directory).get(self.worker, set()))[: -self.keep]:
             checkpoint_path(self.directory, self.worker, old).unlink(missing_ok=True)
         return self.path
 
@@ -145,86 +172,174 @@ def _sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+def contents(
+    state: WorkerState, layers: Sequence[int], worker: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str], list[list[torch.Tensor]]]:
+    """The tensors and the metadata of a file of `layers` at the committed step (copied to the
+    CPU now), and the tensors again, by layer. ValueError naming a tensor two layers both
+    name."""
+    model = state.model
+    tensors: dict[str, torch.Tensor] = {}
+    metadata = {
+        **model.meta,
+        "format": FORMAT,
+        "step": str(state.committed_step),
+        "worker": worker,
+        "model": model.fingerprint,
+        "n_layers": str(model.n_layers),
+        "layers": json.dumps(list(layers)),
+    }
+    by_layer: list[list[torch.Tensor]] = []
+    for i in layers:
+        saved = state.layer(i).state_tensors()
+        by_layer.append(list(saved.tensors.values()))
+        for name, t in saved.tensors.items():
+            if name in tensors or name.startswith(STATE):
+                raise ValueError(f"layer {i}: tensor {name} is named twice in the checkpoint")
+            tensors[name] = t
+        layout: dict[str, Any] = {"module": saved.module, "optimizer": saved.optimizer}
+        rest = fmt.to_json(saved.rest)
+        if rest is None:  # not JSON: torch.save, read back with weights_only=True
+            out = io.BytesIO()
+            torch.save(saved.rest, out)
+            tensors[f"{STATE}{i}"] = torch.frombuffer(bytearray(out.getbuffer()), dtype=torch.uint8)
+            by_layer[-1].append(tensors[f"{STATE}{i}"])
+        else:
+            layout["rest"] = rest
+        metadata[f"layer.{i}"] = json.dumps(layout)
+    return tensors, metadata, by_layer
+
+
 def open_layers(
-    directory: Path, worker: str, state: WorkerState, layers: Sequence[int]
+    directory: Path, worker: str, state: WorkerState, layers: Sequence[int], keep: int = KEEP
 ) -> tuple[FileWriter, list[torch.Tensor]]:
-    """The file of `layers` at the committed step, and the pieces to write to it, in order."""
-    parts = {i: state.layer(i).state_parts() for i in layers}
-    numel = {i: sum(p.numel() for p in ps) for i, ps in parts.items()}
-    out = FileWriter(directory, worker, state.committed_step, state.model.fingerprint, numel)
-    return out, [p for ps in parts.values() for p in ps]
+    """The file of `layers` at the committed step, and the pieces of its data to write to it, in
+    order (the layers' state copied to the CPU now): each layer's bytes in pieces of a MiB, the
+    last one of a layer shorter."""
+    tensors, metadata, by_layer = contents(state, layers, worker)
+    out = FileWriter(directory, worker, state.committed_step, tensors, metadata, keep)
+    return out, [piece for held in by_layer for piece in fmt.pieces(held)]
 
 
-def save(directory: Path, worker: str, state: WorkerState, owned: tuple[int, ...]) -> Path:
+def save(
+    directory: Path, worker: str, state: WorkerState, owned: Sequence[int], keep: int = KEEP
+) -> Path:
     """Write the layers `owned` at the committed step, all at once."""
-    out, pieces = open_layers(directory, worker, state, owned)
+    out, pieces = open_layers(directory, worker, state, owned, keep)
     for piece in pieces:
         out.write(piece)
     return out.commit()
 
 
-def read(path: Path) -> tuple[int, str, dict[int, torch.Tensor]]:
-    """(step, model fingerprint, layer -> state buffer) of one file. Raises OSError or
-    ValueError for a file that is not a complete checkpoint."""
-    data = path.read_bytes()
-    if len(data) < 8:
-        raise ValueError(f"{path}: not a checkpoint (too short)")
-    (n,) = struct.unpack("<Q", data[:8])
+@dataclass(frozen=True)
+class Saved:
+    """What one checkpoint file holds."""
+
+    step: int
+    model: str  # the fingerprint of the model it was written for
+    metadata: dict[str, str]
+    layers: dict[int, LayerTensors]
+
+
+@dataclass(frozen=True)
+class Listing:
+    """A checkpoint file's header: its step, model, layers and where each layer's state is."""
+
+    path: Path
+    step: int
+    model: str
+    n_layers: int
+    header: fmt.Header
+    layouts: dict[int, dict[str, Any]]
+
+
+def list_file(path: Path) -> Listing:
+    """`path`'s header. OSError or ValueError (naming the file) for a file that is not a
+    complete checkpoint."""
     try:
-        header = json.loads(data[8 : 8 + n])
-        meta = header.pop("__metadata__")
-        step, model = int(meta["step"]), str(meta["model"])
-        layers = {}
-        for name, t in header.items():
-            begin, end = (8 + n + o for o in t["data_offsets"])
-            if t["dtype"] != "U8" or end > len(data) or name[:6] != "layer.":
-                raise ValueError(f"tensor {name} is not a byte layer inside the file")
-            layers[int(name[6:])] = torch.frombuffer(bytearray(data[begin:end]), dtype=torch.uint8)
+        head = fmt.read_header(path)
+        meta = head.metadata
+        layers = [int(i) for i in json.loads(meta["layers"])]
+        layouts = {i: json.loads(meta[f"layer.{i}"]) for i in layers}
+        return Listing(
+            path, int(meta["step"]), str(meta["model"]), int(meta["n_layers"]), head, layouts
+        )
     except (KeyError, TypeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: malformed checkpoint header ({e!r})") from None
+        raise ValueError(f"{path}: not a checkpoint of this format ({e!r})") from None
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    return step, model, layers
 
 
-def _readable(path: Path, model: Trainable) -> dict[int, torch.Tensor] | None:
-    """The layers of `path`, or None (logged) when it cannot be read or is of another model."""
+def read(path: Path, layers: Collection[int] | None = None) -> Saved:
+    """The layers `layers` (default: all) of one file. OSError or ValueError (naming the file)
+    for a file that is not a complete checkpoint."""
+    found = list_file(path)
+    wanted = found.layouts if layers is None else [i for i in found.layouts if i in layers]
+    out = {}
     try:
-        _, written_for, layers = read(path)
+        for i in wanted:
+            layout = found.layouts[i]
+            names = [*layout["module"].values()]
+            names += [n for _, files in layout["optimizer"] for n in files.values()]
+            if "rest" not in layout:
+                names.append(f"{STATE}{i}")
+            tensors = fmt.read_tensors(path, found.header, names)
+            if "rest" in layout:
+                rest = fmt.from_json(layout["rest"])
+            else:
+                raw = tensors.pop(f"{STATE}{i}").numpy().tobytes()
+                rest = torch.load(io.BytesIO(raw), weights_only=True)
+            optimizer = [(int(k), dict(files)) for k, files in layout["optimizer"]]
+            out[i] = LayerTensors(tensors, dict(layout["module"]), optimizer, rest)
+    except (KeyError, TypeError, ValueError, RuntimeError, pickle.UnpicklingError) as e:
+        raise ValueError(f"{path}: malformed checkpoint ({e!r})") from None
+    return Saved(found.step, found.model, found.header.metadata, out)
+
+
+def _listed(path: Path, model: Trainable) -> Listing | None:
+    """`path`'s header, or None (logged) when it cannot be read or is of another model."""
+    try:
+        found = list_file(path)
     except (OSError, ValueError) as e:
         log.warning("ignoring unreadable checkpoint %s: %s", path, e)
         return None
-    if written_for != model.fingerprint:
-        log.warning("ignoring checkpoint %s: written for another model %s", path, written_for)
+    if found.model != model.fingerprint:
+        log.warning("ignoring checkpoint %s: written for another model %s", path, found.model)
         return None
-    return layers
+    return found
 
 
 def _decode(
-    model: Trainable, device: torch.device, layers: Mapping[int, torch.Tensor], step: int
+    model: Trainable, device: torch.device, files: Mapping[Path, Collection[int]], step: int
 ) -> dict[int, LayerState]:
-    """The layers of `layers`' buffers at `step`; ValueError for a buffer that does not load."""
+    """The layers `files` hold at `step`, read; OSError or ValueError for one that does not
+    load."""
     out = {}
-    for i, buf in layers.items():
-        out[i] = LayerState(model, i, device)
-        out[i].load_buffer(buf, step)
+    for path, layers in files.items():
+        for i, saved in read(path, layers).layers.items():
+            out[i] = LayerState(model, i, device)
+            out[i].load_state_tensors(saved, step)
     return out
 
 
 def _gather(
     directory: Path, model: Trainable, step: int, layers: Collection[int]
-) -> dict[int, torch.Tensor]:
-    """Those of `layers` that some readable file of `step` holds, each from the first such file
-    (by name)."""
+) -> dict[Path, list[int]]:
+    """Those of `layers` that some readable file of `step` holds, by the first such file (by
+    name)."""
     wanted = set(layers)
-    found: dict[int, torch.Tensor] = {}
+    found: dict[int, Path] = {}
     for path in sorted(directory.glob(f"*-{step:09d}{SUFFIX}")):
         if wanted <= found.keys():
             break
-        for i, buf in (_readable(path, model) or {}).items():
+        listed = _listed(path, model)
+        for i in [] if listed is None else listed.layouts:
             if i in wanted:
-                found.setdefault(i, buf)
-    return found
+                found.setdefault(i, path)
+    out: dict[Path, list[int]] = {}
+    for i, path in sorted(found.items()):
+        out.setdefault(path, []).append(i)
+    return out
 
 
 def covering_step(directory: Path, model: Trainable) -> int | None:
@@ -232,7 +347,8 @@ def covering_step(directory: Path, model: Trainable) -> int | None:
     every = range(model.n_layers)
     steps = {s for per_worker in written(directory).values() for s in per_worker}
     for step in sorted(steps, reverse=True):
-        if len(_gather(directory, model, step, every)) == model.n_layers:
+        found = _gather(directory, model, step, every)
+        if sum(len(v) for v in found.values()) == model.n_layers:
             return step
     return None
 
@@ -250,18 +366,18 @@ def restore(directory: Path, state: WorkerState, step: int, layers: tuple[int, .
     and delete the files of later steps. Raises Unrestorable, with nothing changed, when some
     layer is in no readable file of the step."""
     found = _gather(directory, state.model, step, layers)
-    missing = sorted(set(layers) - found.keys())
+    missing = sorted(set(layers) - {i for held in found.values() for i in held})
     if missing:
         why = f"no readable file of step {step} in {directory} has layers {_ranges(missing)}"
         raise Unrestorable(step, why)
     try:
         loaded = _decode(state.model, state.device, found, step)
-    except ValueError as e:
+    except (OSError, ValueError) as e:
         raise Unrestorable(step, f"a file of step {step} in {directory}: {e}") from e
     state.discard_step()
     state.layers = loaded
     state.committed_step = step
-    log.info("restored layers %s from the checkpoint of step %d", sorted(found), step)
+    log.info("restored layers %s from the checkpoint of step %d", sorted(loaded), step)
     # Later files describe a past the job now trains again: a later restore or restart must not
     # read them (every worker of the plan deletes them; the others are gone).
     for worker, steps in written(directory).items():
@@ -296,14 +412,15 @@ def load(directory: Path, worker: str, state: WorkerState) -> int | None:
     if not path.exists():
         log.info("no checkpoint of this worker at step %d: its layers come by migration", step)
         return None
-    layers = _readable(path, state.model)
-    if layers is None:
+    listed = _listed(path, state.model)
+    if listed is None:
         return None
     try:
-        state.layers.update(_decode(state.model, state.device, layers, step))
-    except ValueError as e:
+        loaded = _decode(state.model, state.device, {path: list(listed.layouts)}, step)
+    except (OSError, ValueError) as e:
         log.warning("ignoring checkpoint %s: %s", path, e)
         return None
+    state.layers.update(loaded)
     state.committed_step = step
-    log.info("loaded checkpoint %s: step %d, layers %s", path, step, sorted(layers))
+    log.info("loaded checkpoint %s: step %d, layers %s", path, step, sorted(loaded))
     return step

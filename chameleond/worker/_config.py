@@ -38,6 +38,7 @@ class WorkerConfig:
     checkpoint_mode: CheckpointMode = (
         CheckpointMode.BUBBLE
     )  # in pipeline bubbles, or stop and write
+    checkpoint_keep: int = 2  # each worker's newest files kept; older ones are deleted
     keyring: Keyring | None = None  # signs events, verifies plans and the spec (None: insecure)
 
 
@@ -57,6 +58,12 @@ def config_error(cfg: WorkerConfig) -> str | None:
         return "max_steps must be >= 0"
     if cfg.checkpoint_every < 0 or (cfg.checkpoint_every and cfg.checkpoint_dir is None):
         return "checkpoint_every must be >= 0 and needs checkpoint_dir"
+    if (
+        isinstance(cfg.checkpoint_keep, bool)
+        or not isinstance(cfg.checkpoint_keep, int)
+        or cfg.checkpoint_keep < 1
+    ):
+        return f"checkpoint_keep {cfg.checkpoint_keep!r}: expected an integer >= 1"
     if cfg.checkpoint_mode not in MODES:
         return f"checkpoint_mode {cfg.checkpoint_mode!r}: expected one of {MODES}"
     if (why := bind_error(cfg.bind_address, cfg.device)) is not None:

@@ -7,29 +7,30 @@ of one side are still the receives of the other in one order, and a forward neve
 backward, so the filtered order runs as the step's does. Evaluation step k reads the held-out
 samples [k*B, (k+1)*B) in training's micro-batch layout (B the job's global batch; a `drop` plan
 evaluates the micro-batches it trains); each worker sums the per-sample losses of the micro-batches
-whose last stage it runs, and one all-reduce over the world gives every worker the mean. Layers
+whose last stage it runs, and the aux losses its layers return (`aux_loss * samples`, as training
+adds them), and one all-reduce over the world gives every worker the mean. Layers
 run in eval mode (dropout off), without gradients, in the training's precision. A fault during an
 evaluation fails the generation as a fault in a step does: the committed step stands, and that
-evaluation is not made again. The held-out samples must have the training samples' shapes
-(messages between stages have one shape per boundary).
+evaluation is not made again. The held-out activations must have the training's structure and
+dtypes at every boundary; their shapes may differ (chameleond.worker._activation).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
 from chameleond.core.schedule import FORWARD
+from chameleond.worker._activation import Structure, run_stage
 from chameleond.worker._backend import allreduce_sum, computing
 from chameleond.worker._generation import Generation
-from chameleond.worker._layer import run_layers
 from chameleond.worker._p2p import Batch, forward_input, forward_output
 from chameleond.worker._state import WorkerState
-from chameleond.worker._step import StepRunner, _present
+from chameleond.worker._step import StepRunner, _present, _weighted
 from chameleond.worker._trainable import to_device
-from chameleond.worker._validate import Output
 from chameleond.worker.api import Evaluation
 
 
@@ -48,7 +49,11 @@ def forward_only(gen: Generation) -> Generation:
 
 class Evaluator(StepRunner):
     def __init__(
-        self, gen: Generation, state: WorkerState, outputs: Sequence[Output], evaluation: Evaluation
+        self,
+        gen: Generation,
+        state: WorkerState,
+        outputs: Sequence[Structure],
+        evaluation: Evaluation,
     ) -> None:
         super().__init__(forward_only(gen), state, outputs)
         self.evaluation = evaluation
@@ -86,20 +91,24 @@ class Evaluator(StepRunner):
                 while batch is not None and batch.before <= i:
                     self._issue(batch)
                     batch = next(batches, None)
+                self._receives.poll()
                 stages = plan.pipelines[op.pipeline].stages
                 layers = [st.layer(j) for j in stages[op.stage].layers]
                 last = op.stage == len(stages) - 1
                 data = self._held_out(k, op.micro_batch) if op.stage == 0 or last else None
                 if op.stage == 0:
-                    x = self.model.inputs(data)
+                    x = cast(Any, self.model.inputs(data))
                 else:
-                    x = self._recv(*_present(forward_input(op)))
+                    x = self._recv_forward(*_present(forward_input(op)), grad=False)
                 with computing(), autocast:
-                    out = run_layers(layers, x)
+                    out, aux = run_stage([layer.module for layer in layers], x)
+                    if aux is not None:
+                        loss_sum += _weighted(aux, plan.micro_batch).double()
                     if last:
                         loss_sum += self.model.loss_sum(out, data, plan.micro_batch).double()
                 if not last:
-                    self._send(out, *_present(forward_output(op, len(stages))))
+                    layer = stages[op.stage].layers[-1]
+                    self._send_forward(out, layer, *_present(forward_output(op, len(stages))))
             while batch is not None:
                 self._issue(batch)
                 batch = next(batches, None)
@@ -107,8 +116,7 @@ class Evaluator(StepRunner):
                 work.wait()
             return float(loss_sum.item())
         finally:
-            for box in (self._outbox, self._inbox, self._sent, self._local):
-                box.clear()
+            self._clear()
 
     def _held_out(self, k: int, micro_batch: int) -> object:
         b = self.gen.plan.micro_batch

@@ -65,6 +65,9 @@ class StepLoop:
         self.trained_key = trained_key  # set at this process's first commit: the job has trained
         self.saver = saver
         self._marked_trained = False
+        # A step's gradients are summed and its update has not begun: the layers are still the
+        # committed step's, though an update is pending (read when a signal cuts training).
+        self.update_due = False
 
     def run(self, gen: Generation, state: WorkerState, joined: Joined, step: int) -> None:
         """Train from `step` until a vote shows a newer plan; Finished at `max_steps`."""
@@ -96,6 +99,7 @@ class StepLoop:
                 t0 = time.perf_counter()
                 result = runner.run(step, on_op=on_op, bubble=bubble)
                 state.mark_pending(step, result.layers)
+                self.update_due = True
                 ids = state.model.read_ids(step, result.first_stage)
                 vote = torch.zeros((len(gen.world), VOTE_COLUMNS), dtype=torch.float64)
                 vote[gen.rank] = torch.tensor(
@@ -132,6 +136,7 @@ class StepLoop:
                 scale = state.loss_scale()  # the step's, before the update moves them
                 lr = state.learning_rate()
                 meter.begin()
+                self.update_due = False
                 with computing():
                     state.apply_pending(plan.global_batch, commit)
                 meter.update(result.layers)
@@ -164,6 +169,7 @@ class StepLoop:
                 if int(vote[:, 2].max().item()) > plan.generation:
                     return
         finally:
+            self.update_due = False
             if saver is not None:
                 saver.flush()  # the checkpoint under way is of a committed step: finish it
 

@@ -154,6 +154,13 @@ def build_parser(prog: str = "chameleon-worker") -> argparse.ArgumentParser:
         "pipeline bubbles); sync: stop training to write it (default %(default)s)",
     )
     p.add_argument(
+        "--checkpoint-keep",
+        type=int,
+        default=2,
+        metavar="N",
+        help="keep this worker's N newest checkpoint files, deleting older ones (default 2)",
+    )
+    p.add_argument(
         "--secret-file",
         default="",
         help=f"file holding the job's secret (docs/security.md); default ${SECRET_FILE_ENV}, "
@@ -246,6 +253,9 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
     if args.max_steps < 0:
         log.error("--max-steps must be >= 0")
         return EXIT_USAGE
+    if args.checkpoint_keep < 1:
+        log.error("--checkpoint-keep must be >= 1, got %d", args.checkpoint_keep)
+        return EXIT_USAGE
     group_timeout = timeout_of(args.group_timeout)
     if group_timeout is None:
         log.error("--group-timeout %s: expected a finite number of seconds > 0", args.group_timeout)
@@ -290,6 +300,7 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
         checkpoint_dir=args.checkpoint_dir,
         checkpoint_every=args.checkpoint_every,
         checkpoint_mode=args.checkpoint_mode,
+        checkpoint_keep=args.checkpoint_keep,
         keyring=keyring,
     )
     gate = StepGate.from_env(args.worker_id)  # `chameleonctl bench worker` only

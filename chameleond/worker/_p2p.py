@@ -25,6 +25,11 @@ issued in *batches* (`step_batches`), each a group that the backend progresses a
   the buffers. Receives are posted early, when their message is produced, and waited for just
   before the op that uses it.
 
+A message is several point-to-point ops (a forward's header and tensors, a backward's gradients:
+chameleond.worker._wire), all in the sender's batch; the receiver posts a forward's header with its
+batch and its tensors once the header is in, in the peer's order (_wire says why that keeps these
+guarantees). The batches here list messages, one endpoint each.
+
 `rendezvous_fault` checks a set of batches under the strictest rules (messages matched per pair in
 issue order, every send waiting for its receive); a worker on NCCL or HCCL checks every plan it is
 given and refuses, with the reason, one that fails. The tests check it over many rerouted and

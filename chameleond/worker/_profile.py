@@ -5,7 +5,8 @@ Two measurements, both sent as `profile` events:
 * At start-up (`profile_model`), each layer alone, for one micro-batch: forward, backward and
   optimizer-update seconds (median of a few timed repetitions after a warm-up), parameter bytes, the
   bytes of the user's optimizer state, activation bytes (the tensors autograd saves for backward,
-  parameters excluded) and output bytes (what the layer sends to the next stage; zero for the head).
+  parameters excluded) and output bytes (what the layer sends to the next stage, summed over the
+  activation's tensors; zero for the head).
   Layers are built one at a time, so profiling needs the memory of one layer, not of the model.
 
 * In training (`TrainingMeter`), the same seconds measured on the real steps of the running plan,
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 
+from chameleond.worker._activation import Activation, flatten, nbytes, split_aux, unflatten
 from chameleond.worker._layer import LayerState
 from chameleond.worker._trainable import Trainable
 from chameleond.worker.api import Batch
@@ -93,17 +95,20 @@ def _tensor_bytes(t: torch.Tensor) -> int:
 def profile_layer(
     model: Trainable,
     index: int,
-    x: torch.Tensor,
+    x: Activation,
     batch: Batch,
     device: torch.device,
     repeats: int = REPEATS,
-) -> tuple[dict[str, Any], torch.Tensor]:
+) -> tuple[dict[str, Any], Activation]:
     """One layer's costs on input `x` (the real micro-batch's activation at this layer): the median
-    of `repeats` timed repetitions after an untimed one; and its output, the next layer's input."""
+    of `repeats` timed repetitions after an untimed one; and its output (without its aux loss),
+    the next layer's input. The backward runs from a gradient of ones on each floating output,
+    plus the aux loss's (or, at the head, the loss's) weighted by the micro-batch's samples."""
     layer = LayerState(model, index, device)
     param_ptrs = {p.data_ptr() for p in layer.module.parameters()}
     last = index == model.n_layers - 1
-    micro_batch = x.shape[0]
+    structure, inputs = flatten(x)
+    micro_batch = inputs[0].shape[0]
     clock = op_clock(device)
 
     saved: list[int] = []
@@ -119,19 +124,26 @@ def profile_layer(
     out_bytes = 0
     out = x
     for rep in range(repeats + 1):
-        inp = x.detach().clone().requires_grad_() if x.is_floating_point() else x
+        inp = unflatten(
+            structure,
+            [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in inputs],
+        )
         saved.clear()
         _sync(device)
         t0 = clock()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), model.autocast(device):
-            out = layer.module(inp)
+            out, aux = split_aux(layer.module(inp), f"layer {index}")
             loss = model.loss_sum(out, batch, micro_batch) if last else None
         _sync(device)
         t1 = clock()
-        if loss is not None:
-            loss.backward()
-        elif out.requires_grad:
-            out.backward(torch.ones_like(out))
+        roots = [] if last else [t for t in flatten(out)[1] if t.requires_grad]
+        seeds = [torch.ones_like(t) for t in roots]
+        for objective in (loss, None if aux is None else aux * micro_batch):
+            if objective is not None and objective.requires_grad:
+                roots.append(objective)
+                seeds.append(torch.ones_like(objective))
+        if roots:
+            torch.autograd.backward(roots, seeds)
         _sync(device)
         t2 = clock()
         layer.apply_update(micro_batch, rep)  # a real step of the user's optimizer
@@ -141,7 +153,7 @@ def profile_layer(
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
             upd.append(t3 - t2)
-        out_bytes = 0 if last else _tensor_bytes(out)
+        out_bytes = 0 if last else nbytes(out)
     layer.check_movable()  # with the state of a real step of the user's optimizer
     activation_bytes = sum(saved)
     # What the user's optimizer holds: SGD with momentum 1x the parameters, AdamW 2x (+ its steps).
@@ -161,7 +173,8 @@ def profile_layer(
         "activation_bytes": activation_bytes,
         "output_bytes": out_bytes,
     }
-    return data, out.detach()
+    out_structure, outs = flatten(out)
+    return data, unflatten(out_structure, [t.detach() for t in outs])
 
 
 def profile_model(
@@ -185,7 +198,8 @@ def profile_model(
     batch = model.batch(0, 0, model.training.global_batch, micro_batch, device)
 
     def measure(repeats: int) -> list[dict[str, Any]]:
-        x, layers = model.inputs(batch), []
+        x: Activation = model.inputs(batch)
+        layers = []
         for i in range(model.n_layers):
             data, x = profile_layer(model, i, x, batch, device, repeats)
             layers.append(data)

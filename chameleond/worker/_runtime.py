@@ -7,6 +7,8 @@ generation by generation.
       (nobody dead: build the same generation again, attempt 2, 3, ...; attribution.py)
     this worker's own computation failed -> report itself, DeviceFailed (exit 7)
     fenced (excluded by a plan) -> ack stopped, Ending.FENCED (exit 0)
+    finished (max_steps) or stopped -> with --checkpoint-dir, a checkpoint of the last committed
+      step unless written already (`final_checkpoint`)
     left out, not excluded (a drop plan's pipelines, spares) -> wait on standby for a plan
 
 A step commits on every worker or on none (loop.py, the commit vote).
@@ -85,7 +87,7 @@ class WorkerRuntime:
             if cfg.checkpoint_every:
                 saver = Saver(
                     cfg.checkpoint_dir, cfg.worker_id, cfg.checkpoint_every,
-                    self._checkpoint_written, cfg.checkpoint_mode,
+                    self._checkpoint_written, cfg.checkpoint_mode, cfg.checkpoint_keep,
                 )  # fmt: skip
         steps = StepLoop(
             cfg.worker_id, cfg.max_steps, self.reporter, self.watcher, self.hooks, self.stop,
@@ -96,6 +98,16 @@ class WorkerRuntime:
         )
         try:
             ending = self.follow_plans(state, joined, generations)
+            if ending in (Ending.FINISHED, Ending.STOPPED):
+                self.final_checkpoint(state, generations.member_of)
+        except BaseException:
+            # A signal handler's exception (chameleon-worker's SIGTERM) stops training where it
+            # is, after setting `stop`.
+            if self.stop.is_set():
+                # An update may have been under way unless the step loop says it had not begun.
+                unsafe = state.pending_step is not None and not steps.update_due
+                self.final_checkpoint(state, generations.member_of, unsafe=unsafe)
+            raise
         finally:
             if self.stop.is_set() and generations.took_part:
                 # Stopped: tell the daemon this worker left, so it is taken out of the plans
@@ -186,6 +198,43 @@ class WorkerRuntime:
                 if not blame.fault(plan, state, e):
                     retry = plan
         return Ending.STOPPED
+
+    def final_checkpoint(self, state: WorkerState, generation: int, unsafe: bool = False) -> None:
+        """Training ended (finished or stopped): with a checkpoint directory, write the layers
+        held at the last committed step, now, unless that step's file is written already, and
+        report it (a `checkpoint` event). Only layers whose state is that step's are written;
+        nothing when no step has committed, nor when `unsafe`: training was cut (a signal) while
+        an update may have been under way, leaving a layer half updated."""
+        directory, step = self.cfg.checkpoint_dir, state.committed_step
+        if directory is None or step < 0:
+            return
+        if unsafe:
+            log.warning("stopped while an update may have been under way: no final checkpoint")
+            return
+        if checkpoint.checkpoint_path(directory, self.cfg.worker_id, step).exists():
+            return
+        layers = tuple(i for i in sorted(state.layers) if state.layers[i].version == step)
+        if not layers:
+            return
+        t0 = time.perf_counter()
+        try:
+            out, pieces = checkpoint.open_layers(
+                directory, self.cfg.worker_id, state, layers, self.cfg.checkpoint_keep
+            )
+        except (OSError, ValueError) as e:
+            log.error("final checkpoint of step %d not begun: %s", step, e)
+            return
+        try:
+            for piece in pieces:
+                out.write(piece)
+            out.commit()
+        except OSError as e:
+            out.abort()
+            log.error("final checkpoint of step %d not written: %s", step, e)
+            return
+        log.info("wrote the final checkpoint of step %d: layers %s", step, list(layers))
+        seconds = time.perf_counter() - t0
+        self._checkpoint_written(Written(step, generation, layers, out.nbytes, 0.0, seconds))
 
     def _checkpoint_written(self, written: Written) -> None:
         self.reporter.report(written.event(self.cfg.worker_id))

@@ -4,20 +4,20 @@ The checkpoint of committed step s is what a worker holds from the commit of s t
 1: parameters and optimizer state do not change while step s + 1 runs its forwards and backwards. So
 rather than stop training to write it (`--checkpoint-mode sync`), a worker writes it during step s +
 1, in the idle slots its 1F1B schedule leaves. The file (chameleond.worker._checkpoint.FileWriter)
-is written a piece at a time (`LayerState.state_parts`: the layer's serialized state, serialized
-when the checkpoint begins, in pieces of a MiB), at the points where the worker waits for a message
-in the op order's timeline (`Generation.idle`: the warm-up bubble of later stages, the gaps of the
-steady phase, the cool-down of earlier stages). `place` spreads the pieces over those slots in
-proportion to their idle time; a plan without bubbles (one stage per pipeline) writes everything
-after its last op, while the gradients are exchanged. The file is complete, renamed and reported
-(`checkpoint` event: the step, the layers, and what it cost) once the last piece is written.
+is written a piece at a time (the layers' tensors, copied to the host when the checkpoint begins,
+in pieces of a MiB: chameleond.worker._safetensors.pieces), at the points where the worker waits
+for a message in the op order's timeline (`Generation.idle`: the warm-up bubble of later stages,
+the gaps of the steady phase, the cool-down of earlier stages). `place` spreads the pieces over
+those slots in proportion to their idle time; a plan without bubbles (one stage per pipeline)
+writes everything after its last op, while the gradients are exchanged. The file is complete,
+renamed and reported (`checkpoint` event: the step, the layers, and what it cost) once the last
+piece is written.
 
 Pieces left when a step ends early (a fault, a newer plan) are written then, while the worker
 waits for its next plan anyway; every piece is written before the next update (`flush`), so the
 file is exactly the committed step. The work stays on the training thread: a writer thread would
 compete with training for the interpreter lock and, on a host whose cores all train, for the CPU,
-and would be idle exactly when training is not. On an accelerator a piece is copied to the host in
-its bubble before it is written.
+and would be idle exactly when training is not.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from chameleond.events import Checkpoint
-from chameleond.worker._checkpoint import open_layers
+from chameleond.worker._checkpoint import KEEP, open_layers
 from chameleond.worker._state import WorkerState
 
 log = logging.getLogger("chameleon.worker")
@@ -99,11 +99,12 @@ class Snapshot:
         generation: int,
         layers: Sequence[int],
         idle: Sequence[float],
+        keep: int = KEEP,
     ) -> None:
         self.step = state.committed_step
         self.generation = generation
         self.layers = tuple(layers)
-        self.file, pieces = open_layers(directory, worker, state, self.layers)
+        self.file, pieces = open_layers(directory, worker, state, self.layers, keep)
         # slot -> (offset in the file's data, piece), in order
         self._due: dict[int, deque[tuple[int, torch.Tensor]]] = {}
         sizes = [p.numel() for p in pieces]
@@ -159,7 +160,8 @@ class Snapshot:
 
 
 class Saver:
-    """A worker's checkpoints: every `every` committed steps, in bubbles or stopping training."""
+    """A worker's checkpoints: every `every` committed steps, in bubbles or stopping training,
+    keeping the newest `keep` files."""
 
     def __init__(
         self,
@@ -168,10 +170,11 @@ class Saver:
         every: int,
         report: Callable[[Written], None],
         mode: CheckpointMode = CheckpointMode.BUBBLE,
+        keep: int = KEEP,
     ) -> None:
-        if every < 1 or mode not in MODES:
-            raise ValueError(f"checkpoints need every >= 1 and a mode of {MODES}")
-        self.directory, self.worker = directory, worker
+        if every < 1 or mode not in MODES or keep < 1:
+            raise ValueError(f"checkpoints need every >= 1, keep >= 1 and a mode of {MODES}")
+        self.directory, self.worker, self.keep = directory, worker, keep
         self.every, self.mode = every, mode
         self._report = report
         self._snapshot: Snapshot | None = None
@@ -215,7 +218,7 @@ class Saver:
             idle = self._idle[1]
         self.flush()
         self._due = functools.partial(
-            Snapshot, self.directory, self.worker, state, generation, owned, idle
+            Snapshot, self.directory, self.worker, state, generation, owned, idle, self.keep
         )
         # It begins in the first bubble worth a tenth of the step's idle time, or the last slot.
         total = sum(idle)
@@ -254,7 +257,7 @@ class Saver:
         t0 = time.perf_counter()
         try:
             snapshot = begin()
-        except OSError as e:
+        except (OSError, ValueError) as e:
             log.error("checkpoint not begun: %s", e)
             return
         if in_bubble:

@@ -30,13 +30,14 @@ from chameleond.auth import AuthError, Keyring
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.events import Profile, Register
 from chameleond.protocol import Keys
+from chameleond.worker._activation import Structure
 from chameleond.worker._backend import DeviceChoice, device_memory_bytes
 from chameleond.worker._link import Refused, Reporter
 from chameleond.worker._profile import profile_model
 from chameleond.worker._rendezvous import start_together
 from chameleond.worker._trainable import Trainable
-from chameleond.worker._validate import Output, check_model
-from chameleond.worker.api import DataError, Job, Training, TrainingOf
+from chameleond.worker._validate import check_model
+from chameleond.worker.api import DataError, Job, ModelError, Training, TrainingOf
 
 log = logging.getLogger("chameleon.worker")
 PROFILE_TOGETHER_SECONDS = 10.0  # how long a new job's worker waits for its host's others
@@ -49,7 +50,7 @@ class Joined:
 
     spec: JobSpec
     model: Trainable
-    outputs: list[Output]  # each layer's output for one micro-batch: the messages' shapes
+    outputs: list[Structure]  # each layer's output: the structure and dtypes of its messages
     hosts: Mapping[str, str]  # worker -> host, from the spec
     host: str  # this worker's
     layers: list[dict[str, Any]]  # the start-up profile, per layer (TrainingMeter splits by it)
@@ -183,6 +184,7 @@ def join(
     outputs = check_model(model, spec.training.micro_batch, device.torch_device)
     digest = model.data_digest()
     agree_on_corpus(client, keys, digest)
+    agree_on_weights(client, keys, model.weights_digest)
     host = hosts.get(me) or socket.gethostname()
     on_host = _sharing(hosts, host, hosts)  # the spec's workers on this host
     t0 = time.perf_counter()
@@ -233,12 +235,33 @@ def agree_on_corpus(client: redis.Redis, keys: Keys, digest: str) -> None:
     different Python patch version: it is its standard library's sources) would silently pair
     the inputs of one text with the targets of another. The first worker records the digest of
     its first micro-batch (Trainable.data_digest); any other stops."""
-    client.set(keys.corpus, digest, nx=True)
-    raw = client.get(keys.corpus)
-    agreed = raw.decode() if isinstance(raw, bytes) else str(raw)
+    agreed = _first_recorded(client, keys.corpus, digest)
     if agreed != digest:
         raise DataError(
             f"this worker's data has digest {digest} but the job's workers read {agreed}: "
             "every worker must read the same dataset (for the built-in corpus: the same Python "
             f"version; this one is {sys.version.split()[0]})"
         )
+
+
+def agree_on_weights(client: redis.Redis, keys: Keys, digest: str) -> None:
+    """Every worker of a job must start from the same weights: each materialises its own layers
+    from its host's copy of the pretrained directory, so two different copies (another revision,
+    another fine-tune) would make a model of mixed layers. The first worker records the weights'
+    digest (`Layers.weights_digest`); any other stops. An empty digest names nothing: no check."""
+    if not digest:
+        return
+    agreed = _first_recorded(client, keys.weights, digest)
+    if agreed != digest:
+        raise ModelError(
+            f"this worker's pretrained weights have digest {digest} but the job's workers "
+            f"started from weights of digest {agreed}: every worker must load the same pretrained "
+            "directory (the same config.json and safetensors files on every host)"
+        )
+
+
+def _first_recorded(client: redis.Redis, key: str, digest: str) -> str:
+    """The digest the job's first worker recorded under `key` (this one's, if it is the first)."""
+    client.set(key, digest, nx=True)
+    raw = client.get(key)
+    return raw.decode() if isinstance(raw, bytes) else str(raw)

@@ -5,12 +5,20 @@ Ops run in the generation's order, a linear extension of the step's dependency g
 op's output waits in an outbox until its batch is issued, a receive is posted with its batch and
 waited for just before the op that uses it. Under rerouting a worker's op list holds ops of several
 pipelines (the failed slot's micro-batches), so activations and gradients cross pipelines;
-everything is keyed by (pipeline, stage, micro-batch). Each message has the fixed shape and dtype of
-the output of its boundary's layer (chameleond.worker._validate) and is named by its MessageId
-(kind, pipeline, stage boundary, micro-batch) here only: on the wire it is matched by the order of
-the batches (chameleond.worker._p2p). Stage 0 reads its micro-batch's inputs, the last stage the
-same batch for the user's loss (chameleond.worker._trainable: sample ids, collate, per-sample
-losses).
+everything is keyed by (pipeline, stage, micro-batch). A message is an activation
+(chameleond.worker._activation: a tensor, a tuple/list or a dict of tensors, of the structure its
+boundary's layer has, chameleond.worker._validate, its shapes free) or the gradients of its
+floating tensors; it is named by its MessageId (kind, pipeline, stage boundary, micro-batch) here
+only: on the wire it is matched by the order of the batches (chameleond.worker._p2p), a forward
+message as its header then its tensors (chameleond.worker._wire). Stage 0 reads its micro-batch's
+inputs, the last stage the same batch for the user's loss (chameleond.worker._trainable: sample
+ids, collate, per-sample losses).
+
+A backward runs `torch.autograd.backward` over the stage's floating outputs that require grad,
+with the gradients received, and over its objective: the loss sum at the last stage, plus
+`aux_loss * samples` of every layer of the stage that returned an aux loss. The objective is also
+added to the step's loss sum, on every stage, so that the division by the global batch weights an
+aux loss as a one-process loop averaging each micro-batch's loss does.
 
 Gradients accumulate as SUMs over every micro-batch a worker executes for a layer; each SyncGroup
 all-reduces (SUM) its layers' gradients over the owners, in the plan's colouring rounds; then tied
@@ -21,8 +29,9 @@ gives every worker alike (chameleond.worker._commit): this step contributes the 
 the gradients of the layers this worker is the first owner of, and the tokens of its stage-0
 micro-batches.
 
-Forwards (layers and loss) run under the training's autocast (bf16, fp16); in fp16 the loss sum's
-backward starts from the layers' loss scale over the step's samples (commit.seed). Only trainable
+Forwards (layers and loss) run under the training's autocast (bf16, fp16); in fp16 the objective's
+backward (loss and aux losses alike) starts from the layers' loss scale over the step's samples
+(commit.seed). Only trainable
 parameters have gradients: frozen ones (a LoRA model's base weights) are neither synced nor
 counted."""
 
@@ -31,15 +40,22 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from chameleond.core.plan import Plan
-from chameleond.core.schedule import FORWARD, Op
+from chameleond.core.schedule import BACKWARD, FORWARD, Op
+from chameleond.worker._activation import (
+    Activation,
+    Structure,
+    encode_header,
+    flatten,
+    run_stage,
+    unflatten,
+)
 from chameleond.worker._backend import P2POp, communicating, computing, exchange
 from chameleond.worker._generation import Generation, sync_order
-from chameleond.worker._layer import run_layers
 from chameleond.worker._p2p import (
     Batch,
     Message,
@@ -53,7 +69,8 @@ from chameleond.worker._profile import TrainingMeter
 from chameleond.worker._state import WorkerState
 from chameleond.worker._ties import sync_ties
 from chameleond.worker._trainable import Trainable
-from chameleond.worker._validate import Output
+from chameleond.worker._wire import Receives, Spec
+from chameleond.worker.api import ModelError
 
 
 @dataclass
@@ -70,18 +87,20 @@ class StepRunner:
         self,
         gen: Generation,
         state: WorkerState,
-        outputs: Sequence[Output],
+        outputs: Sequence[Structure],
         meter: TrainingMeter | None = None,
     ) -> None:
         self.gen = gen
         self.state = state
         self.model = state.model
         self.meter = meter  # measures each op for the in-training profile
-        self._shapes = _message_shapes(gen, outputs)
-        self._outbox: dict[MessageId, torch.Tensor] = {}  # computed, waiting for their batch
-        self._inbox: dict[MessageId, tuple[Any, torch.Tensor]] = {}  # posted receives
+        self._outputs = outputs  # each layer's output structure (chameleond.worker._validate)
+        self._structures = _message_structures(gen, outputs)  # of the forwards it receives
+        self._outbox: dict[MessageId, list[torch.Tensor]] = {}  # computed, waiting for their batch
+        self._receives = Receives(gen.world_group, state.device)  # posted receives
+        self._grad_specs: dict[MessageId, list[Spec]] = {}  # gradients it will receive
         self._sent: list[tuple[Any, torch.Tensor]] = []
-        self._local: dict[MessageId, torch.Tensor] = {}  # messages to itself
+        self._local: dict[MessageId, list[torch.Tensor]] = {}  # messages to itself
         # Wall seconds the last step waited before each op for its input, then after the last op for
         # its sends and the gradient sync: the bubbles as they really are
         # (chameleond.worker._saver).
@@ -100,39 +119,80 @@ class StepRunner:
 
     # point-to-point ---------------------------------------------------------------------------
 
-    def _send(self, tensor: torch.Tensor, peer: str, message: MessageId) -> None:
-        t = tensor.detach().contiguous()
+    def _send_forward(self, out: Activation, layer: int, peer: str, message: MessageId) -> None:
+        """Send layer `layer`'s output: its header, then its tensors."""
+        structure, tensors = flatten(out, f"layer {layer}'s output")
+        if structure != self._outputs[layer]:
+            raise ModelError(
+                f"layer {layer} returned {structure} for micro-batch {message.micro_batch}, but "
+                f"{self._outputs[layer]} at start-up: an activation's structure and dtypes are "
+                "fixed (its shapes may vary)"
+            )
+        tensors = [t.detach().contiguous() for t in tensors]
         if peer == self.gen.me:
-            self._local[message] = t
-        else:
-            self._outbox[message] = t  # sent with its batch
+            self._local[message] = tensors
+            return
+        back = MessageId(message.micro_batch, message.pipeline, message.boundary, BACKWARD)
+        self._grad_specs[back] = [
+            (t.dtype, tuple(t.shape)) for t in tensors if t.is_floating_point()
+        ]
+        header = encode_header(tensors).to(self.state.device)
+        self._outbox[message] = [header, *tensors]  # sent with its batch
 
-    def _recv(self, peer: str, message: MessageId) -> torch.Tensor:
+    def _send_grads(self, grads: list[torch.Tensor], peer: str, message: MessageId) -> None:
+        tensors = [g.detach().contiguous() for g in grads]
+        if peer == self.gen.me:
+            self._local[message] = tensors
+        else:
+            self._outbox[message] = tensors
+
+    def _recv_forward(self, peer: str, message: MessageId, grad: bool = True) -> Activation:
+        """The activation received; its floating tensors require grad when `grad`."""
+        if peer == self.gen.me:
+            structure, tensors = self._structures[message], self._local.pop(message)
+        else:
+            got, tensors = self._receives.take(message)
+            assert got is not None
+            structure = got
+        if grad:
+            for t in tensors:
+                if t.is_floating_point():
+                    t.requires_grad_()
+        return unflatten(structure, tensors)
+
+    def _recv_grads(self, peer: str, message: MessageId) -> list[torch.Tensor]:
         if peer == self.gen.me:
             return self._local.pop(message)
-        posted = self._inbox.pop(message, None)
-        if posted is None:
-            raise RuntimeError(f"receive of {message} from {peer} is in no batch before it")
-        work, buf = posted
-        with communicating():
-            work.wait()
-        return buf
+        return self._receives.take(message)[1]
 
     def _issue(self, batch: Batch) -> None:
         ops: list[P2POp] = []
+        posted: list[tuple[bool, MessageId, int]] = []  # (send, message, its ops)
         for end in batch.endpoints:
+            peer = self.gen.rank_of(end.peer)
+            m = end.message
             if end.send:
-                tensor = self._outbox.pop(end.message)
+                mine = [(True, t, peer) for t in self._outbox.pop(m)]
+            elif m.kind == FORWARD:
+                mine = self._receives.add(m, peer, self._structures[m], [])
             else:
-                shape, dtype = self._shapes[end.message]
-                tensor = torch.empty(shape, dtype=dtype, device=self.state.device)
-            ops.append((end.send, tensor, self.gen.rank_of(end.peer)))
+                mine = self._receives.add(m, peer, None, self._grad_specs.pop(m))
+            ops += mine
+            posted.append((end.send, m, len(mine)))
         works = exchange(self.gen.world_group, ops)  # in the batch's order: the pair's order
-        for end, (_, tensor, _), work in zip(batch.endpoints, ops, works, strict=True):
-            if end.send:
-                self._sent.append((work, tensor))  # the tensor must outlive the send
-            else:
-                self._inbox[end.message] = (work, tensor)
+        at = 0
+        for send, m, n in posted:
+            if send:
+                for work, (_, tensor, _) in zip(works[at : at + n], ops[at : at + n], strict=True):
+                    self._sent.append((work, tensor))  # the tensor must outlive the send
+            elif n:
+                self._receives.issued(m, works[at : at + n])
+            at += n
+
+    def _clear(self) -> None:
+        # Pending transfers hold the group; a failed step must not keep it (and its sockets) open.
+        for box in (self._outbox, self._sent, self._local, self._grad_specs, self._receives):
+            box.clear()
 
     # the step ---------------------------------------------------------------------------------
 
@@ -143,16 +203,14 @@ class StepRunner:
         try:
             return self._run(step, on_op, bubble)
         finally:
-            # Pending transfers hold the group; a failed step must not keep it (and its sockets)
-            # open.
-            for box in (self._outbox, self._inbox, self._sent, self._local):
-                box.clear()
+            self._clear()
 
     def _run(self, step: int, on_op: Any, bubble: Any) -> StepResult:
         plan, st = self.gen.plan, self.state
         self._expect(step)
         dev = st.device
-        stash: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # (pipeline, stage, micro-batch) -> (inputs to send gradients of, outputs, objective)
+        stash: dict[tuple[int, int, int], tuple[list[torch.Tensor], list[torch.Tensor], Any]] = {}
         # Summed on the device, in float64 (what Python's float sum of the float32 losses gives),
         # and read once per step: a read per micro-batch would wait for an accelerator each time.
         loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
@@ -167,6 +225,7 @@ class StepRunner:
             while batch is not None and batch.before <= i:
                 self._issue(batch)
                 batch = next(batches, None)
+            self._receives.poll()  # data receives whose headers are in
             if bubble is not None:
                 bubble(i)
             if self.meter is not None:
@@ -181,35 +240,47 @@ class StepRunner:
                 # once, for its inputs and its loss.
                 data = self._batch(op, step) if op.stage == 0 else None
                 if data is not None:
-                    x = self.model.inputs(data)
+                    x = cast(Activation, self.model.inputs(data))
                     first_stage.append(op.micro_batch)
                 else:
-                    x = self._recv(*_present(forward_input(op))).requires_grad_()
+                    x = self._recv_forward(*_present(forward_input(op)))
+                inputs = [t for t in flatten(x)[1] if t.requires_grad]
                 self._inputs_ready(i)
                 with computing(), autocast:
-                    out = run_layers(layers, x)
+                    out, aux = run_stage([layer.module for layer in layers], x)
+                    objective = None if aux is None else _weighted(aux, plan.micro_batch)
                     if last:
                         if data is None:
                             data = self._batch(op, step)
-                        out = self.model.loss_sum(out, data, plan.micro_batch)
-                        loss_sum += out.detach().double()
+                        loss = self.model.loss_sum(out, data, plan.micro_batch)
+                        objective = loss if objective is None else loss + objective
+                    if objective is not None:
+                        loss_sum += objective.detach().double()
+                outs: list[torch.Tensor] = []
                 if not last:
-                    self._send(out, *_present(forward_output(op, len(stages))))
-                stash[key] = (x, out)
+                    layer = stages[op.stage].layers[-1]
+                    self._send_forward(out, layer, *_present(forward_output(op, len(stages))))
+                    outs = [t for t in flatten(out)[1] if t.is_floating_point()]
+                stash[key] = (inputs, outs, objective)
             else:
-                x, out = stash.pop(key)
+                inputs, outs, objective = stash.pop(key)
                 grad_in = backward_input(op, len(stages))
-                grad = None if grad_in is None else self._recv(*grad_in)  # None: from the loss
-                if grad is None and seed != 1.0:
-                    grad = torch.full_like(out, seed)  # fp16: the scaled loss's backward
+                grads = [] if grad_in is None else self._recv_grads(*grad_in)  # []: the loss
+                roots, seeds = [], []
+                for t, g in zip(outs, grads, strict=True):
+                    if t.requires_grad:  # not: a first stage whose parameters are all frozen
+                        roots.append(t)
+                        seeds.append(g)
+                if objective is not None and objective.requires_grad:
+                    roots.append(objective)
+                    seeds.append(torch.full_like(objective, seed))  # fp16: the loss scale
                 self._inputs_ready(i)
                 with computing():
-                    if out.requires_grad:  # not: a first stage whose parameters are all frozen
-                        out.backward(grad)
+                    if roots:
+                        torch.autograd.backward(roots, seeds)
                 grad_out = backward_output(op)
                 if grad_out is not None:
-                    assert x.grad is not None
-                    self._send(x.grad, *grad_out)
+                    self._send_grads([_grad_of(t) for t in inputs], *grad_out)
             if self.meter is not None:
                 self.meter.op(op.kind == FORWARD, stages[op.stage].layers)
         while batch is not None:
@@ -222,10 +293,10 @@ class StepRunner:
             for work, _ in self._sent:
                 work.wait()
         self._sent.clear()
-        if stash or self._outbox or self._inbox:
+        if stash or self._outbox or self._receives:
             raise RuntimeError(
                 f"step {step}: {len(stash)} forwards without a backward, {len(self._outbox)} "
-                f"outputs not sent, {len(self._inbox)} messages received for no op"
+                f"outputs not sent, {len(self._receives)} messages received for no op"
             )
         self._sync_gradients()
         self._waited(len(self.gen.ops))
@@ -322,22 +393,28 @@ def expect_reads(gen: Generation, model: Trainable, steps: Sequence[int]) -> Non
         model.expect(s, reads, model.training.global_batch, plan.micro_batch)
 
 
-def _message_shapes(
-    gen: Generation, outputs: Sequence[Output]
-) -> dict[MessageId, tuple[tuple[int, ...], torch.dtype]]:
-    """message -> (shape, dtype) of every message this worker receives in a step: an activation, or
-    its gradient, at the boundary after stage s is the output of stage s's last layer."""
-    shapes = {}
+def _message_structures(
+    gen: Generation, outputs: Sequence[Structure]
+) -> dict[MessageId, Structure]:
+    """message -> structure of every activation this worker receives in a step: at the boundary
+    after stage s, the output of stage s's last layer."""
+    structures = {}
     for op in gen.ops:
-        stages = gen.plan.pipelines[op.pipeline].stages
-        if op.kind == FORWARD:
-            got, boundary = forward_input(op), op.stage - 1
-        else:
-            got, boundary = backward_input(op, len(stages)), op.stage
+        got = forward_input(op) if op.kind == FORWARD else None
         if got is not None:
-            out = outputs[stages[boundary].layers[-1]]
-            shapes[got[1]] = (out.shape, out.dtype)
-    return shapes
+            stages = gen.plan.pipelines[op.pipeline].stages
+            structures[got[1]] = outputs[stages[op.stage - 1].layers[-1]]
+    return structures
+
+
+def _weighted(aux: torch.Tensor, samples: int) -> torch.Tensor:
+    """An aux loss's share of the loss sum: aux * samples, in at least float32 (as adding it to
+    a float32 loss in a one-process loop)."""
+    return aux.to(torch.promote_types(aux.dtype, torch.float32)) * samples
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(t) if t.grad is None else t.grad
 
 
 def _present(message: Message | None) -> Message:

@@ -5,6 +5,14 @@ The checks that need no forward pass run here, at construction, and raise ModelE
 layer: a tie naming a parameter that does not exist, tied copies of different shape or different
 initial values, a parameter object shared by two layers without a `Tie` (the library would train
 two diverging copies of it). The checks that need one are in chameleond.worker._validate.
+
+Layers with a `materialize` function (`Layers.materialize`) live on the `meta` device: they hold
+shapes and dtypes, no storage. `build(i)` copies layer i's meta module, gives it uninitialised CPU
+storage and lets `materialize(i, module)` fill it (a pretrained directory's tensors of that layer,
+or an init function), so a worker holds only the layers it builds and a model too large for one
+host can be trained split. The name, the fingerprint and the check of shared parameters read the
+meta modules; the tie check builds the two layers of each tie, one tie at a time. A layer that
+arrives by migration is built (materialised) too, then overwritten by the state it receives.
 """
 
 from __future__ import annotations
@@ -70,6 +78,10 @@ class Trainable:
             self.ties = tuple(model.ties) if isinstance(model, Layers) else ()
             self._names = list(model.names) if isinstance(model, Layers) else []
             self._modules = modules
+        self._materialize = model.materialize if isinstance(model, Layers) else None
+        # What checkpoints record beside the weights (Layers.meta), and the weights' digest.
+        self.meta: dict[str, str] = dict(model.meta) if isinstance(model, Layers) else {}
+        self.weights_digest = model.weights_digest if isinstance(model, Layers) else ""
         for name in ("global_batch", "micro_batch"):
             v = getattr(training, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -111,17 +123,23 @@ class Trainable:
         self._check_ties()
         if self._modules is not None:
             _check_shared(self._modules, self.ties)
-        self.name = training.name or type(self.build(0)).__name__
+        first = self._modules[0] if self._modules is not None else self.build(0)
+        self.name = training.name or type(first).__name__
         self.fingerprint = self._fingerprint()
 
     # layers -----------------------------------------------------------------------------------
 
     def build(self, index: int) -> nn.Module:
-        """A fresh copy of layer `index` with its initial weights (the global RNG is untouched)."""
+        """A fresh copy of layer `index` with its initial weights (the global RNG is untouched);
+        a meta layer materialised on the CPU (`_materialized`)."""
         if not 0 <= index < self.n_layers:
             raise IndexError(f"layer {index} out of range 0..{self.n_layers - 1}")
         if self._modules is not None:
-            return copy.deepcopy(self._modules[index])
+            module = copy.deepcopy(self._modules[index])
+            if self._materialize is not None:
+                with torch.random.fork_rng(devices=[]):
+                    _materialized(index, module, self._materialize)
+            return module
         with torch.random.fork_rng(devices=[]):
             module = self._factory(index)
         if not isinstance(module, nn.Module):
@@ -312,6 +330,42 @@ class Trainable:
             for name, p in module.named_parameters():
                 h.update(f"{i}.{name}:{tuple(p.shape)}:{p.dtype};".encode())
         return h.hexdigest()[:16]
+
+
+def _materialized(index: int, module: nn.Module, fill: Callable[[int, nn.Module], None]) -> None:
+    """Gives `module` (a copy of meta layer `index`) uninitialised CPU storage and lets `fill`
+    write its values, without gradient tracking. Floating point tensors are first set to NaN, so
+    one that `fill` leaves unwritten (in whole or in part) is found, as is one it leaves on meta
+    (a submodule replaced by a meta one); an integer tensor counts as written when `fill` changed
+    it in place or replaced it. ModelError names the layer and the tensor."""
+    module.to_empty(device="cpu")
+    before: dict[str, tuple[int, int, int]] = {}
+    with torch.no_grad():
+        for name, t in _tensors(module):
+            if t.is_floating_point() or t.is_complex():
+                t.fill_(float("nan"))
+            before[name] = (id(t), t.data_ptr(), t._version)
+        fill(index, module)
+    where = f"layer {index} ({type(module).__name__})"
+    for name, t in _tensors(module):
+        if t.is_meta:
+            raise ModelError(f"{where}: materialize left tensor {name!r} on the meta device")
+        if t.is_floating_point() or t.is_complex():
+            unwritten = bool(torch.isnan(t.detach()).any())
+        else:
+            unwritten = before.get(name) == (id(t), t.data_ptr(), t._version) and t.numel() > 0
+        if unwritten:
+            raise ModelError(
+                f"{where}: materialize did not initialise tensor {name!r} (every value of "
+                "every parameter and buffer must be written; a floating point one still holds "
+                "NaN where it was not, or the source holds NaN)"
+            )
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    params = module.named_parameters(remove_duplicate=False)
+    buffers = module.named_buffers(remove_duplicate=False)
+    return [*params, *((n, b) for n, b in buffers if b is not None)]
 
 
 def _check_shared(modules: Sequence[nn.Module], ties: Sequence[Tie]) -> None:

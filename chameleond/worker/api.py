@@ -11,7 +11,7 @@ moves weights and optimizer state. `chameleond.worker` re-exports these names.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal, Protocol
 
@@ -19,7 +19,10 @@ import torch
 from torch import nn
 
 Batch = Any  # what `collate` returns: a Mapping[str, Tensor], a tuple of tensors, or a tensor
-Loss = Callable[[torch.Tensor, Batch], torch.Tensor]
+# What a layer takes and returns (`Layers`): a tensor, a tuple/list of tensors, a dict of tensors.
+Activation = Any
+# (the last layer's output without its "aux_loss", the micro-batch) -> per-sample losses.
+Loss = Callable[[Activation, Batch], torch.Tensor]
 # (name, parameter) pairs of one layer's trainable parameters, under the model's own state_dict
 # names: torch's optimizers take them as they are (`AdamW(named, lr=...)`), and param groups are
 # built from the names ("no weight decay on norms and biases").
@@ -119,15 +122,32 @@ class Tie:
 
 @dataclass(frozen=True)
 class Layers:
-    """The model as pipeline layers. modules[i](x) -> y: one tensor in, one tensor out. modules[0]
-    takes the batch's input tensor (`Training.inputs`); the last returns what `Training.loss`
-    consumes."""
+    """The model as pipeline layers. modules[i](x) -> y, x and y *activations*: a tensor, a
+    tuple/list of tensors, or a dict {str: tensor} (one level), e.g. {"hidden": ..., "mask": ...}.
+    An activation's shapes may change from micro-batch to micro-batch (variable-length batches);
+    its structure (tuple length, dict keys in order) and dtypes at one boundary may not. Integer
+    and bool tensors (masks, position ids) travel forward only; floating ones get a gradient back,
+    and a layer that feeds another returns at least one. A layer may return a dict holding
+    "aux_loss" (a scalar tensor, e.g. a MoE router's balancing loss): it does not flow on, and
+    `aux_loss * samples in the micro-batch` is added to the step's loss sum (so it is weighted as
+    a loop averaging each micro-batch's loss weights it). modules[0] takes `Training.inputs`'s
+    activation; the last returns what `Training.loss` consumes (without "aux_loss")."""
 
     modules: Sequence[nn.Module]
     ties: Sequence[Tie] = ()
     # Per layer, {parameter name inside the layer's module: the name in the whole model's
     # state_dict} (`split` fills it); missing: "{layer index}.{name inside the layer}".
     names: Sequence[Mapping[str, str]] = ()
+    # Layers built on the `meta` device hold no weights: `materialize(i, module)` fills layer i's
+    # module in place once it has real (uninitialised) storage, on the worker that holds it (from
+    # an init function or a pretrained directory, reading only that layer's tensors).
+    materialize: Callable[[int, nn.Module], None] | None = None
+    # Names the weights `materialize` reads (a pretrained directory's digest): the job's workers
+    # must agree on it. "": nothing to check.
+    weights_digest: str = ""
+    # Free-form strings every checkpoint records (chameleond.worker.hf: the Hugging Face class and
+    # config that `chameleonctl export --hf` needs).
+    meta: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -165,15 +185,35 @@ def split(
             f"the split of {type(module).__name__} into {len(modules)} layers drops parameters "
             f"{shown}: every parameter must belong to a layer"
         )
-    owner = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    named = list(module.named_parameters(remove_duplicate=False))
+    aliases: dict[int, list[str]] = {}  # a parameter object -> its names in `module`, in order
+    for name, p in named:
+        aliases.setdefault(id(p), []).append(name)
+    every = [name for name, _ in named]
     names = [
         {
-            local: owner.get(id(p), f"{i}.{local}")
+            local: _model_name(aliases.get(id(p)), every, local, i)
             for local, p in m.named_parameters(remove_duplicate=False)
         }
         for i, m in enumerate(modules)
     ]
     return Layers(modules, tuple(ties), names)
+
+
+def _model_name(aliases: list[str] | None, every: list[str], local: str, index: int) -> str:
+    """The model's name of the parameter a layer calls `local`: among the names of the same
+    parameter object in the model (a tied one has several: GPT-2's "transformer.wte.weight" and
+    "lm_head.weight"), the one of the layer's own position, whose suffix is `local` (else the
+    first). A parameter not in the model (a tie's copy made before the split) takes the model
+    name that ends with `local`, when exactly one does; "{index}.{local}" otherwise."""
+
+    def ends(name: str) -> bool:
+        return name == local or name.endswith("." + local)
+
+    if aliases:
+        return next((n for n in aliases if ends(n)), aliases[0])
+    matches = [n for n in every if ends(n)]
+    return matches[0] if len(matches) == 1 else f"{index}.{local}"
 
 
 def default_collate(samples: list[Any]) -> Batch:
@@ -255,7 +295,8 @@ class Training:
       rerouted or re-partitioned step makes the same update as a failure-free one (a step of a
       `drop` plan, which trains fewer micro-batches, divides by the samples it trained).
     - `dataset`: map-style or a stream; step s trains positions [s*B, (s+1)*B);
-      `collate(samples) -> batch`; `inputs(batch)` picks layer 0's input. Without `shuffle`,
+      `collate(samples) -> batch`; `inputs(batch)` gives layer 0's input activation (a tensor,
+      a tuple/list or a dict of tensors: `Layers`). Without `shuffle`,
       position p of a map-style dataset is sample p modulo its length; with `shuffle`,
       positions map to sample ids through a permutation per epoch drawn from `seed`. A stream
       (an IterableDataset) is read in its own order, position p its p-th sample.
@@ -285,7 +326,7 @@ class Training:
     global_batch: int
     micro_batch: int
     collate: Callable[[list[Any]], Batch] = default_collate
-    inputs: Callable[[Batch], torch.Tensor] = default_inputs
+    inputs: Callable[[Batch], Activation] = default_inputs
     scheduler: SchedulerFactory | None = None
     name: str = ""
     precision: Precision = "fp32"

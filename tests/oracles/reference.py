@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from chameleond.worker._layer import LayerState, run_layers
+from chameleond.worker._activation import run_stage
+from chameleond.worker._layer import LayerState
 from chameleond.worker._trainable import Trainable
 from chameleond.worker.api import Training
 
@@ -39,7 +40,7 @@ def reference_losses(
         samples = len(ids) * micro_batch
         for g in ids:
             batch = model.batch(step, g, global_batch, micro_batch, device)
-            out = run_layers(layers, model.inputs(batch))
+            out = run_stage([layer.module for layer in layers], model.inputs(batch))[0]
             loss = model.loss_sum(out, batch, micro_batch)
             loss.backward()
             total += float(loss.item())
