@@ -26,6 +26,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -68,6 +69,7 @@ ARCH: dict[str, Any] = {
     "pretrained": "",
     "intermediate": 0,  # the MLP's width (0: 4 x n_embd; 2 x for an expert)
     "router_aux_loss_coef": 0.02,  # mixtral: the balancing loss's weight in the objective
+    "optimizer": "adamw",  # or "sgd" (plain, no state)
 }
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "mixtral")
 
@@ -201,6 +203,8 @@ def param_groups(named: list[tuple[str, torch.nn.Parameter]], decay: float) -> l
 
 def optimizer_of(arch: Mapping[str, Any]) -> Any:
     def make(named: list[tuple[str, torch.nn.Parameter]]) -> torch.optim.Optimizer:
+        if arch["optimizer"] == "sgd":
+            return torch.optim.SGD(named, lr=arch["lr"])
         # On a GPU, the fused AdamW: one kernel per step, as GPU recipes use it.
         fused = bool(named) and named[0][1].is_cuda
         groups = param_groups(named, arch["weight_decay"])
@@ -260,13 +264,30 @@ def layers_of(arch: Mapping[str, Any]) -> Any:
     return hf.split_causal_lm(model_of(arch))
 
 
+def limit_memory() -> None:
+    """With RECIPE_DATA_LIMIT=BYTES, this process may allocate at most BYTES more from here on
+    (RLIMIT_DATA over its data size now: its imports and its dataset): a host too small for the
+    model."""
+    extra = os.environ.get("RECIPE_DATA_LIMIT")
+    if extra:
+        status = Path("/proc/self/status").read_text()
+        data_kib = next(
+            int(line.split()[1]) for line in status.splitlines() if line.startswith("VmData:")
+        )
+        limit = data_kib * 1024 + int(extra)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        threading.stack_size(1 << 20)  # the library's threads: their stacks count as data
+
+
 def training(job: Job) -> Training:
     arch = arch_of(job.arch)
+    data = dataset(arch)  # Arrow reserves its address space here: before the limit
+    limit_memory()  # from here on: the model, the worker's layers, its runtime, its training
     layers = layers_of(arch)
     return Training(
         model=layers,
         loss=hf.causal_lm_loss,
-        dataset=dataset(arch),
+        dataset=data,
         collate=collate if arch["padded"] else default_collate,
         inputs=hf.causal_lm_inputs,
         optimizer=optimizer_of(arch),

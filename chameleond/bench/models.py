@@ -70,7 +70,7 @@ def export_logits_match(example_script: Path, arch: Mapping[str, Any], checkpoin
     subprocess.run(  # noqa: S603 - this interpreter's chameleonctl, no shell
         [sys.executable, "-m", "chameleond.cli.ctl", "export", "--checkpoint", str(checkpoints),
          "--hf", str(out)],
-        check=True, timeout=300,
+        check=True, timeout=300, capture_output=True,
     )  # fmt: skip
     probe = f"""
         import json, sys, torch, transformers
@@ -171,7 +171,15 @@ def rss_ratio(
         need = held_bytes(profiles[worker], list(stage.layers), len(stages) - s) + allowance
         per_worker[worker] = {"peak_rss": peak, "expected": need, "ratio": peak / need}
     worst = max((w["ratio"] for w in per_worker.values()), default=float("nan"))
-    return {"rss_ratio": worst, "allowance_bytes": allowance, "workers": per_worker}
+    # What a worker that built the whole model would hold besides: every layer's parameters.
+    some = next(iter(profiles.values()), {"layers": []})
+    whole = sum(int(layer["param_bytes"]) for layer in some["layers"])
+    return {
+        "rss_ratio": worst,
+        "allowance_bytes": allowance,
+        "whole_model_param_bytes": whole,
+        "workers": per_worker,
+    }
 
 
 def profiles_of(events: list[tuple[str, Mapping[str, str]]]) -> dict[str, dict[str, Any]]:

@@ -33,13 +33,13 @@ import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import transformers
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from chameleond.worker import _safetensors as fmt
 from chameleond.worker._hf_split import split_causal_lm
 from chameleond.worker.api import Layers, ModelError, Tie
 
@@ -254,24 +254,42 @@ class _Reader:
             by_file.setdefault(self.where[source], []).append(source)
         for f, sources in sorted(by_file.items()):
             try:
-                with safe_open(str(f), framework="pt", device="cpu") as handle:
+                head = fmt.read_header(f)
+                with f.open("rb") as stream:
                     for source in sources:
-                        self._copy(index, source, wanted[source], handle.get_tensor(source))
-            except (OSError, SafetensorError) as e:
+                        self._read(index, stream, head, source, wanted[source])
+            except (OSError, ValueError) as e:
                 raise ModelError(f"layer {index}: cannot read {f}: {e}") from e
         _rebuild_buffers(index, module, self.config)
 
-    def _copy(
-        self, index: int, source: str, target: tuple[str, torch.Tensor], t: torch.Tensor
+    def _read(
+        self,
+        index: int,
+        stream: BinaryIO,
+        head: fmt.Header,
+        source: str,
+        target: tuple[str, torch.Tensor],
     ) -> None:
+        """Tensor `source` of the open file read into `target`'s storage: only its bytes, with no
+        copy of the file mapped or held (a host too small for the model reads its layers)."""
         local, tensor = target
-        if t.shape != tensor.shape:
+        dtype, shape, begin, end = head.entries[source]
+        if torch.Size(shape) != tensor.shape:
             raise ModelError(
                 f"layer {index}: {self.directory}'s tensor {source!r} has shape "
-                f"{tuple(t.shape)}, the model's {local!r} {tuple(tensor.shape)}"
+                f"{tuple(shape)}, the model's {local!r} {tuple(tensor.shape)}"
             )
+        stream.seek(head.data_start + begin)
         with torch.no_grad():
-            tensor.copy_(t)
+            if dtype == tensor.dtype and tensor.is_contiguous():
+                into = tensor.detach().view(torch.uint8).reshape(-1).numpy()
+                if end - begin != into.nbytes or stream.readinto(memoryview(into)) != into.nbytes:
+                    raise ValueError(f"tensor {source!r}: the file ends inside it")
+                return
+            raw = bytearray(end - begin)
+            if stream.readinto(raw) != len(raw):
+                raise ValueError(f"tensor {source!r}: the file ends inside it")
+            tensor.copy_(torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape))
 
 
 class _Init:
