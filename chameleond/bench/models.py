@@ -172,7 +172,7 @@ def rss_ratio(
         per_worker[worker] = {"peak_rss": peak, "expected": need, "ratio": peak / need}
     worst = max((w["ratio"] for w in per_worker.values()), default=float("nan"))
     # What a worker that built the whole model would hold besides: every layer's parameters.
-    some = next(iter(profiles.values()), {"layers": []})
+    some: Mapping[str, Any] = next(iter(profiles.values()), {"layers": []})
     whole = sum(int(layer["param_bytes"]) for layer in some["layers"])
     return {
         "rss_ratio": worst,

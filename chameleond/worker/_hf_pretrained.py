@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import io
 import json
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import transformers
@@ -265,7 +266,7 @@ class _Reader:
     def _read(
         self,
         index: int,
-        stream: BinaryIO,
+        stream: io.BufferedReader,
         head: fmt.Header,
         source: str,
         target: tuple[str, torch.Tensor],
@@ -282,8 +283,8 @@ class _Reader:
         stream.seek(head.data_start + begin)
         with torch.no_grad():
             if dtype == tensor.dtype and tensor.is_contiguous():
-                into = tensor.detach().view(torch.uint8).reshape(-1).numpy()
-                if end - begin != into.nbytes or stream.readinto(memoryview(into)) != into.nbytes:
+                into = tensor.detach().view(torch.uint8).reshape(-1).numpy().data
+                if end - begin != into.nbytes or stream.readinto(into) != into.nbytes:
                     raise ValueError(f"tensor {source!r}: the file ends inside it")
                 return
             raw = bytearray(end - begin)
