@@ -97,6 +97,12 @@ class Keys:
         """Stream: one entry per decision, with both candidates and their scores."""
         return self.prefix + "decisions"
 
+    @property
+    def agents(self) -> str:
+        """Hash: host -> that host's chameleon-agent and its workers (JSON: pid, at, workers with
+        pid, state, restarts, last_exit; total restarts), rewritten on every change."""
+        return f"{self.prefix}agents"
+
     def profiling(self, host: str) -> str:
         """Hash: the workers of a new job on one CPU host that are ready to profile (they start
         together, so each measures its layers while competing for the cores, as in training)."""

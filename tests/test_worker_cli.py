@@ -92,10 +92,11 @@ def _events(client: redis.Redis, keys: Keys) -> list[dict[str, str]]:
     return [f for _, f in entries]
 
 
-def test_fenced_worker_acks_stopped_and_exits_0(
+def test_fenced_worker_acks_stopped_and_exits_9(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
-    """A one-worker job trains; a plan excluding the worker fences it: ack stopped, exit 0."""
+    """A one-worker job trains; a plan excluding the worker fences it: ack stopped, exit 9 (a
+    supervisor starts it again to rejoin; 0 would tell it the worker is done)."""
     spec = tiny_spec("fence", workers=1, stages=1, global_batch=4, micro_batch=2)
     keys = Keys("fence")
     redis_client.set(keys.spec, signed_doc("spec", keys.job, spec))
@@ -113,7 +114,7 @@ def test_fenced_worker_acks_stopped_and_exits_0(
         fenced["generation"], fenced["excluded"] = 2, ["w0"]
         redis_client.set(keys.plan, signed_doc("plan", keys.job, fenced))
         redis_client.publish(keys.plans_channel, "2")
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=30) == 9
     finally:
         if proc.poll() is None:
             proc.kill()

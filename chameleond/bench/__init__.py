@@ -16,6 +16,7 @@ BENCHES = {
     "training": "chameleond.bench.training",
     "sim-check": "chameleond.bench.simcheck",
     "peers": "chameleond.bench.peers",
+    "hosts": "chameleond.bench.hosts",
 }
 
 

@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
         "chameleond.bench",
         "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check, "
-        "peers",
+        "training, peers, hosts",
     ),
     "export": (
         "chameleond.cli.export",

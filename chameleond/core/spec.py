@@ -8,17 +8,24 @@ validation problem raises `SpecError` with a message a person can act on (format
 from __future__ import annotations
 
 import json
-import math
 import tomllib
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-
-class SpecError(ValueError):
-    """The job description is malformed; the message names the field."""
+from chameleond.core.fields import (
+    SpecError,
+    array,
+    integer,
+    kind,
+    naming,
+    num,
+    required,
+    table,
+    text,
+)
+from chameleond.core.hostlist import hosts_form
 
 
 @dataclass(frozen=True)
@@ -140,8 +147,9 @@ class JobSpec:
     # The model's architecture for the workers (d_model, heads, blocks, seq_len, vocab, seed, lr);
     # opaque to the planner, which only sees `layers`.
     arch: Mapping[str, Any] = field(default_factory=dict)
-    # Hosts whose CPU cores the workers share (`[hosts.NAME]`; measured by CPU workers). Where a
-    # host is listed, its workers' summed CPU work per step bounds the step from below.
+    # Hosts whose CPU cores the workers share (`[hosts.NAME]`, or `cpu_cores` in `[[hosts]]`;
+    # measured by CPU workers). Where a host is listed, its workers' summed CPU work per step
+    # bounds the step from below.
     hosts: Mapping[str, HostSpec] = field(default_factory=dict)
     costs: CostSpec = field(default_factory=CostSpec)
 
@@ -169,118 +177,37 @@ class JobSpec:
         return replace(self, workers=tuple(workers))
 
 
-def _get(d: Mapping[str, Any], key: str, where: str) -> Any:
-    if key not in d:
-        raise SpecError(f"{where}: missing required field {key!r}")
-    return d[key]
-
-
-def _kind(v: Any) -> str:
-    return "a table" if isinstance(v, Mapping) else "a list" if isinstance(v, list) else repr(v)
-
-
-def _table(v: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(v, Mapping):
-        raise SpecError(f"{where}: expected a table, got {_kind(v)}")
-    return v
-
-
-def _list(v: Any, where: str) -> list[Any]:
-    if not isinstance(v, list | tuple):
-        raise SpecError(f"{where}: expected a list, got {_kind(v)}")
-    return list(v)
-
-
-def _str(d: Mapping[str, Any], key: str, where: str, default: str | None = None) -> str:
-    v = _get(d, key, where) if default is None else d.get(key, default)
-    if not isinstance(v, str) or not v:
-        raise SpecError(f"{where}.{key}: expected a non-empty string, got {_kind(v)}")
-    return v
-
-
-def _number(v: Any, where: str) -> float:
-    # NaN and inf compare False against every bound, so they would slip past the range checks
-    # below and only surface later, as a wrong plan or a crash in the daemon.
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
-        raise SpecError(f"{where}: expected a finite number, got {_kind(v)}")
-    return float(v)
-
-
-def _num(
-    d: Mapping[str, Any],
-    key: str,
-    where: str,
-    *,
-    positive: bool = True,
-    default: float | None = None,
-) -> float:
-    if default is not None and key not in d:
-        return default
-    v = _number(_get(d, key, where), f"{where}.{key}")
-    if positive and v <= 0:
-        raise SpecError(f"{where}.{key}: must be > 0, got {d[key]!r}")
-    if not positive and v < 0:
-        raise SpecError(f"{where}.{key}: must be >= 0, got {d[key]!r}")
-    return v
-
-
-def _int(
-    d: Mapping[str, Any], key: str, where: str, *, minimum: int = 1, default: int | None = None
-) -> int:
-    """A whole number >= minimum; 8.0 is 8, but 7.9 is an error rather than a silent 7."""
-    if default is not None and key not in d:
-        return default
-    v = _number(_get(d, key, where), f"{where}.{key}")
-    if not v.is_integer():
-        raise SpecError(f"{where}.{key}: expected a whole number, got {d[key]!r}")
-    n = int(d[key])
-    if n < minimum:
-        raise SpecError(f"{where}.{key}: must be >= {minimum}, got {d[key]!r}")
-    return n
-
-
-@contextmanager
-def _field(where: str) -> Iterator[None]:
-    """Whatever a malformed value breaks below, the error names the field instead of a trace."""
-    try:
-        yield
-    except SpecError:
-        raise
-    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
-        raise SpecError(f"{where}: {e}") from None
-
-
 def _link(d: Any, where: str) -> LinkSpec:
-    d = _table(d, where)
+    d = table(d, where)
     return LinkSpec(
-        bandwidth_bytes_per_second=_num(d, "bandwidth_bytes_per_second", where),
-        latency_seconds=_num(d, "latency_seconds", where, positive=False),
+        bandwidth_bytes_per_second=num(d, "bandwidth_bytes_per_second", where),
+        latency_seconds=num(d, "latency_seconds", where, positive=False),
     )
 
 
 def _layer(d: Mapping[str, Any], i: int, where: str) -> LayerProfile:
     name = d.get("name", f"layer{i}")
     if not isinstance(name, str):
-        raise SpecError(f"{where}.name: expected a string, got {_kind(name)}")
+        raise SpecError(f"{where}.name: expected a string, got {kind(name)}")
     return LayerProfile(
         name=name,
-        forward_seconds=_num(d, "forward_seconds", where, positive=False),
-        backward_seconds=_num(d, "backward_seconds", where, positive=False),
-        param_bytes=_int(d, "param_bytes", where, minimum=0),
-        optimizer_bytes=_int(d, "optimizer_bytes", where, minimum=0),
-        activation_bytes=_int(d, "activation_bytes", where, minimum=0),
-        output_bytes=_int(d, "output_bytes", where, minimum=0),
-        update_seconds=_num(d, "update_seconds", where, positive=False, default=0.0),
+        forward_seconds=num(d, "forward_seconds", where, positive=False),
+        backward_seconds=num(d, "backward_seconds", where, positive=False),
+        param_bytes=integer(d, "param_bytes", where, minimum=0),
+        optimizer_bytes=integer(d, "optimizer_bytes", where, minimum=0),
+        activation_bytes=integer(d, "activation_bytes", where, minimum=0),
+        output_bytes=integer(d, "output_bytes", where, minimum=0),
+        update_seconds=num(d, "update_seconds", where, positive=False, default=0.0),
     )
 
 
 def _layers(model: Mapping[str, Any]) -> tuple[LayerProfile, ...]:
     """Either an explicit `layers` list, or `repeat` blocks: [{count=N, ...layer fields}]."""
     out: list[LayerProfile] = []
-    for j, d in enumerate(_list(model.get("layers", []), "model.layers")):
+    for j, d in enumerate(array(model.get("layers", []), "model.layers")):
         where = f"model.layers[{j}]"
-        d = _table(d, where)
-        count = _int(d, "count", where, default=1)
+        d = table(d, where)
+        count = integer(d, "count", where, default=1)
         for _ in range(count):
             out.append(_layer(d, len(out), where))
     if not out:
@@ -289,44 +216,60 @@ def _layers(model: Mapping[str, Any]) -> tuple[LayerProfile, ...]:
 
 
 def _worker(w: Any, where: str) -> WorkerSpec:
-    w = _table(w, where)
+    w = table(w, where)
     return WorkerSpec(
-        id=_str(w, "id", where),
-        host=_str(w, "host", where, "localhost"),
-        memory_bytes=_int(w, "memory_bytes", where),
-        device=_str(w, "device", where, "cpu"),
+        id=text(w, "id", where),
+        host=text(w, "host", where, "localhost"),
+        memory_bytes=integer(w, "memory_bytes", where),
+        device=text(w, "device", where, "cpu"),
     )
+
+
+def _workers(d: Mapping[str, Any]) -> tuple[list[WorkerSpec], dict[str, HostSpec] | None]:
+    """The `workers` list, or the workers of an array of `[[hosts]]` with their hosts' specs
+    (chameleond/core/hostlist.py): one form or the other, never both."""
+    if isinstance(d.get("hosts"), list | tuple):
+        if "workers" in d:
+            raise SpecError("workers and [[hosts]]: give one of them, not both")
+        workers, hosts = hosts_form(d["hosts"])
+        return [WorkerSpec(*w) for w in workers], {h: HostSpec(*c) for h, c in hosts.items()}
+    if "workers" not in d:
+        raise SpecError("spec: missing required field 'workers' (or [[hosts]] entries)")
+    workers_raw = array(d["workers"], "workers")
+    if not workers_raw:
+        raise SpecError("workers: expected a non-empty list")
+    return [_worker(w, f"workers[{i}]") for i, w in enumerate(workers_raw)], None
 
 
 def _hosts(hosts: Any) -> dict[str, HostSpec]:
     out: dict[str, HostSpec] = {}
-    for h, v in _table(hosts, "hosts").items():
+    for h, v in table(hosts, "hosts").items():
         where = f"hosts.{h}"
-        v = _table(v, where)
+        v = table(v, where)
         out[str(h)] = HostSpec(
-            cpu_cores=_num(v, "cpu_cores", where),
-            step_cpu_seconds=_num(v, "step_cpu_seconds", where, positive=False, default=0.0),
+            cpu_cores=num(v, "cpu_cores", where),
+            step_cpu_seconds=num(v, "step_cpu_seconds", where, positive=False, default=0.0),
         )
     return out
 
 
 def _costs(d: Any) -> CostSpec:
-    d = _table(d, "costs")
+    d = table(d, "costs")
     known = {f for f in CostSpec.__dataclass_fields__}
     unknown = sorted(set(d) - known)
     if unknown:
         raise SpecError(f"costs: unknown field(s) {', '.join(unknown)}")
     base = CostSpec()
     return CostSpec(
-        search_seconds_per_plan=_num(
+        search_seconds_per_plan=num(
             d, "search_seconds_per_plan", "costs", positive=False,
             default=base.search_seconds_per_plan,
         ),
-        host_nic_bytes_per_second=_num(
+        host_nic_bytes_per_second=num(
             d, "host_nic_bytes_per_second", "costs", positive=False,
             default=base.host_nic_bytes_per_second,
         ),
-        checkpoint_read_bytes_per_second=_num(
+        checkpoint_read_bytes_per_second=num(
             d, "checkpoint_read_bytes_per_second", "costs",
             default=base.checkpoint_read_bytes_per_second,
         ),
@@ -334,10 +277,10 @@ def _costs(d: Any) -> CostSpec:
 
 
 def _search(lim: Any) -> SearchLimits:
-    lim = _table(lim, "search")
+    lim = table(lim, "search")
     limits = SearchLimits(
-        min_stages=_int(lim, "min_stages", "search", default=SearchLimits.min_stages),
-        max_stages=_int(lim, "max_stages", "search", default=SearchLimits.max_stages),
+        min_stages=integer(lim, "min_stages", "search", default=SearchLimits.min_stages),
+        max_stages=integer(lim, "max_stages", "search", default=SearchLimits.max_stages),
         spares=lim.get("spares", SearchLimits.spares),
     )
     if not isinstance(limits.spares, bool):
@@ -353,57 +296,54 @@ def parse_spec(d: Mapping[str, Any]) -> JobSpec:
     """Build a JobSpec from a decoded TOML/JSON mapping, validating every field."""
     if not isinstance(d, Mapping):
         raise SpecError("spec: expected a table/object at the top level")
-    with _field("job"):
-        job = _table(d.get("job", {}), "job")
-        name = _str(job, "name", "job", "default")
-        mtbf = _num(job, "mtbf_prior_seconds", "job", default=JobSpec.mtbf_prior_seconds)
-        rebuild = _num(
+    with naming("job"):
+        job = table(d.get("job", {}), "job")
+        name = text(job, "name", "job", "default")
+        mtbf = num(job, "mtbf_prior_seconds", "job", default=JobSpec.mtbf_prior_seconds)
+        rebuild = num(
             job, "rebuild_seconds", "job", positive=False, default=JobSpec.rebuild_seconds
         )
-        restart = _num(
+        restart = num(
             job, "restart_seconds", "job", positive=False, default=JobSpec.restart_seconds
         )
-    with _field("workers"):
-        workers_raw = _list(_get(d, "workers", "spec"), "workers")
-        if not workers_raw:
-            raise SpecError("workers: expected a non-empty list")
-        workers = [_worker(w, f"workers[{i}]") for i, w in enumerate(workers_raw)]
+    with naming("workers"):
+        workers, generated_hosts = _workers(d)
     ids = [w.id for w in workers]
     if len(set(ids)) != len(ids):
         raise SpecError("workers: duplicate worker id")
-    with _field("links"):
-        links = _table(_get(d, "links", "spec"), "links")
-        intra = _link(_get(links, "intra_host", "links"), "links.intra_host")
-        inter = _link(_get(links, "inter_host", "links"), "links.inter_host")
-    with _field("model"):
-        model = _table(_get(d, "model", "spec"), "model")
+    with naming("links"):
+        links = table(required(d, "links", "spec"), "links")
+        intra = _link(required(links, "intra_host", "links"), "links.intra_host")
+        inter = _link(required(links, "inter_host", "links"), "links.inter_host")
+    with naming("model"):
+        model = table(required(d, "model", "spec"), "model")
         layers = _layers(model)
-        arch = dict(_table(model.get("arch", {}), "model.arch"))
-    with _field("training"):
-        tr = _table(_get(d, "training", "spec"), "training")
+        arch = dict(table(model.get("arch", {}), "model.arch"))
+    with naming("training"):
+        tr = table(required(d, "training", "spec"), "training")
         overlap = tr.get("overlap_sync", False)
         if not isinstance(overlap, bool):
-            raise SpecError(f"training.overlap_sync: expected true or false, got {_kind(overlap)}")
+            raise SpecError(f"training.overlap_sync: expected true or false, got {kind(overlap)}")
         training = TrainingSpec(
-            global_batch=_int(tr, "global_batch", "training"),
-            micro_batch=_int(tr, "micro_batch", "training"),
+            global_batch=integer(tr, "global_batch", "training"),
+            micro_batch=integer(tr, "micro_batch", "training"),
             overlap_sync=overlap,
-            min_global_batch=_int(tr, "min_global_batch", "training", default=0),
+            min_global_batch=integer(tr, "min_global_batch", "training", default=0),
         )
     if training.global_batch % training.micro_batch:
         raise SpecError("training: global_batch must be a multiple of micro_batch")
     _check_min_batch(training)
-    with _field("plan"):
-        layout = _layout(_table(d.get("plan", {}), "plan"), ids, len(layers))
+    with naming("plan"):
+        layout = _layout(table(d.get("plan", {}), "plan"), ids, len(layers))
     if training.micro_batches < len(layout):
         raise SpecError(
             f"training: {training.micro_batches} micro-batches cannot feed {len(layout)} pipelines"
         )
-    with _field("search"):
+    with naming("search"):
         search = _search(d.get("search", {}))
-    with _field("hosts"):
-        hosts = _hosts(d.get("hosts", {}))
-    with _field("costs"):
+    with naming("hosts"):
+        hosts = _hosts(d.get("hosts", {})) if generated_hosts is None else generated_hosts
+    with naming("costs"):
         costs = _costs(d.get("costs", {}))
     return JobSpec(
         name=name,
@@ -436,12 +376,12 @@ def _check_min_batch(training: TrainingSpec) -> None:
 def _layout(plan: Mapping[str, Any], ids: list[str], n_layers: int) -> tuple[tuple[str, ...], ...]:
     """`plan.pipelines` lists worker ids per pipeline; else `plan.stages` = N_pp splits in order."""
     if "pipelines" in plan:
-        pipes_raw = _list(plan["pipelines"], "plan.pipelines")
-        pipes = tuple(tuple(_list(p, f"plan.pipelines[{i}]")) for i, p in enumerate(pipes_raw))
+        pipes_raw = array(plan["pipelines"], "plan.pipelines")
+        pipes = tuple(tuple(array(p, f"plan.pipelines[{i}]")) for i, p in enumerate(pipes_raw))
         if any(not isinstance(w, str) for p in pipes for w in p):
             raise SpecError("plan.pipelines: expected lists of worker ids (strings)")
     else:
-        pp = _int(plan, "stages", "plan", default=1)
+        pp = integer(plan, "stages", "plan", default=1)
         if len(ids) % pp:
             raise SpecError(f"plan.stages: {pp} does not divide {len(ids)} workers")
         pipes = tuple(tuple(ids[i : i + pp]) for i in range(0, len(ids), pp))

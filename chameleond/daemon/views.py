@@ -109,6 +109,8 @@ def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
         # A new plan's communicator rebuild as the planner prices it, and as measured per backend.
         "rebuild_seconds": job.spec.rebuild_seconds,
         "rebuild_measured_seconds": {b: s for b, (_, s) in sorted(job.rebuilds.newest.items())},
+        # The link figures the planner prices transfers with, and the measured pairs behind them.
+        "links": job.links_view(),
     }
 
 

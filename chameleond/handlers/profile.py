@@ -1,18 +1,21 @@
 """`profile`: measured per-layer costs from a worker; they replace the spec's numbers (the mean
 over the workers' newest reports) for every later decision. A CPU worker's report also carries
 its host's measured capacity (cores the job's workers get, over the fraction of them the plan it
-was measured on keeps busy), folded into the spec's host cores."""
+was measured on keeps busy), folded into the spec's host cores. A profile may carry the links the
+worker measured to its pipeline neighbours (jobstate/links.py): the newest replace the worker's
+earlier ones, and the slowest of each kind replace the spec's link figures."""
 
 from __future__ import annotations
 
 from chameleond.core.machine import Phase
-from chameleond.core.spec import JobSpec, LayerProfile
+from chameleond.core.spec import JobSpec, LayerProfile, LinkSpec
 from chameleond.events import Profile
 from chameleond.handlers.outcome import DUPLICATE, HANDLED, Outcome
 from chameleond.handlers.register import admitted
 from chameleond.jobstate.change import Change
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import fold_profile
+from chameleond.jobstate.links import parse_links
 from chameleond.protocol import EventError
 
 
@@ -32,22 +35,34 @@ def _handle(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
         change = job.confirm(event.worker)
         try:
             spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
+            links = parse_links(data, len(job.spec.workers))
         except (EventError, ValueError, KeyError, TypeError):
             job.unconfirm(event.worker, held)  # as it was: nothing to persist
             raise
-        change |= _fold(job, event.worker, spec, profile)
+        change |= _fold(job, event.worker, spec, profile, links)
         if job.machine.phase is Phase.WAITING:
             return HANDLED.having(change)
         return admitted(job, event.worker, entry_id, now, changed=True).having(change)
     # Held in the job's base spec: a measurement like the profiles, re-sent periodically, so a
     # restarted daemon has it again within one reporting period.
     spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
-    if job.worker(event.worker).profile == profile and not has_host:
+    links = parse_links(data, len(job.spec.workers))
+    rec = job.worker(event.worker)
+    if rec.profile == profile and not has_host and links in (None, rec.links):
         return DUPLICATE
-    return HANDLED.having(_fold(job, event.worker, spec, profile))
+    return HANDLED.having(_fold(job, event.worker, spec, profile, links))
 
 
-def _fold(job: Job, worker: str, spec: JobSpec, profile: dict[int, LayerProfile]) -> Change:
-    job.worker(worker).profile = profile
+def _fold(
+    job: Job,
+    worker: str,
+    spec: JobSpec,
+    profile: dict[int, LayerProfile],
+    links: dict[str, LinkSpec] | None,
+) -> Change:
+    rec = job.worker(worker)
+    rec.profile = profile
+    if links is not None:  # a profile without links keeps the worker's newest
+        rec.links = links
     job.base_spec = spec
     return job.spec_changed()

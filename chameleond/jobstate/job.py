@@ -17,10 +17,11 @@ from chameleond.core.holdings import Checkpoints
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine
 from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
-from chameleond.core.spec import JobSpec, WorkerSpec, backend_of
+from chameleond.core.spec import JobSpec, LinkSpec, WorkerSpec, backend_of
 from chameleond.events import Step
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
 from chameleond.jobstate.jobspec import measured_layers
+from chameleond.jobstate.links import links_view, measured_links
 from chameleond.jobstate.records import (
     UNCONFIRMED_MAX,
     FollowUp,
@@ -74,6 +75,7 @@ class Job:
         self.rebuilds = RebuildMeter()  # measured communicator rebuilds, per backend
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
+        self._spec_generation = 0  # the plan `_spec_cache` took its link measurements from
         self._model_cache: tuple[tuple[int, int], float] | None = None
         # (generation, the highest attempt a worker acknowledged for it): the workers build a
         # generation again when it failed with nobody gone (docs/worker.md).
@@ -89,18 +91,37 @@ class Job:
 
     @property
     def spec(self) -> JobSpec:
-        if self._spec_cache is None:
-            spec = self.base_spec
-            if self.extra_workers:
-                spec = spec.with_workers(spec.workers + tuple(self.extra_workers.values()))
+        generation = self.plan.generation if self.plan is not None else 0
+        if self._spec_cache is None or self._spec_generation != generation:
+            spec = self._workers_spec()
             profiles = [w.profile for w in self.workers.values() if w.profile]
             if profiles:
                 spec = spec.with_layers(measured_layers(spec.layers, profiles))
+            spec = measured_links(spec, self._links(), self._link_members())
             rebuild = self.rebuild_seconds(spec)
             if rebuild != spec.rebuild_seconds:
                 spec = replace(spec, rebuild_seconds=rebuild)
-            self._spec_cache = spec
+            self._spec_cache, self._spec_generation = spec, generation
         return self._spec_cache
+
+    def _workers_spec(self) -> JobSpec:
+        spec = self.base_spec
+        if self.extra_workers:
+            spec = spec.with_workers(spec.workers + tuple(self.extra_workers.values()))
+        return spec
+
+    def _links(self) -> dict[str, dict[str, LinkSpec]]:
+        return {w.id: w.links for w in self.workers.values() if w.links}
+
+    def _link_members(self) -> set[str] | None:
+        """The workers whose link measurements count: those the plan in force runs."""
+        if self.plan is None:
+            return None
+        return set(self.plan.workers) - set(self.plan.excluded)
+
+    def links_view(self) -> dict[str, Any]:
+        """The link figures the planner uses and the measured pairs behind them (status)."""
+        return links_view(self._workers_spec(), self._links(), self._link_members())
 
     def _device(self, worker: WorkerSpec) -> str:
         """The device the worker registered with, else the spec's."""

@@ -10,9 +10,10 @@ from enum import StrEnum
 from typing import Any
 
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
-from chameleond.core.spec import LayerProfile
+from chameleond.core.spec import LayerProfile, LinkSpec
 from chameleond.events import Step
 from chameleond.jobstate.jobspec import profile_from_json, profile_to_json
+from chameleond.jobstate.links import links_from_json, links_to_json
 
 
 class WorkerState(StrEnum):
@@ -53,6 +54,7 @@ class WorkerRecord:
     since_generation: int = 0  # the first generation this worker's current process can be in
     last_heartbeat: float = 0.0  # soft state: wall-clock time of the last heartbeat seen
     profile: dict[int, LayerProfile] = field(default_factory=dict)
+    links: dict[str, LinkSpec] = field(default_factory=dict)  # peer -> its newest measured link
     ended: WorkerState | None = None  # FINISHED or LEFT: this process stopped cleanly; never
     # declared failed (None: it has not)
     # Soft state: the last time this worker was heard from while declared failed (0: never). Only
@@ -73,6 +75,7 @@ class WorkerRecord:
             "ended": self.ended or "",
             "down_since": self.down_since,
             "profile": profile_to_json(self.profile),
+            "links": links_to_json(self.links),
         }
 
     def load(self, d: Mapping[str, Any]) -> None:
@@ -84,6 +87,7 @@ class WorkerRecord:
         self.ended = WorkerState(ended) if ended else None
         self.down_since = float(d.get("down_since", 0.0))
         self.profile = profile_from_json(d["profile"])
+        self.links = links_from_json(d.get("links", {}))
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,7 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
         ],
         "workers": {w.id: w.to_json() for w in job.workers.values()},
         "rebuilds": job.rebuilds.to_json(),
+        "links": job.links_view(),  # shown by status, never restored (the workers' links are)
     }
 
 

@@ -28,6 +28,7 @@ import redis
 
 from chameleond.auth import SECRET_ENV, Keyring
 from chameleond.events import Ack, AckPhase, Heartbeat, Register
+from chameleond.exits import WorkerExit
 from chameleond.protocol import REDIS_URL_ENV, Keys
 from chameleond.redis_server import free_port
 
@@ -89,12 +90,13 @@ class Daemon:
         return self.alive and code == 503 and "standing by" in str(body)
 
     def crashed(self) -> bool:
-        """Exited by itself with a failure (a kill by the trial, or exit 0, is none)."""
+        """Exited by itself with a failure (a kill by the trial, exit 0 or a fence's exit 9 is
+        none)."""
         return (
             self.proc is not None
             and not self.killed
             and self.proc.poll() is not None
-            and self.proc.returncode != 0
+            and self.proc.returncode not in (WorkerExit.OK, WorkerExit.FENCED)
         )
 
     def kill(self) -> None:

@@ -1,7 +1,8 @@
 """One plan generation on one worker: build its groups, bring the layers where the plan puts
 them, say it is ready, then train its steps.
 
-    world group -> restore (a `restore` plan) -> reconcile + migrate -> sync groups -> ack ready
+    world group -> restore (a `restore` plan) -> reconcile + migrate -> sync groups
+      -> link probe (chameleond.worker._linkprobe) -> ack ready
       -> the step loop (chameleond.worker._loop) until a newer plan
 
 A generation that fails notes when and with whom (chameleond.worker._attribution) before its
@@ -24,6 +25,7 @@ from chameleond.worker._config import WorkerConfig
 from chameleond.worker._generation import Generation
 from chameleond.worker._hooks import WorkerHooks, migration_hook
 from chameleond.worker._link import PeerWatch, PlanWatcher, Reporter
+from chameleond.worker._linkprobe import probe_links
 from chameleond.worker._loop import Finished, StepLoop
 from chameleond.worker._migrate import reconcile
 from chameleond.worker._outbox import through_outage
@@ -126,6 +128,7 @@ class GenerationRunner:
                 )
             t_migrated = time.perf_counter()
             connect(sync=True)
+            gen.links = probe_links(gen)
             build = time.perf_counter() - t0
             ready = Ack(
                 me, plan.generation, AckPhase.READY, attempt,

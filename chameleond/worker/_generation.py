@@ -79,6 +79,9 @@ class Generation:
     # idle_before): where its checkpoint writes go until bubbles are measured
     # (chameleond.worker._saver).
     idle: list[float] = field(default_factory=list)
+    # The links to this worker's pipeline neighbours, measured once the groups are built
+    # (chameleond.worker._linkprobe): the `links` of its training profiles.
+    links: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def rank(self) -> int:

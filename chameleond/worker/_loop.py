@@ -156,6 +156,8 @@ class StepLoop:
                     meter.restart()  # the first step pays for the generation's warm-up
                     first = False
                 elif (profile := meter.step_done()) is not None:
+                    if gen.links:
+                        profile["links"] = gen.links
                     self.reporter.report(Profile(self.me, profile))
                 if not self._marked_trained:
                     self.reporter.set_key(self.trained_key, "1")  # before any later fault report

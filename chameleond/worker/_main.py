@@ -3,7 +3,7 @@ the worker library's entry point: the same flags for any user's training; `main`
 built-in one (chameleond.worker._builtin).
 
 Exit codes (docs/worker.md):
-  0  fenced by a plan or finished --max-steps (acked `stopped`), or stopped by SIGTERM/SIGINT
+  0  finished --max-steps (acked `stopped`), or stopped by SIGTERM/SIGINT
   2  bad command line (including a --checkpoint-dir that is not a writable directory and a
      --bind-address of no local interface)
   3  Redis unreachable, or lost for good
@@ -14,6 +14,8 @@ Exit codes (docs/worker.md):
      the standard library's sources)
   7  this worker's own computation failed
   8  the model is malformed (the message names the layer; docs/worker-api.md)
+  9  fenced by a plan (acked `stopped`): the job went on without this process; a supervisor
+     starts it again, and the new process rejoins (systemd's unit, chameleon-agent)
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from chameleond import version_text
 from chameleond.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, Keyring
+from chameleond.exits import WorkerExit
 from chameleond.protocol import REDIS_URL_ENV, url_error
 from chameleond.sdnotify import Notifier
 from chameleond.usage import Parser
@@ -56,6 +59,7 @@ from chameleond.worker.api import (
     ConfigError,
     DataError,
     DeviceFailed,
+    Ending,
     JobSpecError,
     ModelError,
     RedisUnavailable,
@@ -64,14 +68,15 @@ from chameleond.worker.api import (
     WorkerError,
 )
 
-EXIT_OK = 0
-EXIT_USAGE = 2
-EXIT_REDIS = 3
-EXIT_SPEC = 4
-EXIT_BACKEND = 5
-EXIT_CORPUS = 6
-EXIT_DEVICE = 7
-EXIT_MODEL = 8
+EXIT_OK = WorkerExit.OK
+EXIT_USAGE = WorkerExit.USAGE
+EXIT_REDIS = WorkerExit.REDIS
+EXIT_SPEC = WorkerExit.SPEC
+EXIT_BACKEND = WorkerExit.BACKEND
+EXIT_CORPUS = WorkerExit.DATA
+EXIT_DEVICE = WorkerExit.DEVICE
+EXIT_MODEL = WorkerExit.MODEL
+EXIT_FENCED = WorkerExit.FENCED
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -85,12 +90,13 @@ def build_parser(prog: str = "chameleon-worker") -> argparse.ArgumentParser:
     p = Parser(
         prog=prog,
         description="Train one slot of a chameleond job: profile, register, follow the plans.",
-        epilog="exit codes: 0 fenced, finished or stopped by a signal; 2 bad command line; "
+        epilog="exit codes: 0 finished or stopped by a signal; 2 bad command line; "
         "3 Redis unreachable at start, a write refused, or away too long to keep the events; "
         "4 bad or missing job spec; 5 the device is not there or its backend is unavailable; "
         "6 no training "
         "data, or other data than the job's; 7 this worker's own computation failed (it "
-        "reported itself first); 8 a malformed model. "
+        "reported itself first); 8 a malformed model; 9 fenced by a plan (start it again to "
+        "rejoin). "
         "Redis restarts do not stop training (docs/worker.md).",
     )
     p.add_argument("--version", action="version", version=version_text("chameleon-worker"))
@@ -117,8 +123,9 @@ def build_parser(prog: str = "chameleon-worker") -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--bind-address",
-        default="127.0.0.1",
-        help="address the collective backend listens on and advertises (default 127.0.0.1)",
+        default=ident.bind_address,
+        help="address the collective backend listens on and advertises; default "
+        "$CHAMELEON_BIND_ADDRESS, else 127.0.0.1",
     )
     p.add_argument(
         "--group-timeout",
@@ -130,14 +137,15 @@ def build_parser(prog: str = "chameleon-worker") -> argparse.ArgumentParser:
         "--max-steps",
         type=int,
         default=0,
-        help="stop (ack stopped, exit 0) once step N-1 is committed; 0: until fenced (default)",
+        help="stop (ack stopped, exit 0) once step N-1 is committed; 0: until fenced (exit 9) "
+        "(default)",
     )
     p.add_argument(
         "--checkpoint-dir",
         type=Path,
-        default=None,
+        default=ident.checkpoint_dir,
         help="checkpoint directory shared by the job's workers ({worker}-{step}.safetensors), "
-        "read at start",
+        "read at start; default $CHAMELEON_CHECKPOINT_DIR",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -319,7 +327,7 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     try:
-        train_with(training, cfg, hooks, stop, on_connected)
+        result = train_with(training, cfg, hooks, stop, on_connected)
     except _Stop as e:
         log.info("stopped by %s", e)
         return EXIT_OK
@@ -327,7 +335,7 @@ def launch(training: Training | TrainingOf, argv: Sequence[str] | None = None) -
         code, form = _exit_of(e)
         log.error(form, e)
         return code
-    return EXIT_OK
+    return EXIT_FENCED if result.ending is Ending.FENCED else EXIT_OK
 
 
 def _exit_of(error: WorkerError) -> tuple[int, str]:

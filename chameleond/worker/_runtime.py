@@ -6,7 +6,7 @@ generation by generation.
     a fault in a generation -> discard the step, report the dead peer, wait for a newer plan
       (nobody dead: build the same generation again, attempt 2, 3, ...; attribution.py)
     this worker's own computation failed -> report itself, DeviceFailed (exit 7)
-    fenced (excluded by a plan) -> ack stopped, Ending.FENCED (exit 0)
+    fenced (excluded by a plan) -> ack stopped, Ending.FENCED (exit 9 under `run`)
     finished (max_steps) or stopped -> with --checkpoint-dir, a checkpoint of the last committed
       step unless written already (`final_checkpoint`)
     left out, not excluded (a drop plan's pipelines, spares) -> wait on standby for a plan
