@@ -103,6 +103,12 @@ class Keys:
         pid, state, restarts, last_exit; total restarts), rewritten on every change."""
         return f"{self.prefix}agents"
 
+    @property
+    def slow(self) -> str:
+        """Hash: worker -> a request to run that worker slowed down (JSON signed as kind "slow":
+        worker, factor, until), which the worker's chameleon-agent applies (docs/agent.md)."""
+        return f"{self.prefix}slow"
+
     def profiling(self, host: str) -> str:
         """Hash: the workers of a new job on one CPU host that are ready to profile (they start
         together, so each measures its layers while competing for the cores, as in training)."""

@@ -20,6 +20,10 @@ from chameleond.jobstate.job import Job
 DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
 NAMES = {
     "chameleon_events": "counter",
+    "chameleon_worker_speed": "gauge",
+    "chameleon_slow_episodes": "counter",
+    "chameleon_slow_decisions": "counter",
+    "chameleon_slow_expected_gain_samples_per_second": "gauge",
     "chameleon_decision_seconds": "histogram",
     "chameleon_recovery_seconds": "histogram",
     "chameleon_fault_waiting_seconds": "histogram",

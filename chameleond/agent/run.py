@@ -25,6 +25,7 @@ from typing import Any
 
 import redis
 
+from chameleond.agent.slow import SlowControl
 from chameleond.agent.supervise import Report, Roster, State, outcome
 from chameleond.auth import SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.core.hosts import host_slots
@@ -126,6 +127,7 @@ class Agent:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.stopping = False
         self.notifier = Notifier()
+        self.slow = SlowControl(cfg.job, cfg.keyring, client)
         self._preexec = _die_with_agent()
 
     # ---- signals -------------------------------------------------------------------------------
@@ -270,6 +272,7 @@ class Agent:
             for worker in roster.due_starts(now):
                 self.start(roster, worker, now)
                 changed = True
+            self.slow.tick(roster.pids(), now)
             code = roster.exit_code()
             if changed or code is not None or now - written >= STATUS_SECONDS:
                 self.write_status(roster)
@@ -288,6 +291,7 @@ class Agent:
     def stop(self, roster: Roster) -> None:
         """SIGTERM to every worker, SIGKILL to those left after STOP_SECONDS; no fault for them."""
         self.notifier.stopping()
+        self.slow.close()
         for proc in self.procs.values():
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + STOP_SECONDS

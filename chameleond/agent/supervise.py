@@ -182,6 +182,10 @@ class Roster:
     def running(self) -> int:
         return sum(s.state is State.RUNNING for s in self.slots.values())
 
+    def pids(self) -> dict[str, int]:
+        """worker -> pid of each running worker."""
+        return {w: s.pid for w, s in self.slots.items() if s.state is State.RUNNING and s.pid}
+
     def started(self, worker: str, pid: int, now: float) -> None:
         s = self.slots[worker]
         s.state, s.pid, s.started_at, s.restart_at = State.RUNNING, pid, now, None

@@ -17,6 +17,7 @@ BENCHES = {
     "sim-check": "chameleond.bench.simcheck",
     "peers": "chameleond.bench.peers",
     "hosts": "chameleond.bench.hosts",
+    "slow": "chameleond.bench.slow",
 }
 
 

@@ -19,12 +19,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "chameleond.cli.steps",
         "the job's committed steps: loss, grad norm, lr, samples/s, tokens/s, eval loss",
     ),
-    "inject": ("chameleond.cli.inject", "send a fault event for a worker"),
+    "inject": (
+        "chameleond.cli.inject",
+        "send a fault event for a worker, or run one slowed down (inject slow)",
+    ),
     "plan": ("chameleond.cli.plan_cmd", "compare the reroute and dynamic candidates for a fault"),
     "bench": (
         "chameleond.bench",
         "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check, "
-        "training, peers, hosts",
+        "training, peers, hosts, slow",
     ),
     "export": (
         "chameleond.cli.export",

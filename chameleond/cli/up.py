@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--faults",
         default=None,
         help=f"faults to inject, e.g. kill:w3@step=5,event:w1@t=20s:ECC; corrupt:w3@step=9 cuts "
-        f"w3's newest checkpoint file short (default: {DEFAULT_FAULTS}; 'none' for a failure-free "
-        "run)",
+        f"w3's newest checkpoint file short; slow:w3@step=5:0.5[:SECONDS] runs w3 at half speed "
+        f"(default: {DEFAULT_FAULTS}; 'none' for a failure-free run)",
     )
     src.add_argument(
         "--trace",

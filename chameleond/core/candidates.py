@@ -137,7 +137,8 @@ def priced_plan(
     return plan, est.over_memory(memory)
 
 
-def _candidate(policy: Policy, plan: Plan, oom: str | None) -> Candidate:
+def candidate_of(policy: Policy, plan: Plan, oom: str | None) -> Candidate:
+    """A priced plan as a candidate: infeasible when it runs out of memory (`oom` says where)."""
     e = plan.estimates
     peak = max(e.peak_memory_bytes.values(), default=0)
     if oom:
@@ -192,7 +193,7 @@ def reroute_candidate(
         spec, est, Policy.REROUTE, generation, current.pipelines, result.routing, excluded, repairs,
         transition, mtbf, cause,
     )  # fmt: skip
-    return _candidate(Policy.REROUTE, plan, oom)
+    return candidate_of(Policy.REROUTE, plan, oom)
 
 
 def drop_candidate(
@@ -214,7 +215,7 @@ def drop_candidate(
         spec, est, Policy.DROP, generation, result.pipelines, result.routing, excluded, (),
         spec.rebuild_seconds, mtbf, cause,
     )  # fmt: skip
-    return _candidate(Policy.DROP, plan, oom)
+    return candidate_of(Policy.DROP, plan, oom)
 
 
 def regrow_candidate(
@@ -251,7 +252,7 @@ def regrow_candidate(
         spec, est, Policy.DROP, generation, result.pipelines, result.routing, excluded, migration,
         spec.rebuild_seconds + seconds, mtbf, cause,
     )  # fmt: skip
-    return _candidate(Policy.DROP, plan, oom)
+    return candidate_of(Policy.DROP, plan, oom)
 
 
 def dynamic_candidate(
@@ -329,7 +330,7 @@ def dynamic_candidate(
             ),
         ),
     )
-    cand = _candidate(Policy.DYNAMIC, plan, oom)
+    cand = candidate_of(Policy.DYNAMIC, plan, oom)
     return cand, (switch if cand.feasible else None), search_seconds, found.plans_considered
 
 

@@ -20,7 +20,7 @@ from chameleond.core.policy import Policy
 
 @dataclass(frozen=True)
 class Decision:
-    selected: Policy | None  # REROUTE | DYNAMIC | DROP | RESTORE | None (unrecoverable)
+    selected: Policy | None  # REROUTE | DYNAMIC | DROP | RESTORE | KEEP | EXCLUDE | None
     plan: Plan | None
     candidates: tuple[Candidate, ...]  # (reroute, dynamic, drop): CANDIDATES' order
     unrecoverable: str | None
@@ -33,6 +33,8 @@ class Decision:
     follow_up_after_seconds: float | None = None  # remaining window above which switching pays
     note: str = ""  # e.g. why a forced policy was not taken
     window_seconds: float | None = None  # the window a fault's candidates, or a regrow, used
+    # A slow-worker decision (core.slowdecide): per candidate, its score minus keep's (samples/s)
+    gains: tuple[float, ...] = ()
 
 
 # On equal scores the candidate that moves the fewest bytes: reroute and drop move nothing (drop
@@ -41,11 +43,14 @@ _TIE_ORDER = (Policy.REROUTE, Policy.DROP, Policy.DYNAMIC)
 
 
 def select(
-    candidates: Sequence[Candidate], force: Policy | None = None
+    candidates: Sequence[Candidate],
+    force: Policy | None = None,
+    order: Sequence[Policy] = _TIE_ORDER,
 ) -> tuple[Policy | None, str]:
     """The policy to run (None: none is feasible) and a note when a forced policy was not.
 
-    The higher score wins; on ties reroute, then drop, then dynamic (_TIE_ORDER).
+    The higher score wins; on ties the earlier in `order` (by default reroute, then drop, then
+    dynamic: _TIE_ORDER).
     """
     by_policy = {c.policy: c for c in candidates}
     forced = by_policy.get(force) if force is not None else None
@@ -58,7 +63,7 @@ def select(
     feasible = [c for c in candidates if c.feasible]
     if not feasible:
         return None, note
-    best = max(feasible, key=lambda c: (c.score, -_TIE_ORDER.index(c.policy)))
+    best = max(feasible, key=lambda c: (c.score, -order.index(c.policy)))
     return best.policy, note
 
 
@@ -123,7 +128,10 @@ def decision_to_dict(d: Decision) -> dict[str, Any]:
         "window_seconds": None if d.window_seconds is None else _finite(d.window_seconds),
         "search_seconds": d.search_seconds,
         "plans_considered": d.plans_considered,
-        "candidates": [candidate_to_dict(c) for c in d.candidates],
+        "candidates": [
+            {**candidate_to_dict(c), "gain": g} if d.gains else candidate_to_dict(c)
+            for c, g in zip(d.candidates, d.gains or [0.0] * len(d.candidates), strict=True)
+        ],
         "follow_up": follow,
         "note": d.note,
     }

@@ -24,6 +24,9 @@ vote (a ring all-reduce of a few bytes over every executing worker: 2(n-1) laten
   collectives, the commit vote) is spread over its ops; the updates after the vote share the
   cores too. With more workers than cores (a local CPU job) this, not the critical path, is the
   step time.
+* Speed: each op's compute (forward, backward, the update) is divided by the speed of the worker
+  that executes it (`WorkerSpec.speed`, 1.0 but for a slow worker), so a throttled worker slows
+  exactly the ops it runs.
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Collection, Sequence
-from itertools import accumulate
 
+from chameleond.core.layertable import LayerTable
 from chameleond.core.plan import Pipeline, SyncGroup
 from chameleond.core.schedule import (
     BACKWARD,
@@ -54,53 +57,6 @@ _MIN_SECONDS = 1e-12
 VOTE_BYTES = (
     24  # per worker: [loss, 1, newest generation seen] as float64 (chameleond/worker/_loop.py)
 )
-
-
-class LayerTable:
-    """Prefix sums of the per-layer profile: any stage's cost in O(1)."""
-
-    def __init__(self, spec: JobSpec) -> None:
-        layers = spec.layers
-        self.n_layers = len(layers)
-        self._fwd = [0.0, *accumulate(lp.forward_seconds for lp in layers)]
-        self._bwd = [0.0, *accumulate(lp.backward_seconds for lp in layers)]
-        # Parameters + gradients (m_g = m_p) + optimizer state stay resident on the owner.
-        self._state = [0, *accumulate(2 * lp.param_bytes + lp.optimizer_bytes for lp in layers)]
-        self._grad = [0, *accumulate(lp.param_bytes for lp in layers)]
-        self._act = [0, *accumulate(lp.activation_bytes for lp in layers)]
-        self._out = [lp.output_bytes for lp in layers]
-        self._upd = [0.0, *accumulate(lp.update_seconds for lp in layers)]
-
-    def forward_seconds(self, first: int, end: int) -> float:
-        return self._fwd[end] - self._fwd[first]
-
-    def backward_seconds(self, first: int, end: int) -> float:
-        return self._bwd[end] - self._bwd[first]
-
-    def update_seconds(self, first: int, end: int) -> float:
-        return self._upd[end] - self._upd[first]
-
-    def state_bytes(self, first: int, end: int) -> int:
-        return self._state[end] - self._state[first]
-
-    def gradient_bytes(self, first: int, end: int) -> int:
-        return self._grad[end] - self._grad[first]
-
-    def activation_bytes(self, first: int, end: int) -> int:
-        return self._act[end] - self._act[first]
-
-    def output_bytes(self, end: int) -> int:
-        """Bytes sent downstream per micro-batch by a stage ending before layer `end`."""
-        return self._out[end - 1]
-
-    def stage_memory(self, first: int, end: int, stage: int, n_stages: int, n_micro: int) -> int:
-        """PAPER.md section 5 for one slot: resident state + stashed activations.
-
-        Stage i stashes at most min(N_pp - i, N_m) micro-batches under 1F1B (its warm-up forwards
-        plus the one in flight); a stage with fewer micro-batches than that never holds more.
-        """
-        in_flight = min(n_stages - stage, n_micro)
-        return self.state_bytes(first, end) + in_flight * self.activation_bytes(first, end)
 
 
 def _longest_path(
@@ -237,6 +193,7 @@ class Estimator:
         self.table = LayerTable(spec)
         self._host = {w.id: w.host for w in spec.workers}
         self._memory = {w.id: w.memory_bytes for w in spec.workers}
+        self._speed = {w.id: w.speed for w in spec.workers}
         self._memo: dict[PathKey, list[float]] = {}
         # The failure-free longest path of rerouted pipelines, by shape: a job's pipelines of one
         # length and micro-batch count on links alike are timed once per decision.
@@ -270,9 +227,13 @@ class Estimator:
         return out
 
     def _own_pipeline(self, pipe: Pipeline) -> list[float]:
-        t = self.table
-        fwd = tuple(t.forward_seconds(s.first_layer, s.end_layer) for s in pipe.stages)
-        bwd = tuple(t.backward_seconds(s.first_layer, s.end_layer) for s in pipe.stages)
+        t, v = self.table, self._speed
+        fwd = tuple(
+            t.forward_seconds(s.first_layer, s.end_layer) / v[s.worker] for s in pipe.stages
+        )
+        bwd = tuple(
+            t.backward_seconds(s.first_layer, s.end_layer) / v[s.worker] for s in pipe.stages
+        )
         comm = tuple(
             self.transfer_seconds(pipe, s, pipe.stages[s].worker, pipe.stages[s + 1].worker)
             for s in range(len(pipe.stages) - 1)
@@ -288,9 +249,10 @@ class Estimator:
         """build_schedule's makespan for rerouted pipelines, without building its Op lists.
 
         The same two passes: each pipeline's failure-free ("ideal") longest path, then every
-        executor running its ops in order of ideal start, with the real executors' links.
+        executor running its ops in order of ideal start, with the real executors' links and
+        speeds (the ideal pass, as build_schedule's, at the owners' speeds).
         """
-        t, host = self.table, self._host
+        t, host, v = self.table, self._host, self._speed
         intra, inter = self.spec.intra_host, self.spec.inter_host
         keyed: list[tuple[float, float, int, int, int, int]] = []
         per = []
@@ -300,9 +262,11 @@ class Estimator:
             bwd = [t.backward_seconds(st.first_layer, st.end_layer) for st in pipe.stages]
             owners = [st.worker for st in pipe.stages]
             comm = [self.transfer_seconds(pipe, s, owners[s], owners[s + 1]) for s in range(n - 1)]
-            key = (tuple(fwd), tuple(bwd), tuple(comm), nm)
+            own_f = tuple(x / v[w] for x, w in zip(fwd, owners, strict=True))
+            own_b = tuple(x / v[w] for x, w in zip(bwd, owners, strict=True))
+            key = (own_f, own_b, tuple(comm), nm)
             if key not in self._ideal:
-                self._ideal[key] = _longest_path(fwd, bwd, comm, nm)
+                self._ideal[key] = _longest_path(own_f, own_b, comm, nm)
             f_start, f_end, b_start, b_end = self._ideal[key]
             for i in range(n * nm):
                 s, m = divmod(i, nm)
@@ -312,8 +276,8 @@ class Estimator:
             per.append(
                 (
                     nm,
-                    [max(x, _MIN_SECONDS) for x in fwd],
-                    [max(x, _MIN_SECONDS) for x in bwd],
+                    fwd,
+                    bwd,
                     [intra.transfer_seconds(b) for b in wire],
                     [inter.transfer_seconds(b) for b in wire],
                     routing[index[k]],
@@ -339,14 +303,14 @@ class Estimator:
                         else c_inter[s - 1]
                     )
                     ready = max(ready, f_end[i - nm] + c)
-                end = f_end[i] = ready + fwd[s]
+                end = f_end[i] = ready + max(fwd[s] / v[w], _MIN_SECONDS)
             else:
                 ready = max(ready, f_end[i])
                 if s + 1 < len(rt):
                     down = rt[s + 1][m]
                     c = 0.0 if down == w else c_intra[s] if host[down] == host[w] else c_inter[s]
                     ready = max(ready, b_end[i + nm] + c)
-                end = b_end[i] = ready + bwd[s]
+                end = b_end[i] = ready + max(bwd[s] / v[w], _MIN_SECONDS)
             free[w] = end
         return free
 
@@ -358,11 +322,11 @@ class Estimator:
     def _timing(self, pipelines: Sequence[Pipeline]) -> tuple[OpSeconds, CommSeconds]:
         t = self.table
 
-        def op_seconds(p: int, s: int, kind: str, _w: str) -> float:
+        def op_seconds(p: int, s: int, kind: str, w: str) -> float:
             st = pipelines[p].stages[s]
             if kind == FORWARD:
-                return t.forward_seconds(st.first_layer, st.end_layer)
-            return t.backward_seconds(st.first_layer, st.end_layer)
+                return t.forward_seconds(st.first_layer, st.end_layer) / self._speed[w]
+            return t.backward_seconds(st.first_layer, st.end_layer) / self._speed[w]
 
         def comm(p: int, s: int, _kind: str, src: str, dst: str) -> float:
             return self.transfer_seconds(pipelines[p], s, src, dst)
@@ -411,7 +375,10 @@ class Estimator:
         for pipe in pipelines:
             for st in pipe.stages:
                 if st.worker in executors:
-                    u = self.table.update_seconds(st.first_layer, st.end_layer)
+                    u = (
+                        self.table.update_seconds(st.first_layer, st.end_layer)
+                        / self._speed[st.worker]
+                    )
                     out[st.worker] = out.get(st.worker, 0.0) + u
         return out
 

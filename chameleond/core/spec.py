@@ -34,6 +34,9 @@ class WorkerSpec:
     host: str
     memory_bytes: int
     device: str = "cpu"
+    # Relative compute speed: 0.5 = its layers take twice as long (a throttled device). The
+    # daemon replaces it with the speed it measures (a fail-slow worker).
+    speed: float = 1.0
 
 
 def backend_of(device: str) -> str:
@@ -176,6 +179,11 @@ class JobSpec:
     def with_workers(self, workers: Sequence[WorkerSpec]) -> JobSpec:
         return replace(self, workers=tuple(workers))
 
+    def with_speeds(self, speeds: Mapping[str, float]) -> JobSpec:
+        """The same job with these workers' compute speeds (the others keep theirs)."""
+        workers = [replace(w, speed=speeds.get(w.id, w.speed)) for w in self.workers]
+        return self.with_workers(workers)
+
 
 def _link(d: Any, where: str) -> LinkSpec:
     d = table(d, where)
@@ -215,13 +223,20 @@ def _layers(model: Mapping[str, Any]) -> tuple[LayerProfile, ...]:
     return tuple(out)
 
 
+MAX_SPEED = 1e3
+
+
 def _worker(w: Any, where: str) -> WorkerSpec:
     w = table(w, where)
+    speed = num(w, "speed", where, default=1.0)
+    if speed > MAX_SPEED:
+        raise SpecError(f"{where}.speed: must be <= {MAX_SPEED:g}, got {w['speed']!r}")
     return WorkerSpec(
         id=text(w, "id", where),
         host=text(w, "host", where, "localhost"),
         memory_bytes=integer(w, "memory_bytes", where),
         device=text(w, "device", where, "cpu"),
+        speed=speed,
     )
 
 

@@ -43,6 +43,12 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
     for name, f in FIELDS.items():
         default = getattr(defaults, name)
         kind = type(default)
+        if kind is bool and default:  # on by default: --no-NAME turns it off
+            p.add_argument(
+                "--" + name.replace("_", "-"), dest=name, action=argparse.BooleanOptionalAction,
+                default=None, help=f"{HELP[name]} (env CHAMELEON_{name.upper()}=0 turns it off)",
+            )  # fmt: skip
+            continue
         if kind is bool:
             p.add_argument(
                 "--" + name.replace("_", "-"), dest=name, action="store_const", const=True,

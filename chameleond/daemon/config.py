@@ -48,6 +48,10 @@ class Config:
     lease_seconds: float = 10.0  # the leader lease lapses this long after its last renewal
     consumer: str = ""  # empty: the host name (stable, so a restart re-reads its own pending)
     decision_delay_seconds: float = 0.0  # fault injection: hold each decision before committing
+    # Fail-slow (docs/daemon.md, "Slow workers"): decide on a worker that became slow or
+    # recovered (off: detected and measured only), and an episode's duration before any ended.
+    slow_mitigation: bool = True
+    slow_episode_prior_seconds: float = 600.0
     log_level: str = "info"
     # The job's secret (docs/security.md): a file, else $CHAMELEON_SECRET; with neither, an
     # embedded Redis gets a fresh secret in the state directory and an external one needs insecure.
@@ -103,6 +107,10 @@ HELP: dict[str, str] = {
     "consumer": "consumer name in the group; default: the host name",
     "decision_delay_seconds": "fault injection for tests: hold each decision this long before "
     "committing it",
+    "slow_mitigation": "answer a worker that became slow or recovered with a decision (a plan "
+    "that moves work off it, or back); off, slow workers are still detected and measured",
+    "slow_episode_prior_seconds": "how long a slow worker is expected to stay slow before the job "
+    "has seen an episode end (then: the mean of its ended episodes)",
     "log_level": "debug, info, warning or error",
     "secret_file": "file holding the job's secret (current, then optionally the previous one) "
     "that signs plans and specs and verifies the workers' events; or the secret itself in "
@@ -183,7 +191,8 @@ def given(
     """Where a setting was given (the winning source, as a user would name it), or None when it
     is the default: `load` merges the same sources in the same order."""
     if flags.get(name) is not None:
-        return "--" + name.replace("_", "-")
+        negated = flags[name] is False
+        return ("--no-" if negated else "--") + name.replace("_", "-")
     if f"CHAMELEON_{name.upper()}" in environ:
         return f"${'CHAMELEON_' + name.upper()}"
     path = path or environ.get("CHAMELEON_CONFIG") or None
@@ -217,6 +226,7 @@ def validate(cfg: Config) -> Config:
         "stream_maxlen",
         "persist_interval_seconds",
         "embedded_redis_port",
+        "slow_episode_prior_seconds",
     )
     for name in positive:
         if getattr(cfg, name) <= 0:

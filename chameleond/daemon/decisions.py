@@ -3,7 +3,8 @@
 `Decisions.maybe_decide()` is called after every batch of events and every housekeeping tick; it
 starts at most one task at a time: the initial plan (every worker registered), a decision (the
 machine has faults or joins to answer), or the switch to a prepared follow-up (the reroute plan
-it follows trains). The planner runs in a thread; everything that moves the machine's generation
+it follows trains), or a decision on a worker that became slow or recovered (while the job trains).
+The planner runs in a thread; everything that moves the machine's generation
 happens under the commit lock together with the commit that publishes it, so no other commit
 ever sees a generation Redis does not hold yet.
 """
@@ -22,6 +23,7 @@ from chameleond.core.decision import (
     decision_to_dict,
     join_not_taken,
     prepared_switch,
+    same_layout,
 )
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import DecisionRequest, DecisionResult
@@ -70,6 +72,9 @@ class Decisions:
         follow_up = job.switch_due()
         if follow_up is not None:
             self.task = asyncio.create_task(self._switch(follow_up), name="switch")
+            return
+        if job.slow_due and job.machine.running():
+            self.task = asyncio.create_task(self._slow(), name="slow")
 
     async def drain(self, timeout: float) -> None:
         """Let a running decision commit (bounded), and start no other."""
@@ -277,6 +282,74 @@ class Decisions:
                                     step_seconds=plan.estimates.step_seconds)  # fmt: skip
             published = await self.committer.publish(plan, record, [])
         self._published(published, published.cause, None)
+
+    # ---- a worker slow, or back to speed -----------------------------------------------------
+
+    async def _slow(self) -> None:
+        """Answer the workers that became slow or recovered (Job.slow_due) with core.slowdecide,
+        scored over the expected episode duration, and publish its plan through the same commit
+        as a fault's; `keep` publishes nothing. With slow_mitigation off only the detection and
+        its metrics go on."""
+        job, m = self.job, self.job.machine
+        due, job.slow_due = job.slow_due, {}
+        cause = "; ".join(t.cause for _, t in sorted(due.items()))
+        if not self.cfg.slow_mitigation:
+            decisions_log.info("not mitigated (slow_mitigation off): %s", cause)
+            return
+        from chameleond.core.slowdecide import decide_slow
+
+        spec, current, now = job.spec, job.plan, time.time()
+        assert current is not None  # running() needs a plan
+        speeds = {w: 1.0 for w, t in due.items() if not t.slow} | job.slowness.speeds()
+        duration = job.slowness.expected_seconds(self.cfg.slow_episode_prior_seconds)
+        generation, mtbf = m.generation + 1, job.mtbf(now)
+        holdings = dict(m.holdings.held)
+        loop = asyncio.get_running_loop()
+        try:
+            decision = await loop.run_in_executor(
+                None,
+                lambda: decide_slow(
+                    spec, current, speeds, duration_seconds=duration, generation=generation,
+                    mtbf_seconds=mtbf, holdings=holdings, cause=cause,
+                ),
+            )  # fmt: skip
+        except DecisionError as e:
+            log.warning("slow-worker decision failed (%s): %s", cause, e)
+            self._soon()
+            return
+        async with self.committer.lock:
+            if not m.running() or m.generation != generation - 1:
+                job.slow_due = {**due, **job.slow_due}  # a fault came first: decide after it
+                self._soon()
+                return
+            now = time.time()
+            job.last_decision = {**decision_to_dict(decision), "cause": cause, "at": now}
+            self.committer.note(SNAPSHOT)
+            selected = decision.selected or ""
+            self.metrics.slow_decisions.labels(selected or "none").inc()
+            gains = zip(decision.candidates, decision.gains, strict=True)
+            gain = next((g for c, g in gains if c.policy == decision.selected), 0.0)
+            self.metrics.slow_expected_gain.set(gain)
+            plan = decision.plan
+            candidates = tuple(job.last_decision["candidates"])
+            if plan is None or same_layout(plan, current):
+                record = DecisionRecord(m.generation, "", cause, now, mtbf_seconds=duration,
+                                        candidates=candidates, note=f"slow: {selected} selected",
+                                        unrecoverable=decision.unrecoverable or "")  # fmt: skip
+                await self.committer.record([record], [])
+                decisions_log.info("kept the current plan cause=%s", cause)
+                self._soon()
+                return
+            plan = replace(plan, cause=cause)
+            for worker in plan.excluded:  # fenced: its next process is measured anew
+                job.slowness.forget(worker)
+            self.committer.note(recorded(m.switch(generation, plan.workers, now, cause,
+                                                  of_plan(plan))))  # fmt: skip
+            record = DecisionRecord(generation, plan.policy, cause, now, mtbf_seconds=duration,
+                                    candidates=candidates, note=f"slow: {selected} selected",
+                                    step_seconds=plan.estimates.step_seconds)  # fmt: skip
+            published = await self.committer.publish(plan, record, [])
+        self._published(published, cause, None)
 
     # ---- after a publication -------------------------------------------------------------------
 

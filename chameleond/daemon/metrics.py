@@ -18,6 +18,7 @@ from chameleond.jobstate.records import WORKER_STATES, WorkerState
 from chameleond.protocol import EVENT_TYPES
 
 OUTCOMES = tuple(EventOutcome)
+SLOW_OUTCOMES = ("detected", "recovered")
 POLICY_LABELS = (Policy.REROUTE, Policy.DYNAMIC, Policy.INITIAL, Policy.RESTORE, Policy.DROP)
 # Decisions take milliseconds to seconds; recoveries seconds to minutes.
 DECISION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -209,6 +210,33 @@ class Metrics:
             ["state"],
             registry=r,
         )
+        self.worker_speed = Gauge(
+            "chameleon_worker_speed",
+            "A worker's compute speed as the planner sees it: its peers' (the same layers in the "
+            "other pipelines) compute over its own while it is slow, 1.0 otherwise.",
+            ["worker"],
+            registry=r,
+        )
+        self.slow_episodes = Counter(
+            "chameleon_slow_episodes",
+            "Workers that became slow (detected) or recovered, since this daemon started.",
+            ["outcome"],
+            registry=r,
+        )
+        self.slow_decisions = Counter(
+            "chameleon_slow_decisions",
+            "Decisions on a worker that became slow or recovered, by the policy selected "
+            "(keep: the current plan stays).",
+            ["policy"],
+            registry=r,
+        )
+        self.slow_expected_gain = Gauge(
+            "chameleon_slow_expected_gain_samples_per_second",
+            "The newest slow-worker decision's expected gain of its selected candidate over "
+            "keeping the current plan, over the episode's expected duration.",
+            registry=r,
+        )
+        self._slow_counted = (0, 0)
         self.training = TrainingCollector()
         r.register(self.training)
         # Every label value exists from the start, so dashboards and alerts see zeros, not gaps;
@@ -222,6 +250,8 @@ class Metrics:
         for policy in POLICY_LABELS:
             self.policy_decisions.labels(policy)
             self.recovery_seconds.labels(policy)
+        for outcome in SLOW_OUTCOMES:
+            self.slow_episodes.labels(outcome)
         for state in WORKER_STATES:
             self.workers.labels(state)
         for phase in Phase:
@@ -251,6 +281,13 @@ class Metrics:
             counts[s] += 1
         for state, n in counts.items():
             self.workers.labels(state).set(n)
+
+    def set_slow_episodes(self, detected: int, recovered: int) -> None:
+        """The detector's totals (jobstate/slowness.py), counted as they grow."""
+        seen = self._slow_counted
+        self.slow_episodes.labels("detected").inc(max(0, detected - seen[0]))
+        self.slow_episodes.labels("recovered").inc(max(0, recovered - seen[1]))
+        self._slow_counted = (max(detected, seen[0]), max(recovered, seen[1]))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -58,6 +58,7 @@ text-align:left;vertical-align:top} th{background:#eee}
 .state{display:inline-block;padding:.1em .6em;border-radius:.3em;color:#fff;background:#777}
 .training{background:#2a7d2a}.transitioning,.planning{background:#c77f00}
 .fault_detected,.unrecoverable{background:#b22}.waiting{background:#557}
+.slow{color:#b22;font-weight:bold}
 .slot{font-family:monospace}.rerouted{background:#fff3d0}
 .active{color:#2a7d2a}.failed,.fenced,.lost{color:#b22}.chosen{font-weight:bold}
 .muted{color:#777}.err{color:#b22;font-weight:bold}
@@ -157,13 +158,17 @@ def _plan(plan: Plan | None) -> str:
 
 def _workers(s: Mapping[str, Any]) -> str:
     rows = []
+    slow = s.get("slow") or {}
     for wid, w in (s.get("workers") or {}).items():
         state = str(w.get("state"))
         age = w.get("heartbeat_age_seconds")
+        speed = (slow.get(wid) or {}).get("speed")
+        slowed = speed is not None and speed < 1
+        pace = f" <span class=slow>speed {_num(speed)}</span>" if slowed else ""
         rows.append(
             [
                 e(wid),
-                f'<span class="{e(state)}">{e(state)}</span>',
+                f'<span class="{e(state)}">{e(state)}</span>{pace}',
                 e(w.get("host")),
                 e(w.get("device")),
                 "-" if age is None else f"{float(age):.1f} s",

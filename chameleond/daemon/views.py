@@ -111,6 +111,15 @@ def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
         "rebuild_measured_seconds": {b: s for b, (_, s) in sorted(job.rebuilds.newest.items())},
         # The link figures the planner prices transfers with, and the measured pairs behind them.
         "links": job.links_view(),
+        # Fail-slow workers (jobstate/slowness.py): their speed and since when, and how long an
+        # episode is expected to last (what a slow-worker decision scores over).
+        "slow": {
+            w: {"speed": s.speed, "since": s.since}
+            for w, s in sorted(job.slowness.workers.items())
+            if s.slow
+        },
+        "slow_expected_seconds": job.slowness.expected_seconds(cfg.slow_episode_prior_seconds),
+        "slow_mitigation": cfg.slow_mitigation,
     }
 
 
@@ -131,5 +140,9 @@ def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
     now = time.time()
     metrics.expected_fault_seconds.set(job.mtbf(now))
     metrics.decision_window_seconds.set(job.window(now))
+    speeds = job.slowness.speeds()
+    for w in job.workers:
+        metrics.worker_speed.labels(w).set(speeds.get(w, 1.0))
+    metrics.set_slow_episodes(job.slowness.detected, job.slowness.recovered)
     newest = job.checkpoints.newest(len(job.spec.layers))
     metrics.checkpoint_step.set(-1 if newest is None else newest)

@@ -48,9 +48,12 @@ def _handle(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
     spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
     links = parse_links(data, len(job.spec.workers))
     rec = job.worker(event.worker)
+    # Every training report reaches the slowness detector, a repeat of the last one too: a
+    # worker's speed is a matter of how long it stays where it is.
+    observed = job.observe_profile(event.worker, data, profile, now)
     if rec.profile == profile and not has_host and links in (None, rec.links):
-        return DUPLICATE
-    return HANDLED.having(_fold(job, event.worker, spec, profile, links))
+        return DUPLICATE.having(observed)
+    return HANDLED.having(_fold(job, event.worker, spec, profile, links) | observed)
 
 
 def _fold(

@@ -8,6 +8,7 @@ only once the effect they caused is in Redis (`owed` holds the entries a pending
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +18,7 @@ from chameleond.core.holdings import Checkpoints
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine
 from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
-from chameleond.core.spec import JobSpec, LinkSpec, WorkerSpec, backend_of
+from chameleond.core.spec import JobSpec, LayerProfile, LinkSpec, WorkerSpec, backend_of
 from chameleond.events import Step
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
 from chameleond.jobstate.jobspec import measured_layers
@@ -32,6 +33,7 @@ from chameleond.jobstate.records import (
     WorkerRecord,
     WorkerState,
 )
+from chameleond.jobstate.slowness import Slowness, Transition, measure_of
 
 REPAIRS = 1000  # the workers' repairs kept (and persisted) for the window estimate
 
@@ -73,6 +75,8 @@ class Job:
         self.owed: dict[str, list[str]] = {}  # worker -> entry ids acked when its decision commits
         self.meter = StepMeter()
         self.rebuilds = RebuildMeter()  # measured communicator rebuilds, per backend
+        self.slowness = Slowness()  # fail-slow workers, from the training profiles
+        self.slow_due: dict[str, Transition] = {}  # worker -> became slow / recovered, undecided
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
         self._spec_generation = 0  # the plan `_spec_cache` took its link measurements from
@@ -93,10 +97,13 @@ class Job:
     def spec(self) -> JobSpec:
         generation = self.plan.generation if self.plan is not None else 0
         if self._spec_cache is None or self._spec_generation != generation:
-            spec = self._workers_spec()
-            profiles = [w.profile for w in self.workers.values() if w.profile]
-            if profiles:
-                spec = spec.with_layers(measured_layers(spec.layers, profiles))
+            spec = self._workers_spec().with_speeds(self.slowness.speeds())
+            measured = [w for w in self.workers.values() if w.profile]
+            if measured:
+                speed = {w.id: w.speed for w in spec.workers}
+                profiles = [w.profile for w in measured]
+                factors = [speed.get(w.id, 1.0) for w in measured]
+                spec = spec.with_layers(measured_layers(spec.layers, profiles, factors))
             spec = measured_links(spec, self._links(), self._link_members())
             rebuild = self.rebuild_seconds(spec)
             if rebuild != spec.rebuild_seconds:
@@ -188,6 +195,21 @@ class Job:
         """The spec's parts changed behind `spec`'s back (a restore): derive it again."""
         self._spec_cache = None
 
+    def observe_profile(
+        self, worker: str, data: Mapping[str, Any], profile: Mapping[int, LayerProfile], now: float
+    ) -> Change:
+        """A `profile` event's training measure, to the slowness detector (jobstate/slowness.py).
+        A worker of the plan that became slow or recovered waits in `slow_due` for a decision
+        (daemon/decisions.py), and the planner's spec takes its speed from now on."""
+        measure = measure_of(data, profile)
+        if measure is None or self.plan is None:
+            return UNCHANGED
+        members = set(self.plan.workers) - set(self.plan.excluded) - self.machine.failed
+        moved = self.slowness.observe(worker, measure, members, now)
+        for t in moved:
+            self.slow_due[t.worker] = t
+        return self.spec_changed() if moved else UNCHANGED
+
     def knows(self, worker: str) -> bool:
         return worker in self.workers
 
@@ -213,9 +235,11 @@ class Job:
         )
 
     def new_process(self, worker: str) -> None:
-        """A registration or rejoin: whatever the worker's earlier process did is over."""
+        """A registration or rejoin: whatever the worker's earlier process did is over, its
+        measured slowness too (a new process, perhaps on a repaired device, is measured anew)."""
         rec = self.worker(worker)
         rec.ended, rec.heard_while_failed = None, 0.0
+        self.slowness.forget(worker)
 
     def ended(self, worker: str) -> bool:
         rec = self.workers.get(worker)
@@ -372,6 +396,9 @@ class Job:
             self.undecided_faults[worker] = now
         rec = self.worker(worker)
         rec.down_since = rec.down_since or now
+        self.slow_due.pop(worker, None)  # a slow worker that died: an ordinary fault
+        if self.slowness.forget(worker):
+            self.spec_changed()
         return SNAPSHOT
 
     def count_return(self, worker: str, now: float) -> Change:

@@ -15,7 +15,7 @@ from typing import Any
 
 from chameleond.core.estimator import Estimator
 from chameleond.core.plan import Plan
-from chameleond.core.spec import HostSpec, JobSpec, LayerProfile
+from chameleond.core.spec import HostSpec, JobSpec, LayerProfile, WorkerSpec
 from chameleond.protocol import MAX_BYTES, MAX_ID_LEN, MAX_SECONDS, EventError, shorten
 
 LAYER_FIELDS = tuple(f.name for f in fields(LayerProfile))
@@ -36,7 +36,7 @@ def spec_document(spec: JobSpec) -> dict[str, Any]:
             "rebuild_seconds": spec.rebuild_seconds,
             "restart_seconds": spec.restart_seconds,
         },
-        "workers": [asdict(w) for w in spec.workers],
+        "workers": [_worker_document(w) for w in spec.workers],
         "links": {"intra_host": asdict(spec.intra_host), "inter_host": asdict(spec.inter_host)},
         "model": {"layers": [asdict(layer) for layer in spec.layers], "arch": dict(spec.arch)},
         "training": asdict(spec.training),
@@ -45,6 +45,14 @@ def spec_document(spec: JobSpec) -> dict[str, Any]:
         "hosts": {h: asdict(v) for h, v in sorted(spec.hosts.items())},
         "costs": asdict(spec.costs),
     }
+
+
+def _worker_document(worker: WorkerSpec) -> dict[str, Any]:
+    """A `[[workers]]` entry; `speed` only where it is not the default 1.0."""
+    d = asdict(worker)
+    if d["speed"] == 1.0:
+        del d["speed"]
+    return d
 
 
 def parse_profile(data: Mapping[str, Any], n_layers: int) -> dict[int, LayerProfile]:
@@ -84,12 +92,20 @@ def parse_profile(data: Mapping[str, Any], n_layers: int) -> dict[int, LayerProf
 
 
 def measured_layers(
-    base: Sequence[LayerProfile], profiles: Sequence[Mapping[int, LayerProfile]]
+    base: Sequence[LayerProfile],
+    profiles: Sequence[Mapping[int, LayerProfile]],
+    speeds: Sequence[float] | None = None,
 ) -> tuple[LayerProfile, ...]:
-    """Per layer, the mean over the workers that measured it; the spec's numbers elsewhere."""
+    """Per layer, the mean over the workers that measured it; the spec's numbers elsewhere.
+
+    `speeds` (one per profile, 1.0 for a healthy worker) normalises each worker's seconds to a
+    healthy worker's: a worker at speed 0.5 measured twice the time, so its seconds count half.
+    A slow worker's speed goes to the planner separately (WorkerSpec.speed); its layer figures
+    must not inflate everybody's."""
+    factors = list(speeds) if speeds is not None else [1.0] * len(profiles)
     out = []
     for i, layer in enumerate(base):
-        seen = [p[i] for p in profiles if i in p]
+        seen = [_scaled(p[i], f) for p, f in zip(profiles, factors, strict=True) if i in p]
         if not seen:
             out.append(layer)
             continue
@@ -107,6 +123,14 @@ def measured_layers(
             )
         )
     return tuple(out)
+
+
+def _scaled(p: LayerProfile, speed: float) -> LayerProfile:
+    if speed == 1.0:
+        return p
+    return replace(p, forward_seconds=p.forward_seconds * speed,
+                   backward_seconds=p.backward_seconds * speed,
+                   update_seconds=p.update_seconds * speed)  # fmt: skip
 
 
 def profile_to_json(profile: Mapping[int, LayerProfile]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.core.spec import WorkerSpec
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.records import FollowUp, RebuildMeter, Registration
+from chameleond.jobstate.slowness import Slowness
 
 
 def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
@@ -36,6 +37,7 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
         ],
         "workers": {w.id: w.to_json() for w in job.workers.values()},
         "rebuilds": job.rebuilds.to_json(),
+        "slowness": job.slowness.to_json(),
         "links": job.links_view(),  # shown by status, never restored (the workers' links are)
     }
 
@@ -64,6 +66,7 @@ def restore(job: Job, snap: dict[str, Any], plan: Plan | None, *, ready_timeout:
     for wid, d in snap.get("workers", {}).items():
         job.worker(wid).load(d)
     job.rebuilds = RebuildMeter.from_json(snap.get("rebuilds", {}))
+    job.slowness = Slowness.from_json(snap.get("slowness", {}))
     now = time.time()
     # Nobody could acknowledge or heartbeat to a daemon that was down: start the clocks again.
     m = job.machine

@@ -21,6 +21,7 @@ from chameleond.local.faults import Fault, corrupt_newest_checkpoint, send_fault
 from chameleond.local.monitor import StreamMonitor
 from chameleond.local.progress import ProgressView
 from chameleond.local.report import Injection
+from chameleond.local.slowdown import Slowdown
 from chameleond.protocol import redact_url
 from chameleond.records import entry_seconds
 from chameleond.traces.replay import ReplayStep
@@ -61,6 +62,7 @@ class LocalRun:
         self.progress = progress
         self.injections: list[Injection] = []
         self.skipped: list[str] = []
+        self.slowdowns: list[Slowdown] = []
 
     def execute(self) -> RunResult:
         o = self.opts
@@ -90,6 +92,8 @@ class LocalRun:
                 completed, reason = self._loop(cluster, monitor)
                 monitor.read_all()
             finally:
+                for slowdown in self.slowdowns:  # a stopped worker would not take its SIGTERM
+                    slowdown.stop()
                 client.close()
         self.progress.close()
         return RunResult(completed, reason, self.injections, monitor, self.skipped)
@@ -152,6 +156,9 @@ class LocalRun:
         if f.action == "corrupt":
             self._corrupt(f)
             return
+        if f.action == "slow":
+            self._slow(cluster, f)
+            return
         cause = f.default_cause()
         child = cluster.workers.get(f.worker)
         if f.action == "kill":
@@ -175,6 +182,21 @@ class LocalRun:
             self.skipped.append(f"corrupt:{f.worker}@{f.when}: no checkpoint file yet")
             return
         self.progress.note(f"fault: {path.name} cut to half its length at {f.when}")
+
+    def _slow(self, cluster: LocalCluster, f: Fault) -> None:
+        """No worker is out: the job sees one that steps slower (a fail-slow fault)."""
+        assert f.factor is not None
+        child = cluster.workers.get(f.worker)
+        if child is None or not child.alive or child.pid is None:
+            self.skipped.append(f"slow:{f.worker}@{f.when}: the worker is not running")
+            return
+        slowdown = Slowdown(child.pid, f.factor, seconds=f.seconds).start()
+        self.slowdowns.append(slowdown)
+        lasting = "until the end" if f.seconds is None else f"for {f.seconds:g} s"
+        self.progress.note(
+            f"fault: {f.worker} (pid {child.pid}) slowed to {f.factor:g} of its speed "
+            f"{lasting} at {f.when}"
+        )
 
     def _replay(self, cluster: LocalCluster, r: ReplayStep) -> None:
         trigger = f"trace {r.node} {r.time_ms} ms"

@@ -1,8 +1,8 @@
 """`simulate`: one policy over one trace; `compare`: every policy, with the ratios and the ideal.
 
-The ideal at time t is the proportional one: (live workers / N) x the failure-free throughput
-(B over the initial plan's step). A policy's gap to it is 1 - its average throughput / the
-ideal's average over the same span.
+The ideal at time t is the proportional one: (the live workers' speeds summed / N) x the
+failure-free throughput (B over the initial plan's step); a worker at full speed counts 1. A
+policy's gap to it is 1 - its average throughput / the ideal's average over the same span.
 """
 
 from __future__ import annotations
@@ -14,9 +14,16 @@ from typing import Any
 from chameleond.core.decide import decide
 from chameleond.core.plan import Plan
 from chameleond.core.spec import JobSpec
-from chameleond.sim.policies import POLICIES, JobState, Record, SimConfig, make_policy
+from chameleond.sim.policies import (
+    POLICIES,
+    SLOW_AWARE,
+    JobState,
+    Record,
+    SimConfig,
+    make_policy,
+)
 from chameleond.sim.timeline import KINDS, Kind, Segment
-from chameleond.sim.trace import JobTrace
+from chameleond.sim.trace import JobTrace, after, evict_stragglers
 
 
 @dataclass(frozen=True)
@@ -52,16 +59,21 @@ def _count(items: Any) -> dict[str, int]:
 
 
 def ideal_average(spec: JobSpec, trace: JobTrace, failure_free: float) -> float:
-    """Average of (live / N) x failure-free throughput over [0, end)."""
+    """Average of (live workers' speeds / N) x failure-free throughput over [0, end)."""
     n = len(spec.workers)
-    down: set[str] = set()
+    down: frozenset[str] = frozenset()
+    speeds: dict[str, float] = {}
+
+    def share() -> float:
+        return (n - len(down) - sum(1 - s for s in speeds.values())) / n
+
     area, last = 0.0, 0.0
     for ev in trace.events:
         t = min(ev.seconds, trace.end_seconds)
-        area += (t - last) * (n - len(down)) / n
+        area += (t - last) * share()
         last = t
-        down = (down | ev.failed) - ev.joined
-    area += max(0.0, trace.end_seconds - last) * (n - len(down)) / n
+        down, speeds = after(ev, down, speeds)
+    area += max(0.0, trace.end_seconds - last) * share()
     return failure_free * area / trace.end_seconds if trace.end_seconds > 0 else failure_free
 
 
@@ -78,9 +90,11 @@ def simulate(
     spec: JobSpec, trace: JobTrace, policy: str, cfg: SimConfig | None = None
 ) -> PolicyResult:
     pol = make_policy(policy, spec, cfg)
+    timeout = pol.cfg.straggler_timeout_seconds
+    seen = trace if timeout is None or policy in SLOW_AWARE else evict_stragglers(trace, timeout)
     tl = pol.start()
     down: frozenset[str] = frozenset()
-    for ev in trace.events:
+    for ev in seen.events:
         if ev.seconds >= trace.end_seconds:
             break
         tl.play(ev.seconds)
@@ -116,6 +130,7 @@ def compare(
         "devices_per_node": trace.devices_per_node,
         "events": len(trace.events),
         "skipped_trace_events": trace.skipped,
+        "slow_episodes": sum(f < 1.0 for e in trace.events for f in e.slowed.values()),
         "seconds": trace.end_seconds,
         "policies": {p: r.to_dict() for p, r in results.items()},
     }

@@ -8,6 +8,11 @@ not take, the prepared switch). Where a policy cannot continue without a checkpo
 lost the only copy of some layer, or its forced candidate is infeasible), it falls back to the
 newest bubble checkpoint (PAPER.md section 9): a restore plan over the live workers, priced as
 checkpoint load + the work since that checkpoint + rebuild (`core.candidates.restore_seconds`).
+
+Fail-slow (a trace event's `slowed`): the baselines ignore it, training at the pace of their plan
+with the workers' current speeds (`core.estimator` over `JobSpec.with_speeds`); `chameleon` and
+`chameleon-elastic` answer each change of speeds with `core.slowdecide.decide_slow`, as the daemon
+does, over the mean duration of the episodes seen so far.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ from dataclasses import dataclass, replace
 from chameleond.core import restorer, selector
 from chameleond.core.candidates import restore_seconds
 from chameleond.core.decide import decide, initial_plan
-from chameleond.core.decision import Decision, join_not_taken, prepared_switch
+from chameleond.core.decision import Decision, join_not_taken, prepared_switch, same_layout
 from chameleond.core.estimator import Estimator, pipeline_seconds
 from chameleond.core.holdings import Held, of_plan
 from chameleond.core.layout import own_routing
 from chameleond.core.plan import Pipeline, Plan
 from chameleond.core.policy import Policy as PlanPolicy
+from chameleond.core.slowdecide import decide_slow
 from chameleond.core.spec import JobSpec
+from chameleond.jobstate.slowness import EPISODE_PRIOR_SECONDS, expected_episode_seconds
 from chameleond.sim.timeline import Kind, Phase, Timeline
-from chameleond.sim.trace import JobEvent
+from chameleond.sim.trace import JobEvent, after
 
 POLICIES = (
     "chameleon",
@@ -40,6 +47,8 @@ POLICIES = (
 )
 # Policies whose steps train fewer samples than B after a fault (the others keep B: PAPER.md).
 VARIABLE_BATCH = ("drop-replica", "chameleon-elastic")
+# Policies that answer fail-slow (the others train at the slow worker's pace).
+SLOW_AWARE = ("chameleon", "chameleon-elastic")
 INF = math.inf
 
 
@@ -52,6 +61,8 @@ class SimConfig:
     # Checkpoint-and-restart: relaunching every process and re-initialising communicators
     # before the checkpoint is loaded (an assumption; docs/simulator.md).
     relaunch_seconds: float = 120.0
+    # A baseline takes a worker slow for this long as failed (None: it waits for it forever).
+    straggler_timeout_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,12 @@ class Policy:
         self.generation = self.initial.generation
         self.records: list[Record] = []
         self.ids = [w.id for w in spec.workers]
+        self.speeds: dict[str, float] = {}  # live workers below full speed
+        self.slow_since: dict[str, float] = {}  # when each of them became slow
+        self.episodes: list[float] = []  # durations of the episodes that ended in recovery
+        self.at_speeds: dict[int, Plan] = {}  # plans the core priced with some worker slow
+        self._steps: dict[tuple[int, tuple[tuple[str, float], ...]], tuple[Plan, float]] = {}
+        self._slow_est: tuple[tuple[tuple[str, float], ...], Estimator] = ((), self.est)
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -132,7 +149,28 @@ class Policy:
 
     def throughput(self, plan: Plan) -> float:
         """Samples per second: the plan's batch (B, or fewer under a drop plan) per step."""
-        return plan.global_batch / plan.estimates.step_seconds * self.kept()
+        return plan.global_batch / self.step_seconds(plan) * self.kept()
+
+    def estimator(self) -> Estimator:
+        """The model at the workers' current speeds."""
+        if not self.speeds:
+            return self.est
+        key = tuple(sorted(self.speeds.items()))
+        if self._slow_est[0] != key:
+            self._slow_est = (key, Estimator(self.spec.with_speeds(self.speeds)))
+        return self._slow_est[1]
+
+    def step_seconds(self, plan: Plan) -> float:
+        """The plan's step at the workers' current speeds: its estimate, unless a slow worker
+        runs it or it was priced while one did."""
+        slow = any(w in self.speeds for pipe in plan.routing for stage in pipe for w in stage)
+        if not slow and id(plan) not in self.at_speeds:
+            return plan.estimates.step_seconds
+        key = (id(plan), tuple(sorted(self.speeds.items())))
+        if key not in self._steps:
+            step = self.estimator().step_seconds(plan.pipelines, plan.routing, plan.sync_groups)
+            self._steps[key] = (plan, step)  # the plan kept: its id stays its own
+        return self._steps[key][1]
 
     def mtbf(self, now: float) -> float:
         return selector.estimate_mtbf(self.fault_times, now, 0.0, self.spec.mtbf_prior_seconds)
@@ -171,10 +209,41 @@ class Policy:
         for w in ev.joined:
             held.pop(w, None)
         tl.state = replace(state, held=held)
-        self.answer(tl, ev, down)
+        before = self.speeds
+        _, self.speeds = after(ev, down, before)
+        for w in set(before) - set(self.speeds):
+            start = self.slow_since.pop(w)
+            if w not in down:  # recovered (a failure ends an episode as a fault)
+                self.episodes.append(ev.seconds - start)
+        for w in set(self.speeds) - set(before):
+            self.slow_since[w] = ev.seconds
+        changed = self.speeds != before
+        if ev.failed or ev.joined:
+            self.answer(tl, ev, down)
+        if changed:
+            self.slowed(tl, ev, down)
 
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         raise NotImplementedError
+
+    def slowed(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        """Speeds changed: the policy ignores it, every training phase from now on trains at its
+        plan's pace at the new speeds (a slow worker holds up its pipeline and, through the
+        synchronous step, the job)."""
+        state: JobState = tl.state
+        plan = state.plan
+        pending = []
+        for ph in tl.pending:
+            if isinstance(ph.state, JobState):
+                plan = ph.state.plan
+            if ph.kind == Kind.TRAINING:
+                ph = replace(ph, throughput=self.rate(plan, down))
+            pending.append(ph)
+        tl.pending = pending
+
+    def rate(self, plan: Plan, down: frozenset[str]) -> float:
+        """Samples per second while training `plan` with `down` out, at the current speeds."""
+        return self.throughput(plan)
 
     def joined_for(self, plan: Plan, down: Collection[str]) -> list[str]:
         """Live workers the plan does not run: spares and workers back from a failure."""
@@ -193,8 +262,10 @@ class Policy:
         state: JobState = tl.state
         plan = current or state.plan
         ckpt, step = self.checkpoint(tl)
+        # A policy that answers fail-slow decides on the workers' current speeds.
+        spec = self.spec.with_speeds(self.speeds) if self.name in SLOW_AWARE else self.spec
         d = decide(
-            self.spec, plan, sorted(down), mtbf_seconds=self.mtbf(now),
+            spec, plan, sorted(down), mtbf_seconds=self.mtbf(now),
             window_seconds=self.window(now), generation=self.next_generation(plan),
             joined=self.joined_for(plan, down),
             force=force, holdings=state.held if holdings is None else holdings,
@@ -202,7 +273,12 @@ class Policy:
         )  # fmt: skip
         if d.follow_up is not None:
             self.generation = d.follow_up.generation
+        if spec is not self.spec:
+            self.priced_at_speeds(d.plan, d.follow_up)
         return d
+
+    def priced_at_speeds(self, *plans: Plan | None) -> None:
+        self.at_speeds.update((id(p), p) for p in plans if p is not None)
 
     def restore(self, tl: Timeline, now: float, down: Collection[str], extra: float = 0.0) -> None:
         """Back to the newest checkpoint on a layout searched over the live workers."""
@@ -292,6 +368,44 @@ class Choose(Policy):
             ]
         tl.follow(phases)
 
+    def slowed(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
+        if self.force is not None or (not ev.slowed and (ev.failed or ev.joined)):
+            super().slowed(tl, ev, down)  # a baseline; or speeds the fault's decision saw
+            return
+        now = ev.seconds
+        state: JobState = tl.state
+        current = state.plan
+        running = {w for pipe in current.routing for stage in pipe for w in stage}
+        back = frozenset(w for w, f in ev.slowed.items()
+                         if f >= 1.0 and w not in down and w not in running)  # fmt: skip
+        if back:  # back to speed, left out while slow: a join (the decision sees the speeds)
+            self.answer(tl, JobEvent(now, frozenset(), back), down)
+            return
+        # A worker back at full speed is named at 1.0: it takes its share back.
+        speeds = {**{w: 1.0 for w in ev.slowed if w not in down}, **self.speeds}
+        cause = ", ".join(
+            f"{w} recovered" if f >= 1.0 else f"{w} slow: speed {f:.2f}"
+            for w, f in sorted(speeds.items())
+            if w in ev.slowed
+        )
+        d = decide_slow(
+            self.spec, current, speeds,
+            duration_seconds=expected_episode_seconds(self.episodes, EPISODE_PRIOR_SECONDS),
+            generation=self.next_generation(current), mtbf_seconds=self.mtbf(now),
+            holdings=state.held, cause=cause,
+        )  # fmt: skip
+        self.priced_at_speeds(d.plan)
+        if d.plan is None or same_layout(d.plan, current):
+            self.note(now, d.selected or "keep", current, 0.0, cause)
+            super().slowed(tl, ev, down)  # the current plan at the new pace
+            return
+        if d.plan.policy is PlanPolicy.RESTORE:  # excluding the slow workers lost some state
+            self.apply_restore(tl, now, d.plan, 0.0, "fallback")
+            return
+        plan, tr = d.plan, d.plan.estimates.transition_seconds
+        self.note(now, d.selected, plan, tr, cause)
+        self.switch(tl, now, plan, tr)
+
 
 class Restart(Policy):
     """Checkpoint-and-restart of the whole job: synchronous checkpoints every Young interval
@@ -309,9 +423,7 @@ class Restart(Policy):
         return math.sqrt(2 * self.write * (self.spec.mtbf_prior_seconds if mtbf is None else mtbf))
 
     def throughput(self, plan: Plan) -> float:
-        return (
-            self.batch / plan.estimates.step_seconds * self.interval / (self.interval + self.write)
-        )
+        return self.batch / self.step_seconds(plan) * self.interval / (self.interval + self.write)
 
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         now = ev.seconds
@@ -356,9 +468,12 @@ class DropReplica(Policy):
             return live, 0.0, INF
         routing = own_routing(live)
         groups = restorer.sync_groups(live, ())
-        step = self.est.step_seconds(live, routing, groups)
+        step = self.estimator().step_seconds(live, routing, groups)
         samples = sum(p.micro_batches for p in live) * self.spec.training.micro_batch
         return live, samples / step * self.kept(), step
+
+    def rate(self, plan: Plan, down: frozenset[str]) -> float:
+        return self.live_plan(plan, down)[1]
 
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         now = ev.seconds
@@ -425,16 +540,18 @@ class Redundant(Policy):
     def pipeline_time(self, pipe: Pipeline, down: Collection[str]) -> float:
         t = self.est.table
         n = len(pipe.stages)
+        speed = [self.speeds.get(st.worker, 1.0) for st in pipe.stages]
         f = [t.forward_seconds(s.first_layer, s.end_layer) for s in pipe.stages]
         b = [t.backward_seconds(s.first_layer, s.end_layer) for s in pipe.stages]
-        fwd = [f[s] + (f[(s + 1) % n] if n > 1 else 0.0) for s in range(n)]  # eager FRC
-        bwd = list(b)
+        # eager FRC: each stage also runs its successor's forward
+        fwd = [(f[s] + (f[(s + 1) % n] if n > 1 else 0.0)) / speed[s] for s in range(n)]
+        bwd = [b[s] / speed[s] for s in range(n)]
         keep = [True] * n
         for s, st in enumerate(pipe.stages):
             if st.worker in down:
                 pred = (s - 1) % n
-                fwd[pred] += f[s]  # runs the failed stage for real
-                bwd[pred] += b[s]
+                fwd[pred] += f[s] / speed[pred]  # runs the failed stage for real
+                bwd[pred] += b[s] / speed[pred]
                 keep[s] = False
         fwd = [x for x, k in zip(fwd, keep, strict=True) if k]
         bwd = [x for x, k in zip(bwd, keep, strict=True) if k]
@@ -444,11 +561,10 @@ class Redundant(Policy):
         ]
         return pipeline_seconds(fwd, bwd, comm[: len(fwd) - 1], pipe.micro_batches)
 
-    def step_seconds(self, plan: Plan, down: Collection[str]) -> float:
-        routing = plan.routing
-        base = self.est.makespan(plan.pipelines, routing)
+    def rc_step_seconds(self, plan: Plan, down: Collection[str]) -> float:
+        base = self.estimator().makespan(plan.pipelines, plan.routing)
         worst = max(self.pipeline_time(p, down) for p in plan.pipelines)
-        return plan.estimates.step_seconds - base + worst
+        return self.step_seconds(plan) - base + worst
 
     def broken(self, plan: Plan, down: Collection[str]) -> bool:
         for p in plan.pipelines:
@@ -482,7 +598,11 @@ class Redundant(Policy):
         return self.rc_throughput(plan, ())
 
     def rc_throughput(self, plan: Plan, down: Collection[str]) -> float:
-        return self.batch / self.step_seconds(plan, down) * self.kept()
+        return self.batch / self.rc_step_seconds(plan, down) * self.kept()
+
+    def rate(self, plan: Plan, down: frozenset[str]) -> float:
+        in_plan = {st.worker for p in plan.pipelines for st in p.stages}
+        return self.rc_throughput(plan, down & in_plan)
 
     def answer(self, tl: Timeline, ev: JobEvent, down: frozenset[str]) -> None:
         now = ev.seconds

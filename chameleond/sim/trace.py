@@ -11,19 +11,32 @@ Events on nodes beyond the job (more nodes than groups) change nothing and are c
 `synthetic_trace` draws interruptions at Llama 3's published rate (419 in 54 days on 16,384
 GPUs: one every 3.1 h for that job, i.e. per device one every 3.1 h x 16,384), each taking down a
 node that comes back after `repair_seconds`.
+
+Fail-slow: an event's `slowed` maps workers to the speed they compute at from then on (a share of
+their own: 0.5 takes twice as long); 1.0 is the recovery. `synthetic_slow_trace` draws episodes
+on the job's workers, `overlay` puts them on a fail-stop trace, and `evict_stragglers` turns the
+part of an episode beyond a straggler timeout into a failure and a rejoin (what a baseline with a
+timeout does).
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from chameleond.core.spec import JobSpec
 from chameleond.traces.replay import TraceEvent, plan_replay
 
 LLAMA3_GPU_SECONDS_PER_INTERRUPTION = 54 * 86400 * 16384 / 419
+# Fail-slow episodes (docs/simulator.md, "Fail-slow"): as frequent for the job as Llama 3's
+# interruptions were for its 16,384-GPU job (an assumption); lasting from tens of seconds to
+# nearly ten hours (FALCON, Wu et al., arXiv:2410.12588: a 10,000-GPU production cluster), drawn
+# log-uniformly; the slow device at a quarter to three quarters of its speed (an assumption).
+SLOW_EPISODES_PER_HOUR = 3600 * 16384 / LLAMA3_GPU_SECONDS_PER_INTERRUPTION
+SLOW_FACTOR = (0.25, 0.75)
+SLOW_SECONDS = (30.0, 10 * 3600.0)
 
 
 @dataclass(frozen=True)
@@ -31,6 +44,8 @@ class JobEvent:
     seconds: float
     failed: frozenset[str]  # workers that fail now
     joined: frozenset[str]  # workers that come back now
+    # worker -> the speed it computes at from now on (1.0: recovered from a fail-slow episode)
+    slowed: Mapping[str, float] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -133,3 +148,133 @@ def synthetic_trace(
     timed.sort()
     events += [TraceEvent(ms, action, node) for ms, _, action, node in timed]
     return tuple(events)
+
+
+def after(
+    ev: JobEvent, down: frozenset[str], speeds: Mapping[str, float]
+) -> tuple[frozenset[str], dict[str, float]]:
+    """Who is down and the live workers that compute below full speed, after `ev`. A failure ends
+    its worker's episode (it comes back on repaired hardware, at full speed); a down worker's
+    slowdown changes nothing."""
+    down = (down | ev.failed) - ev.joined
+    slow = {w: f for w, f in speeds.items() if w not in down}
+    for w, f in ev.slowed.items():
+        if w in down:
+            continue
+        if f >= 1.0:
+            slow.pop(w, None)
+        else:
+            slow[w] = f
+    return down, slow
+
+
+def merged(events: Sequence[JobEvent]) -> tuple[JobEvent, ...]:
+    """The events in time order, those of one instant as one event."""
+    out: list[JobEvent] = []
+    for ev in sorted(events, key=lambda e: e.seconds):
+        if out and out[-1].seconds == ev.seconds:
+            last = out[-1]
+            out[-1] = JobEvent(
+                last.seconds,
+                (last.failed - ev.joined) | ev.failed,
+                (last.joined - ev.failed) | ev.joined,
+                {**last.slowed, **ev.slowed},
+            )
+        else:
+            out.append(ev)
+    return tuple(out)
+
+
+def synthetic_slow_trace(
+    spec: JobSpec,
+    *,
+    hours: float,
+    seed: int = 0,
+    episodes_per_hour: float = SLOW_EPISODES_PER_HOUR,
+    factor: tuple[float, float] = SLOW_FACTOR,
+    seconds: tuple[float, float] = SLOW_SECONDS,
+) -> JobTrace:
+    """Fail-slow episodes over `hours`, a Poisson process of `episodes_per_hour` over the whole
+    job: each slows one worker (drawn uniformly among those at full speed) to a speed drawn
+    uniformly in `factor`, for a duration drawn log-uniformly in `seconds`; no worker fails."""
+    rng = random.Random(seed)  # noqa: S311 - a seeded synthetic trace, not a secret
+    ids = [w.id for w in spec.workers]
+    end = hours * 3600.0
+    t = 0.0
+    until: dict[str, float] = {}  # slow worker -> when it recovers
+    events: list[JobEvent] = []
+    none: frozenset[str] = frozenset()
+    while episodes_per_hour > 0:
+        t += rng.expovariate(episodes_per_hour / 3600.0)
+        if t >= end:
+            break
+        until = {w: u for w, u in until.items() if u > t}
+        fast = [w for w in ids if w not in until]
+        if not fast:
+            continue
+        w = rng.choice(fast)
+        f = rng.uniform(*factor)
+        d = math.exp(rng.uniform(math.log(seconds[0]), math.log(seconds[1])))
+        until[w] = t + d
+        events.append(JobEvent(t, none, none, {w: f}))
+        if t + d < end:
+            events.append(JobEvent(t + d, none, none, {w: 1.0}))
+    return JobTrace(merged(events), 1, len(ids), 0, end)
+
+
+def overlay(trace: JobTrace, slow: JobTrace) -> JobTrace:
+    """`slow`'s episodes on the fail-stop `trace` (its span and node mapping): an episode whose
+    worker is down at its onset is left out, one whose worker fails ends there."""
+    down: frozenset[str] = frozenset()
+    speeds: dict[str, float] = {}
+    out: list[JobEvent] = []
+    for ev in merged([*trace.events, *slow.events]):
+        if ev.seconds >= trace.end_seconds:  # the fail-stop trace's own, past its span
+            if ev.failed or ev.joined:
+                out.append(replace(ev, slowed={}))
+            continue
+        gone = (down | ev.failed) - ev.joined
+        kept = {w: f for w, f in ev.slowed.items() if w not in gone and (f < 1.0 or w in speeds)}
+        ev = replace(ev, slowed=kept)
+        down, speeds = after(ev, down, speeds)
+        if ev.failed or ev.joined or ev.slowed:
+            out.append(ev)
+    return replace(trace, events=tuple(out))
+
+
+def evict_stragglers(trace: JobTrace, timeout: float) -> JobTrace:
+    """The trace as a policy with a straggler timeout sees it: a worker slow for `timeout` seconds
+    is taken as failed then, and rejoins when its episode ends (at its recovery; a failure of its
+    own later in the episode is already counted)."""
+    since: dict[str, float] = {}  # slow worker -> onset of its episode
+    evicted: set[str] = set()
+    down: frozenset[str] = frozenset()
+    speeds: dict[str, float] = {}
+    out: list[JobEvent] = []
+    none: frozenset[str] = frozenset()
+
+    def evict_until(t: float) -> None:
+        nonlocal down, speeds
+        for w, s in sorted(since.items(), key=lambda x: x[1]):
+            if s + timeout < t and w not in down:
+                ev = JobEvent(s + timeout, frozenset({w}), none)
+                down, speeds = after(ev, down, speeds)
+                evicted.add(w)
+                del since[w]
+                out.append(ev)
+
+    for ev in trace.events:
+        evict_until(min(ev.seconds, trace.end_seconds))
+        back = {w for w, f in ev.slowed.items() if w in evicted and f >= 1.0}
+        evicted.difference_update(back | ev.failed)
+        ev = replace(
+            ev,
+            failed=ev.failed - down,
+            joined=ev.joined | back,
+            slowed={w: f for w, f in ev.slowed.items() if w not in back},
+        )
+        down, speeds = after(ev, down, speeds)
+        since = {w: since.get(w, ev.seconds) for w in speeds}
+        out.append(ev)
+    evict_until(trace.end_seconds)
+    return replace(trace, events=merged(out))

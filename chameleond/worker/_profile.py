@@ -247,6 +247,7 @@ class TrainingMeter:
         self.on_cpu = device.type == "cpu"
         self.clock = time.thread_time  # on the CPU
         self._started: Any = None
+        self._wall_started = 0.0
         self.restart()
 
     def restart(self) -> None:
@@ -258,6 +259,7 @@ class TrainingMeter:
         self.updated = [0.0] * n
         self.steps = 0
         self.op_seconds = 0.0
+        self.op_wall_seconds = 0.0  # on the CPU: the same ops' wall time, their inputs arrived
         self.update_seconds = 0.0
         self.fastest_vote = math.inf  # the shortest commit vote of the window (wall seconds)
         self._events: list[tuple[str, tuple[int, ...], Any, Any]] = []  # accelerators, unread
@@ -274,9 +276,12 @@ class TrainingMeter:
     def begin(self) -> None:
         """An op, or the commit's update, begins."""
         self._started = self._now()
+        self._wall_started = time.perf_counter()
 
     def inputs_ready(self) -> None:
-        """The op's input has arrived: on an accelerator its time counts from here."""
+        """The op's input has arrived: on an accelerator its time counts from here, and so does
+        its wall time on the CPU."""
+        self._wall_started = time.perf_counter()
         if not self.on_cpu:
             self._started = self._now()
 
@@ -290,6 +295,8 @@ class TrainingMeter:
 
     def _measured(self, what: str, layers: Sequence[int]) -> None:
         if self.on_cpu:
+            if what != "update":
+                self.op_wall_seconds += time.perf_counter() - self._wall_started
             self._add(what, layers, self.clock() - self._started)
         else:
             self._events.append((what, tuple(layers), self._started, self._now()))
@@ -354,6 +361,11 @@ class TrainingMeter:
         }
         if self.generation:
             data["generation"] = self.generation
+        if self.on_cpu:
+            # How much longer the ops took on the wall clock than on the CPU: the cores they
+            # waited for, and any pause of the process (a throttled or stopped worker). The
+            # slowness detector compares workers by their ops' wall time (jobstate/slowness.py).
+            data["wall_per_cpu"] = round(self.op_wall_seconds / self.op_seconds, 4)
         if self.device.type == "cpu" and self.host:
             # The cores the job gets while it computes: the estimator adds the vote apart.
             vote = self.fastest_vote if math.isfinite(self.fastest_vote) else 0.0

@@ -1,0 +1,173 @@
+"""`decide_slow()`: a slow worker is a change in the inputs of the same decision.
+
+Fail-slow (a device throttling, a degraded link, a noisy neighbour) makes the whole synchronous
+job run at its slowest worker's pace. The daemon measures each worker's speed (its compute time
+against its same-stage peers'); this module weighs, with the spec whose workers carry those
+speeds (core.estimator divides each op's compute by its executor's speed), four candidates:
+
+* keep: the current plan as it is, at the slow pace; no transition.
+* weighted reroute (a `reroute` plan): the current layout with a share of each slow slot's
+  micro-batches executed by its same-range peers (core.slowroute); transition = rebuild only.
+* re-partition (a `dynamic` plan): Algorithm 1 over every worker the plan runs, priced with the
+  speeds; the search itself assumes equal devices, so it cannot give a slow worker a smaller
+  stage, only a layout whose step the estimator then times with the slow worker in it.
+* exclude: the decision core.decide makes as if the slow workers had failed (its plan: reroute,
+  dynamic or drop), with its transition.
+
+Each is scored by core.selector over `duration_seconds`, the expected duration of the slowness
+(the caller estimates it from the job's history), with the samples its plan trains per step. The
+higher score wins; ties go to keep, then the weighted reroute, re-partition, exclude. A worker back
+to speed 1.0 is a recovery: the weighted reroute then gives its share back (every slot of the
+current layout executed by its owner), at a rebuild. The plan of keep is the current plan at
+`generation`, so `decision.same_layout(plan, current)` tells the caller nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+
+from chameleond.core import restorer, selector
+from chameleond.core.candidates import (
+    Candidate,
+    candidate_of,
+    dynamic_candidate,
+    infeasible,
+    priced_plan,
+    worker_order,
+)
+from chameleond.core.decide import DecisionError, decide
+from chameleond.core.decision import Decision, select
+from chameleond.core.estimator import Estimator
+from chameleond.core.holdings import Held, of_plan
+from chameleond.core.plan import Plan
+from chameleond.core.policy import SLOW_CANDIDATES, Policy
+from chameleond.core.slowroute import weighted_reroute
+from chameleond.core.spec import MAX_SPEED, JobSpec
+
+
+def decide_slow(
+    spec: JobSpec,
+    current: Plan,
+    speeds: Mapping[str, float],
+    *,
+    duration_seconds: float,
+    generation: int,
+    mtbf_seconds: float,
+    holdings: Held | None = None,
+    cause: str = "",
+) -> Decision:
+    """Keep, weighted reroute, re-partition and exclude for `speeds` (worker -> factor; < 1 is
+    slow, 1.0 a recovery), scored over `duration_seconds`; `spec` without the speeds.
+    `mtbf_seconds` (D) is what the exclude candidate's decision uses; `holdings` as for decide."""
+    order = worker_order(spec)
+    unknown = sorted(set(speeds) - set(order))
+    if unknown:
+        raise DecisionError(f"unknown worker(s): {', '.join(unknown)}")
+    for w, v in speeds.items():
+        if not (isinstance(v, int | float) and 0 < v <= MAX_SPEED):
+            raise DecisionError(f"speed of {w}: must be in (0, {MAX_SPEED:g}], got {v!r}")
+    if not (duration_seconds > 0 and mtbf_seconds > 0):
+        raise DecisionError(
+            f"duration_seconds and mtbf_seconds: must be > 0, got {duration_seconds!r}, "
+            f"{mtbf_seconds!r}"
+        )
+    if generation <= current.generation:
+        raise DecisionError(
+            f"generation {generation} does not follow the current plan's {current.generation}"
+        )
+    slow_spec = spec.with_speeds(speeds)
+    est = Estimator(slow_spec)
+    fenced = set(current.excluded)
+    every = of_plan(current) if holdings is None else holdings
+    held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
+    window = float(duration_seconds)
+
+    keep = _keep(slow_spec, est, current, generation, window, cause)
+    weighted = _weighted(slow_spec, est, current, fenced, held, generation, window, cause)
+    owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
+    survivors = sorted(owners - fenced, key=order.__getitem__)
+    dyn, _, search_seconds, considered = dynamic_candidate(
+        slow_spec, est, current, survivors, held, generation, window, cause, fenced
+    )
+    slow = sorted((w.id for w in slow_spec.workers if w.speed < 1.0 and w.id in survivors),
+                  key=order.__getitem__)  # fmt: skip
+    excl = _exclude(slow_spec, current, slow, holdings, generation, window, mtbf_seconds, cause)
+    cands = (keep, weighted, dyn, excl)
+    selected, _ = select(cands, order=SLOW_CANDIDATES)
+    gains = tuple(c.score - keep.score for c in cands)
+    if selected is None:
+        reason = "no feasible plan: " + "; ".join(f"{c.policy}: {c.reason}" for c in cands)
+        return Decision(None, None, cands, reason, mtbf_seconds, search_seconds, considered,
+                        generation, cause, window_seconds=window, gains=gains)  # fmt: skip
+    plan = next(c.plan for c in cands if c.policy == selected)
+    return Decision(selected, plan, cands, None, mtbf_seconds, search_seconds, considered,
+                    generation, cause, window_seconds=window, gains=gains)  # fmt: skip
+
+
+def _keep(
+    spec: JobSpec, est: Estimator, current: Plan, generation: int, window: float, cause: str
+) -> Candidate:
+    """The current plan, timed at the workers' speeds; nothing changes, nothing is paid."""
+    # A kept restore plan loads no checkpoint again: it is the layout that restore searched.
+    policy = Policy.DYNAMIC if current.policy is Policy.RESTORE else current.policy
+    plan, oom = priced_plan(
+        spec, est, policy, generation, current.pipelines, current.routing, current.excluded,
+        (), 0.0, window, cause,
+    )  # fmt: skip
+    return candidate_of(Policy.KEEP, plan, oom)
+
+
+def _weighted(
+    spec: JobSpec,
+    est: Estimator,
+    current: Plan,
+    fenced: set[str],
+    held: Held,
+    generation: int,
+    window: float,
+    cause: str,
+) -> Candidate:
+    result = weighted_reroute(est, current, fenced)
+    if result.routing is None:
+        return infeasible(Policy.REROUTE, result.reason, spec.rebuild_seconds)
+    running = {w for pipe in result.routing for stage in pipe for w in stage}
+    try:  # owners that never acknowledged the layers the layout gives them receive them now
+        repairs, seconds = restorer.repairs(spec, current.pipelines, running, held)
+    except restorer.LostLayers as e:
+        return infeasible(Policy.REROUTE, str(e), spec.rebuild_seconds)
+    unchanged = result.routing == current.routing
+    transition = 0.0 if unchanged and not repairs else spec.rebuild_seconds + seconds
+    excluded = sorted(fenced, key=worker_order(spec).__getitem__)
+    plan, oom = priced_plan(
+        spec, est, Policy.REROUTE, generation, current.pipelines, result.routing, excluded,
+        repairs, transition, window, cause,
+    )  # fmt: skip
+    return candidate_of(Policy.REROUTE, plan, oom)
+
+
+def _exclude(
+    spec: JobSpec,
+    current: Plan,
+    slow: list[str],
+    holdings: Held | None,
+    generation: int,
+    window: float,
+    mtbf: float,
+    cause: str,
+) -> Candidate:
+    """What core.decide selects with the slow workers failed, rescored over the window."""
+    if not slow:
+        return infeasible(Policy.EXCLUDE, "no worker is slow")
+    d = decide(spec, current, slow, mtbf_seconds=mtbf, generation=generation,
+               window_seconds=min(window, mtbf), cause=cause, holdings=holdings)  # fmt: skip
+    chosen = next((c for c in d.candidates if c.policy == d.selected), None)
+    if d.plan is None or chosen is None:
+        return infeasible(Policy.EXCLUDE, d.unrecoverable or "no feasible plan")
+    e = d.plan.estimates
+    score = selector.score(d.plan.global_batch, e.step_seconds, e.transition_seconds, window,
+                           chosen.at_risk, spec.restart_seconds)  # fmt: skip
+    plan = replace(d.plan, estimates=replace(e, score=score, mtbf_seconds=window))
+    return Candidate(Policy.EXCLUDE, True, "", e.step_seconds, e.transition_seconds,
+                     score, chosen.peak_memory_bytes, plan,
+                     chosen.at_risk)  # fmt: skip

@@ -1,0 +1,196 @@
+"""Fail-slow detection: a worker alive but slow (a throttled device, a degraded link, a noisy
+neighbour), found from the workers' own training profiles. Plain data in, plain data out; the
+time is passed in.
+
+A worker's compute is the forward and backward seconds per micro-batch over the layers its newest
+training profile reports (docs/worker.md, "Profile"); its peers are the workers whose newest
+training profiles cover the same layer indices (the same stage in the other pipelines). Its speed
+is the median of its peers' compute over its own: 1 for a worker as fast as its peers, 0.5 for
+one that takes twice as long. A worker without peers (one pipeline) has no speed: nothing to
+compare it with, so no detection.
+
+A worker is slow once its speed stays below 1/MARGIN for HOLD_SECONDS (every observation in
+between below, confirmed by a profile of its own), and recovered once it stays above
+1/RECOVER_MARGIN for HOLD_SECONDS. The margins sit above the noise of a healthy run
+(docs/daemon.md, "Slow workers").
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from chameleond.core.spec import LayerProfile
+
+# A healthy 6-worker CPU job (2 pipelines of 3 stages, 2,753 training profiles over 249 s) on a
+# 2-core machine loaded by a test suite (load average 4 to 12) measured speeds of 0.73 at the
+# lowest, 0.91 at the 1st percentile, 0.95 at the 5th, and no spell under 0.9 longer than 0.6 s
+# (docs/daemon.md, "Slow workers"): slow under 1/1.5 = 0.67, recovered over 1/1.2 = 0.83.
+MARGIN = 1.5
+RECOVER_MARGIN = 1.2
+HOLD_SECONDS = 5.0
+EPISODE_PRIOR_SECONDS = 600.0  # an episode's expected duration before the job has seen one
+EPISODES_KEPT = 1000
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A worker's newest training profile, reduced: the layers it ran and their compute."""
+
+    generation: int
+    layers: frozenset[int]
+    compute_seconds: float  # forward + backward per micro-batch, over `layers`
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A worker became slow (`slow`) or recovered: what a decision answers."""
+
+    worker: str
+    slow: bool
+    speed: float
+    seconds: float  # slow: how long the speed held below; recovered: the episode's duration
+
+    @property
+    def cause(self) -> str:
+        if self.slow:
+            return f"{self.worker} slow: speed {self.speed:.2f} for {self.seconds:.0f} s"
+        return f"{self.worker} recovered"
+
+
+@dataclass
+class WorkerSlowness:
+    """One worker's state: slow or not, since when, and the run of observations on the other
+    side of its threshold (None: the last one was not)."""
+
+    slow: bool = False
+    since: float = 0.0  # when its current episode began (the first slow observation)
+    speed: float = 1.0  # the newest observed
+    crossing_since: float | None = None
+
+    def observe(self, worker: str, speed: float, now: float, own: bool) -> Transition | None:
+        """One speed observation: the hold and the hysteresis. Only the worker's own newer
+        profile (`own`) completes a hold: a peer's report alone changes nothing it measured."""
+        self.speed = speed
+        crossing = speed > 1 / RECOVER_MARGIN if self.slow else speed < 1 / MARGIN
+        if not crossing:
+            self.crossing_since = None
+            return None
+        if self.crossing_since is None:
+            self.crossing_since = now
+            if not self.slow:
+                self.since = now
+        held = now - self.crossing_since
+        if held < HOLD_SECONDS or not own:
+            return None
+        self.crossing_since = None
+        self.slow = not self.slow
+        return Transition(worker, self.slow, speed, held if self.slow else now - self.since)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slow": self.slow, "since": self.since, "speed": self.speed,
+                "crossing_since": self.crossing_since}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> WorkerSlowness:
+        crossing = d.get("crossing_since")
+        return cls(bool(d["slow"]), float(d["since"]), float(d["speed"]),
+                   None if crossing is None else float(crossing))  # fmt: skip
+
+
+@dataclass
+class Slowness:
+    """The job's detector: the workers' newest measures, their state, the completed episodes
+    ((start, seconds), the job's own history for `expected_seconds`)."""
+
+    measures: dict[str, Measure] = field(default_factory=dict)
+    workers: dict[str, WorkerSlowness] = field(default_factory=dict)
+    episodes: list[tuple[float, float]] = field(default_factory=list)
+    detected: int = 0  # soft: transitions since this daemon started (metrics)
+    recovered: int = 0
+
+    def speeds(self) -> dict[str, float]:
+        """Every slow worker's speed (the others are 1.0): what the planner is told."""
+        return {w: s.speed for w, s in sorted(self.workers.items()) if s.slow}
+
+    def observe(
+        self, worker: str, measure: Measure, members: Iterable[str], now: float
+    ) -> list[Transition]:
+        """A training profile from `worker`: the members' speeds computed again and each
+        observed at `now`. Returns the workers that became slow or recovered."""
+        self.measures[worker] = measure
+        current = {w: self.measures[w] for w in members if w in self.measures}
+        out = []
+        for w, speed in peer_speeds(current).items():
+            t = self.workers.setdefault(w, WorkerSlowness()).observe(w, speed, now, w == worker)
+            if t is not None:
+                self.detected += t.slow
+                self.recovered += not t.slow
+                if not t.slow:
+                    episode = (now - t.seconds, t.seconds)
+                    self.episodes = [*self.episodes, episode][-EPISODES_KEPT:]
+                out.append(t)
+        return out
+
+    def forget(self, worker: str) -> bool:
+        """A worker that died is an ordinary fault: out of the speeds. Whether it was slow."""
+        self.measures.pop(worker, None)
+        state = self.workers.pop(worker, None)
+        return state is not None and state.slow
+
+    def expected_seconds(self, prior: float = EPISODE_PRIOR_SECONDS) -> float:
+        return expected_episode_seconds([s for _, s in self.episodes], prior)
+
+    def to_json(self) -> dict[str, Any]:
+        """The durable part: the states and the episodes (the measures come again with the next
+        profiles)."""
+        return {"workers": {w: s.to_json() for w, s in self.workers.items()},
+                "episodes": [list(e) for e in self.episodes]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Slowness:
+        workers = {str(w): WorkerSlowness.from_json(s) for w, s in d.get("workers", {}).items()}
+        episodes = [(float(a), float(b)) for a, b in d.get("episodes", [])]
+        return cls(workers=workers, episodes=episodes)
+
+
+def measure_of(data: Mapping[str, Any], profile: Mapping[int, LayerProfile]) -> Measure | None:
+    """A `profile` event's measure: only a training report (`"source": "training"`, naming the
+    plan it ran) counts; a start-up profile times each layer alone, not the stage at work."""
+    generation = data.get("generation")
+    if data.get("source") != "training" or not profile:
+        return None
+    if isinstance(generation, bool) or not isinstance(generation, int):
+        return None
+    compute = sum(p.forward_seconds + p.backward_seconds for p in profile.values())
+    # A CPU worker's layer seconds are its thread's CPU time: a worker paused or starved of its
+    # cores spends no more of it. Its ops' wall time per CPU second says how long they took.
+    stretch = data.get("wall_per_cpu", 1.0)
+    if isinstance(stretch, bool) or not isinstance(stretch, int | float):
+        stretch = 1.0
+    compute *= stretch if math.isfinite(stretch) and 1e-3 <= stretch <= 1e6 else 1.0
+    return Measure(generation, frozenset(profile), compute) if compute > 0 else None
+
+
+def peer_speeds(measures: Mapping[str, Measure]) -> dict[str, float]:
+    """Each worker's speed against its peers (same layers); a worker without peers has none."""
+    by_layers: dict[frozenset[int], dict[str, float]] = {}
+    for w, m in measures.items():
+        by_layers.setdefault(m.layers, {})[w] = m.compute_seconds
+    out = {}
+    for group in by_layers.values():
+        for w, compute in group.items():
+            peers = [c for p, c in group.items() if p != w]
+            if peers:
+                out[w] = statistics.median(peers) / compute
+    return out
+
+
+def expected_episode_seconds(durations: Iterable[float], prior: float) -> float:
+    """How long a slowness episode is expected to last: the mean of the job's completed ones,
+    the prior before any."""
+    seen = list(durations)
+    return sum(seen) / len(seen) if seen else prior

@@ -1,0 +1,184 @@
+"""Fail-slow detection from training profiles (chameleond/jobstate/slowness.py): the peers by layer
+coverage, the hold and the hysteresis, the episode duration, and the fold of a slow worker's
+measurements into the spec the planner sees."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+import pytest
+
+from chameleond.core.decide import initial_plan
+from chameleond.core.machine import PolicyMachine
+from chameleond.core.spec import LayerProfile
+from chameleond.jobs import load_default_spec
+from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import measured_layers, parse_profile
+from chameleond.jobstate.slowness import (
+    HOLD_SECONDS,
+    MARGIN,
+    RECOVER_MARGIN,
+    Measure,
+    Slowness,
+    expected_episode_seconds,
+    measure_of,
+    peer_speeds,
+)
+from chameleond.jobstate.snapshot import restore, snapshot
+
+STAGES = (frozenset({0, 1}), frozenset({2, 3}))
+WORKERS = {"a0": STAGES[0], "a1": STAGES[1], "b0": STAGES[0], "b1": STAGES[1],
+           "c0": STAGES[0], "c1": STAGES[1]}  # fmt: skip
+
+
+def m(layers: frozenset[int], compute: float = 1.0) -> Measure:
+    return Measure(1, layers, compute)
+
+
+def test_a_worker_is_compared_with_the_workers_that_ran_the_same_layers() -> None:
+    speeds = peer_speeds({"a0": m(STAGES[0], 2.0), "b0": m(STAGES[0]), "c0": m(STAGES[0]),
+                          "a1": m(STAGES[1], 5.0), "b1": m(STAGES[1], 5.0)})  # fmt: skip
+    assert speeds["a0"] == pytest.approx(0.5)  # median of its peers (1, 1) over its 2
+    assert speeds["b0"] == pytest.approx(1.5)  # median of (2, 1) over its 1
+    assert speeds["a1"] == speeds["b1"] == pytest.approx(1.0)  # a slower stage is not slow
+
+
+def test_without_peers_there_is_no_speed_and_no_detection() -> None:
+    assert peer_speeds({"a0": m(STAGES[0], 9.0), "a1": m(STAGES[1])}) == {}
+    det = Slowness()
+    for t in range(30):
+        assert det.observe("a0", m(STAGES[0], 9.0 + t), {"a0", "a1"}, float(t)) == []
+    assert det.speeds() == {}
+
+
+def feed(det: Slowness, slow: float, t0: float, t1: float, step: float = 1.0) -> list[str]:
+    """Every worker reports each `step` seconds from t0 to t1; a0 at speed `slow`."""
+    causes = []
+    t = t0
+    while t <= t1:
+        for w, layers in WORKERS.items():
+            compute = 1.0 / slow if w == "a0" else 1.0
+            causes += [x.cause for x in det.observe(w, m(layers, compute), WORKERS, t)]
+        t += step
+    return causes
+
+
+def test_slow_after_the_hold_recovered_after_the_hold_with_hysteresis() -> None:
+    det = Slowness()
+    assert feed(det, 1.0, 0, 20) == []
+    # Just under the slow threshold: detected once it held HOLD_SECONDS, not before.
+    below = 0.95 / MARGIN
+    assert feed(det, below, 21, 21 + HOLD_SECONDS - 1) == []
+    assert feed(det, below, 21 + HOLD_SECONDS, 21 + HOLD_SECONDS) == [
+        f"a0 slow: speed {below:.2f} for {HOLD_SECONDS:.0f} s"
+    ]
+    assert det.speeds() == {"a0": pytest.approx(below)}
+    # Between the two thresholds it stays slow however long (hysteresis).
+    between = (1 / MARGIN + 1 / RECOVER_MARGIN) / 2
+    assert feed(det, between, 30, 90) == []
+    assert det.speeds() == {"a0": pytest.approx(between)}
+    # Back over the recovery threshold: one dip restarts the hold.
+    assert feed(det, 1.0, 91, 93) == []
+    assert feed(det, between, 94, 94) == []
+    assert feed(det, 1.0, 95, 95 + HOLD_SECONDS - 1) == []
+    assert feed(det, 1.0, 95 + HOLD_SECONDS, 95 + HOLD_SECONDS) == ["a0 recovered"]
+    assert det.speeds() == {}
+    # The episode: from the first slow observation to the recovery.
+    assert det.episodes == [(21.0, 95 + HOLD_SECONDS - 21)]
+    assert (det.detected, det.recovered) == (1, 1)
+
+
+def test_a_short_dip_is_not_an_episode() -> None:
+    det = Slowness()
+    for start in (0.0, 20.0, 40.0):
+        assert feed(det, 0.3, start, start + HOLD_SECONDS - 1) == []
+        assert feed(det, 1.0, start + HOLD_SECONDS, start + 19) == []
+    assert det.speeds() == {} and det.episodes == []
+
+
+def test_a_dead_slow_worker_leaves_the_speeds() -> None:
+    det = Slowness()
+    feed(det, 0.5, 0, 10)
+    assert set(det.speeds()) == {"a0"}
+    assert det.forget("a0") is True
+    assert det.speeds() == {} and det.forget("b0") is False
+
+
+def test_the_expected_duration_is_the_mean_of_past_episodes_else_the_prior() -> None:
+    assert expected_episode_seconds([], 600.0) == 600.0
+    assert expected_episode_seconds([100.0, 300.0], 600.0) == 200.0
+    det = Slowness()
+    assert det.expected_seconds(450.0) == 450.0
+    feed(det, 0.5, 0, 10)
+    feed(det, 1.0, 11, 40)
+    assert det.expected_seconds() == pytest.approx(det.episodes[0][1])
+
+
+def test_only_training_profiles_naming_their_plan_are_measures() -> None:
+    layer = LayerProfile("l", 0.25, 0.5, 0, 0, 0, 0)
+    profile = {0: layer, 1: layer}
+    assert measure_of({"source": "training", "generation": 3}, profile) == Measure(
+        3, frozenset({0, 1}), 1.5
+    )
+    assert measure_of({"generation": 3}, profile) is None  # a start-up profile
+    assert measure_of({"source": "training"}, profile) is None
+    assert measure_of({"source": "training", "generation": True}, profile) is None
+
+
+def test_a_slow_workers_seconds_count_at_a_healthy_workers_pace() -> None:
+    base = (LayerProfile("l", 1.0, 1.0, 0, 0, 0, 0),)
+    healthy = {0: LayerProfile("l", 0.1, 0.2, 0, 0, 0, 0, update_seconds=0.05)}
+    slow = {0: LayerProfile("l", 0.2, 0.4, 8, 0, 0, 0, update_seconds=0.1)}
+    (mean,) = measured_layers(base, [healthy, slow], [1.0, 0.5])
+    assert (mean.forward_seconds, mean.backward_seconds) == pytest.approx((0.1, 0.2))
+    assert mean.update_seconds == pytest.approx(0.05) and mean.param_bytes == 4
+    (plain,) = measured_layers(base, [healthy, slow])
+    assert plain.forward_seconds == pytest.approx(0.15)
+
+
+SPEC = load_default_spec()
+
+
+def send(j: Job, worker: str, layers: list[dict[str, object]], now: float) -> None:
+    """What the `profile` handler does with a training report."""
+    data = {"layers": layers, "source": "training", "generation": 1}
+    profile = parse_profile(data, len(SPEC.layers))
+    j.worker(worker).profile = profile
+    j.spec_changed()
+    j.observe_profile(worker, data, profile, now)
+
+
+def test_the_job_spec_carries_the_slow_speed_and_healthy_layer_figures() -> None:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    j.plan = initial_plan(j.spec)
+    stages = {st.worker: st.layers for p in j.plan.pipelines for st in p.stages}
+    mine = {w: [{**asdict(SPEC.layers[i]), "index": i} for i in layers]
+            for w, layers in stages.items()}  # fmt: skip
+    halved = [{**x, "forward_seconds": 2 * x["forward_seconds"],
+               "backward_seconds": 2 * x["backward_seconds"]} for x in mine["w0"]]  # fmt: skip
+    for t in range(12):
+        for w in stages:
+            send(j, w, halved if w == "w0" else mine[w], float(t))
+    assert j.slow_due["w0"].slow and set(j.slow_due) == {"w0"}
+    assert j.spec.worker("w0").speed == pytest.approx(0.5)
+    assert j.spec.worker("w1").speed == 1.0
+    # The planner's layer figures are the healthy ones: w0's doubled seconds count halved.
+    for i in stages["w0"]:
+        assert j.spec.layers[i].forward_seconds == pytest.approx(SPEC.layers[i].forward_seconds)
+    # The state and the episodes survive a restart; a slow worker's fault drops it.
+    again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    restore(again, json.loads(json.dumps(snapshot(j))), j.plan, ready_timeout=30.0)
+    assert again.slowness.speeds() == j.slowness.speeds()
+    assert again.spec.worker("w0").speed == pytest.approx(0.5)
+    j.count_fault("w0", 20.0)
+    assert j.spec.worker("w0").speed == 1.0 and "w0" not in j.slow_due
+
+
+def test_episodes_are_persisted() -> None:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    j.slowness.episodes = [(10.0, 40.0)]
+    again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
+    assert again.slowness.expected_seconds() == 40.0
+    assert replace(again.slowness, detected=0) == replace(j.slowness, detected=0)
