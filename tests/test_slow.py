@@ -39,7 +39,11 @@ VICTIM = "w4"
 # (the cores they wait for), so what the detector sees of a throttled process is less than the
 # factor; a quarter is clearly slow against the healthy spread (docs/daemon.md, Slow workers).
 FACTOR = 0.25
-LOSS_RTOL = 1e-4  # as tests/test_worker_training.py: the order of the gradient sums differs
+# The order of the gradient sums differs with each plan (tests/test_worker_training.py holds 1e-4
+# over tens of steps); over the several hundred steps of this run, through four plans, the
+# difference grows to about 1e-4 of the loss. A micro-batch lost or trained twice moves the loss
+# by far more than 1e-3 within a few steps.
+LOSS_RTOL = 1e-3
 
 
 def share(plan: Plan, worker: str) -> int:

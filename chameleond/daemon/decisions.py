@@ -341,8 +341,6 @@ class Decisions:
                 self._soon()
                 return
             plan = replace(plan, cause=cause)
-            for worker in plan.excluded:  # fenced: its next process is measured anew
-                job.slowness.forget(worker)
             self.committer.note(recorded(m.switch(generation, plan.workers, now, cause,
                                                   of_plan(plan))))  # fmt: skip
             record = DecisionRecord(generation, plan.policy, cause, now, mtbf_seconds=duration,
