@@ -62,7 +62,7 @@ def profiles(rj: RunningJob, slow: str | None, until: Any, timeout: float = 30.0
 
 def test_a_slow_worker_is_detected_and_its_work_moved(running_job: RunningJob) -> None:
     rj = running_job
-    daemon = rj.start_training()
+    daemon = rj.start_training("--slow-mitigation")
     train(rj, daemon, 1)
     before = rj.workers.plan()
     assert before is not None
@@ -87,7 +87,7 @@ def test_a_slow_worker_is_detected_and_its_work_moved(running_job: RunningJob) -
 
 def test_without_mitigation_a_slow_worker_is_only_detected(running_job: RunningJob) -> None:
     rj = running_job
-    daemon = rj.start_training("--no-slow-mitigation")
+    daemon = rj.start_training()  # slow_mitigation is off by default
     train(rj, daemon, 1)
     profiles(rj, "w0", lambda: daemon.status()["slow"] or None)
     assert daemon.status()["slow_mitigation"] is False

@@ -50,6 +50,8 @@ def test_up_example_hf_reroutes_then_repartitions(tmp_path: Path) -> None:
     assert report["example"] == "hf" and report["model"] == "GPT2LMHeadModel"
     assert report["completed"] is True
     policies = [row["policy"] for row in report["faults"]]
-    assert policies == ["reroute", "dynamic"], report["faults"]
+    # One fault rerouted, the other re-partitioned: which first follows the model, which prices
+    # plans with the links the workers measured (docs/planner.md, "Measured links").
+    assert sorted(policies) == ["dynamic", "reroute"], report["faults"]
     logs = tmp_path / "report" / "run" / "logs"
     assert "profiled 6 layers of GPT2LMHeadModel" in (logs / "w1.log").read_text()

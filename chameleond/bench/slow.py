@@ -6,16 +6,17 @@ device of its own: `slow_job`), one after the other in one invocation. Each trai
 CPU second its process spends costs it 1/factor seconds of wall time, as pauses
 (chameleond/local/slowdown.py), its compute and its communication alike.
 
-* unmitigated: the daemon with `--no-slow-mitigation` (detection and metrics on, no decision):
+* unmitigated: `slow_mitigation` off, its default (detection and metrics on, no decision):
   the job runs at the slow worker's pace. `throughput_slow_unmitigated` is measured over
   --measure-steps committed steps once the slowness has settled.
-* mitigated: the daemon as shipped. `detect_seconds` is the onset to the daemon's decision about
-  the slow worker; `throughput_mitigated` the plan it chose, over --measure-steps steps;
-  `throughput_model_best` the model's best candidate for the slow cluster (the global batch over
-  the shortest estimated step among the decision's feasible candidates). Then the worker is
-  restored: `recover_detect_seconds` is the restore to the decision that gives its share back
-(`recovered_by` "recovered"), or, where the plan excluded it (fenced, exit 9), its restart by the
-bench as its supervisor would to the decision on its rejoin (`recovered_by` "rejoined").
+* mitigated: the daemon with `--slow-mitigation`. `detect_seconds` is the onset to the daemon's
+  decision about the slow worker; `throughput_mitigated` the plan it chose, over --measure-steps
+  steps; `throughput_model_best` the model's best candidate for the slow cluster (the global
+  batch over the shortest estimated step among the decision's feasible candidates). Then the
+  worker is restored: `recover_detect_seconds` is the restore to the decision that gives its
+  share back (`recovered_by` "recovered"), or, where the plan excluded it (fenced, exit 9), its
+  restart by the bench as its supervisor would to the decision on its rejoin (`recovered_by`
+  "rejoined").
 
 `throughput_healthy` is the mitigated run's healthy phase, and `false_alarms` the slow episodes the
 daemon detected in the healthy phases of both runs (no worker was slowed then; the machine's own
@@ -131,7 +132,7 @@ def _run(
     batch = json.loads(spec.read_text())["training"]["global_batch"]
     cluster = LocalCluster(
         run_dir, job=JOB, workers=worker_ids(spec), spec_path=spec,
-        daemon_args=[] if mitigate else ["--no-slow-mitigation"],
+        daemon_args=["--slow-mitigation"] if mitigate else [],
     )  # fmt: skip
     out: dict[str, Any] = {}
     with cluster, warmed_up(cluster, 5, args.timeout) as mon:

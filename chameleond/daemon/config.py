@@ -50,7 +50,7 @@ class Config:
     decision_delay_seconds: float = 0.0  # fault injection: hold each decision before committing
     # Fail-slow (docs/daemon.md, "Slow workers"): decide on a worker that became slow or
     # recovered (off: detected and measured only), and an episode's duration before any ended.
-    slow_mitigation: bool = True
+    slow_mitigation: bool = False
     slow_episode_prior_seconds: float = 600.0
     log_level: str = "info"
     # The job's secret (docs/security.md): a file, else $CHAMELEON_SECRET; with neither, an
