@@ -181,17 +181,36 @@ def reroute_candidate(
     result = reroute(spec, current, fenced)
     if result.routing is None:
         return infeasible(Policy.REROUTE, result.reason, spec.rebuild_seconds)
+    return routed_candidate(
+        spec, est, current, result.routing, fenced, held, generation, mtbf, cause
+    )
+
+
+def routed_candidate(
+    spec: JobSpec,
+    est: Estimator,
+    current: Plan,
+    routing: RoutingTable,
+    fenced: set[str],
+    held: Held,
+    generation: int,
+    window: float,
+    cause: str,
+) -> Candidate:
+    """The current layout with this routing (a reroute, or a slow worker's weighted share): the
+    owners that never acknowledged their layers receive them (repairs); nothing changed costs
+    nothing, else the rebuild and the repairs."""
     excluded = sorted(fenced, key=worker_order(spec).__getitem__)
-    running = {w for pipe in result.routing for stage in pipe for w in stage}
+    running = {w for pipe in routing for stage in pipe for w in stage}
     try:  # owners that never acknowledged the layers the layout gives them receive them now
         repairs, seconds = restorer.repairs(spec, current.pipelines, running, held)
     except restorer.LostLayers as e:
         return infeasible(Policy.REROUTE, str(e), spec.rebuild_seconds)
-    unchanged = result.routing == current.routing and set(current.excluded) == fenced
+    unchanged = routing == current.routing and set(current.excluded) == fenced
     transition = 0.0 if unchanged and not repairs else spec.rebuild_seconds + seconds
     plan, oom = priced_plan(
-        spec, est, Policy.REROUTE, generation, current.pipelines, result.routing, excluded, repairs,
-        transition, mtbf, cause,
+        spec, est, Policy.REROUTE, generation, current.pipelines, routing, excluded, repairs,
+        transition, window, cause,
     )  # fmt: skip
     return candidate_of(Policy.REROUTE, plan, oom)
 

@@ -27,13 +27,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
-from chameleond.core import restorer, selector
+from chameleond.core import selector
 from chameleond.core.candidates import (
     Candidate,
     candidate_of,
     dynamic_candidate,
     infeasible,
     priced_plan,
+    routed_candidate,
     worker_order,
 )
 from chameleond.core.decide import DecisionError, decide
@@ -131,19 +132,9 @@ def _weighted(
     result = weighted_reroute(est, current, fenced)
     if result.routing is None:
         return infeasible(Policy.REROUTE, result.reason, spec.rebuild_seconds)
-    running = {w for pipe in result.routing for stage in pipe for w in stage}
-    try:  # owners that never acknowledged the layers the layout gives them receive them now
-        repairs, seconds = restorer.repairs(spec, current.pipelines, running, held)
-    except restorer.LostLayers as e:
-        return infeasible(Policy.REROUTE, str(e), spec.rebuild_seconds)
-    unchanged = result.routing == current.routing
-    transition = 0.0 if unchanged and not repairs else spec.rebuild_seconds + seconds
-    excluded = sorted(fenced, key=worker_order(spec).__getitem__)
-    plan, oom = priced_plan(
-        spec, est, Policy.REROUTE, generation, current.pipelines, result.routing, excluded,
-        repairs, transition, window, cause,
-    )  # fmt: skip
-    return candidate_of(Policy.REROUTE, plan, oom)
+    return routed_candidate(
+        spec, est, current, result.routing, fenced, held, generation, window, cause
+    )
 
 
 def _exclude(
