@@ -61,8 +61,27 @@ class Keys:
         return self.prefix + "plan"
 
     @property
+    def plan_packed(self) -> str:
+        """The plan key's JSON, zlib-compressed (written with it, in the same commit): what the
+        workers read (a 8,192-device plan is about 1.2 MB, 145 KB packed)."""
+        return self.prefix + "plan.zlib"
+
+    @property
     def plans_channel(self) -> str:
         return self.prefix + "plans"
+
+    @property
+    def liveness_channel(self) -> str:
+        """Channel: the daemon's notices of worker processes gone or live again (JSON signed as
+        kind "liveness": `gone` and `live` lists of [worker, incarnation], `at`;
+        chameleond/daemon/connwatch.py)."""
+        return self.prefix + "liveness"
+
+    @property
+    def gone(self) -> str:
+        """String: the worker processes the daemon saw gone in the last minutes, as the same
+        signed "liveness" document, for a worker that (re)subscribes to the notices."""
+        return self.prefix + "gone"
 
     @property
     def state(self) -> str:
@@ -119,25 +138,31 @@ class Keys:
         workers build it again, as attempt 2, 3, ..., when it failed with nobody gone)."""
         return f"{self.prefix}store:{generation}:{attempt}:"
 
-    def acl_rules(self) -> tuple[str, ...]:
-        """A Redis ACL user's rules that allow the job's daemon, workers and tools what they use
-        and no more: the job's own keys and channels, every command but the @dangerous ones, and
-        two CLIENT subcommands: SETNAME (each worker names its connections) and LIST (a worker
-        finds a failed peer by its connection being gone; docs/worker.md)."""
-        return (
+    def acl_rules(self, *, daemon: bool = False) -> tuple[str, ...]:
+        """A Redis ACL user's rules that allow the job's workers and tools what they use and no
+        more: the job's own keys and channels, every command but the @dangerous ones, and CLIENT
+        SETNAME (each worker names its connections). The daemon's user (`daemon`) may also run
+        CLIENT LIST: it finds a dead worker by its connections being gone and announces it
+        (chameleond/daemon/connwatch.py), and a standby sees the leader's process by it."""
+        rules = (
             "resetkeys", f"~{self.prefix}*", "resetchannels", f"&{self.prefix}*",
-            "+@all", "-@dangerous", "+client|setname", "+client|list",
+            "+@all", "-@dangerous", "+client|setname",
         )  # fmt: skip
+        return (*rules, "+client|list") if daemon else rules
+
+
+_SECRET_QUERY = ("password", "sentinel_password")  # query options a logged URL hides
 
 
 def redact_url(url: str) -> str:
-    """A Redis URL fit for logs: credentials (user:password@, ?password=) replaced by ***."""
+    """A Redis URL fit for logs: credentials (user:password@, ?password=, a Sentinel URL's
+    ?sentinel_password=) replaced by ***."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if "@" in netloc:
         netloc = "***@" + netloc.rsplit("@", 1)[1]
     query = urlencode(
-        [(k, "***" if k.lower() == "password" else v) for k, v in parse_qsl(parts.query)],
+        [(k, "***" if k.lower() in _SECRET_QUERY else v) for k, v in parse_qsl(parts.query)],
         safe="*",
     )
     tail = (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
@@ -151,27 +176,28 @@ def scrub_url(text: str, url: str) -> str:
     if parts.password:
         text = text.replace(parts.password, "***")
     for key, value in parse_qsl(parts.query):
-        if key.lower() == "password" and value:
+        if key.lower() in _SECRET_QUERY and value:
             text = text.replace(value, "***")
     return text
 
 
 def url_error(url: str) -> str | None:
-    """Why redis-py cannot use `url` (one line, credentials masked), or None."""
-    from redis.connection import parse_url
+    """Why no client can be made for `url` (one line, credentials masked), or None: a plain
+    Redis URL as redis-py reads it, or a Sentinel one (chameleond/redisurl.py)."""
+    from chameleond.redisurl import SCHEMES, scheme, url_problem
 
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        return f"{redact_url(url)!r} must start with redis://, rediss:// or unix://"
-    try:
-        parse_url(url)
-    except (ValueError, TypeError) as e:
-        return f"{redact_url(url)!r}: {scrub_url(str(e), url)}"
-    return None
+    if scheme(url) not in SCHEMES:
+        return f"{redact_url(url)!r} must start with {', '.join(s + '://' for s in SCHEMES)}"
+    why = url_problem(url)
+    return None if why is None else f"{redact_url(url)!r}: {scrub_url(why, url)}"
 
 
 def event_size(raw: Mapping[Any, Any]) -> int:
     """The entry's size in bytes (keys and values, as stored)."""
-    return sum(len(_raw_bytes(k)) + len(_raw_bytes(v)) for k, v in raw.items())
+    try:  # as read from Redis: all bytes, measured in one pass each
+        return len(b"".join(raw)) + len(b"".join(raw.values()))
+    except TypeError:  # text among them (an entry built in memory)
+        return sum(len(_raw_bytes(k)) + len(_raw_bytes(v)) for k, v in raw.items())
 
 
 def _raw_bytes(x: Any) -> bytes:
@@ -191,6 +217,10 @@ def check_size(raw: Mapping[Any, Any]) -> None:
 
 
 def _decode(raw: Mapping[Any, Any]) -> dict[str, str]:
+    try:  # as read from Redis: all bytes, all UTF-8
+        return {k.decode(): v.decode() for k, v in raw.items()}
+    except (AttributeError, UnicodeDecodeError):  # text among them, or a field to name
+        pass
     out: dict[str, str] = {}
     for k, v in raw.items():
         try:

@@ -24,6 +24,7 @@ from chameleond.auth import Keyring
 from chameleond.events import Fault
 from chameleond.extras import install_hint
 from chameleond.protocol import Keys
+from chameleond.redisurl import connect
 
 
 def redis_binary(name: str = "redis-server", *, tls: bool = False) -> str:
@@ -154,7 +155,7 @@ class RedisServer:
             stderr=subprocess.PIPE,
             start_new_session=self.own_session,
         )
-        client = redis.Redis.from_url(self.url, socket_timeout=1.0)
+        client = connect(self.url, socket_timeout=1.0)
         deadline = time.monotonic() + timeout
         try:
             while True:

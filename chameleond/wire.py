@@ -97,7 +97,8 @@ def read_ident(f: Fields, key: str) -> str:
     v = f.get(key, "")
     if not v:
         raise EventError(f"missing field {key!r}")
-    if len(v) > MAX_ID_LEN or not v.isprintable() or any(c.isspace() for c in v):
+    # Of the printable characters, only the ASCII space is also whitespace.
+    if len(v) > MAX_ID_LEN or not v.isprintable() or " " in v:
         raise EventError(
             f"field {key!r} must be a printable id without spaces (<= {MAX_ID_LEN}), got {show(v)}"
         )

@@ -1,7 +1,8 @@
 """Detection on evidence, with chameleond as a real process on a real Redis: registrations from
 outside the spec that no profile follows expire and are never planned, however many come; a
 worker that finished is reported finished and is never suspected, however long it stays silent;
-a worker that stopped heartbeating before a peer reported it is named dead, not fenced."""
+a worker that stopped heartbeating before a peer reported it is named dead, not fenced; a daemon
+behind its stream declares nobody failed for the heartbeats it has not read yet."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from chameleond.redis_server import RedisServer
 
 KEYS = Keys("default")
 PHANTOMS = 300
+FLOOD = 300_000  # events: several seconds of handling
 PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(load_default_spec().layers)))})
 
 
@@ -102,3 +104,61 @@ def test_a_finished_worker_is_never_suspected_and_a_dead_one_is_named_dead(
     finally:
         stop.set()
         thread.join()
+
+
+def test_a_backlog_longer_than_the_heartbeat_timeout_declares_only_the_silent_worker_failed(
+    redis_server: RedisServer, redis_client: redis.Redis, running_job: RunningJob
+) -> None:
+    """The daemon falls behind its stream by several heartbeat timeouts: the live workers'
+    heartbeats wait in the backlog behind a flood of events, and none of them is declared
+    failed for it; w5, silent since before the flood, is."""
+    daemon = running_job.daemon("--heartbeat-timeout-seconds", "1", "--policy", "reroute").start()
+    workers = running_job.workers
+    beating = set(WORKERS)
+    stop = threading.Event()
+
+    def heartbeats() -> None:
+        client = redis.Redis.from_url(redis_server.url)
+        while not stop.wait(0.2):
+            for w in sorted(beating):
+                client.xadd(KEYS.events, signed({"type": "heartbeat", "worker": w}))  # type: ignore[arg-type]
+        client.close()
+
+    thread = threading.Thread(target=heartbeats, daemon=True)
+    thread.start()
+    try:
+        daemon.wait_ready()
+        running_job.train(daemon)
+        beating.discard("w5")  # killed: silent from now on
+        # A flood of events (one worker's repeated reports), written faster than the daemon
+        # handles them: everything sent after it waits behind it.
+        flood = signed({"type": "heartbeat", "worker": "w0"})
+        flooded = time.monotonic()
+        with redis_client.pipeline(transaction=False) as p:
+            for _ in range(FLOOD):
+                p.xadd(KEYS.events, flood)  # type: ignore[arg-type]
+            last = _stamp(p.execute()[-1])
+
+        def caught_up() -> bool:
+            (group,) = redis_client.xinfo_groups(KEYS.events)
+            return _stamp(group["last-delivered-id"]) >= last and not group["pending"]
+
+        wait_for(caught_up, 120, "the daemon caught up with its stream")
+        behind = time.monotonic() - flooded
+        assert behind > 3.0, f"the backlog lasted {behind:.1f} s: not over the 1 s timeout"
+        wait_for(lambda: workers.generation() == 2, 15, "the plan without w5")
+        time.sleep(1.5)  # more than a timeout after catching up: a false suspicion shows now
+        suspected = [f["worker"] for _, f in redis_client.xrange(KEYS.events, "-", "+")
+                     if f.get("type") == "fault"]  # fmt: skip
+        assert set(suspected) == {"w5"}, suspected  # (again while its first waited unread)
+        plan = workers.plan()
+        assert plan is not None and plan["excluded"] == ["w5"]
+        assert "heartbeat lapse" in daemon.status()["last_decision"]["cause"]
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _stamp(entry_id: str | bytes) -> tuple[int, int]:
+    ms, _, seq = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).partition("-")
+    return int(ms), int(seq or 0)

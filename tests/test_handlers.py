@@ -306,3 +306,30 @@ def test_a_return_feeds_the_window_and_survives_a_restart() -> None:
     restore(again, json.loads(json.dumps(snapshot(j))), None, ready_timeout=30.0)
     assert again.repairs == j.repairs and again.workers["w4"].down_since == 1100.0
     assert again.window(2000.0) == j.window(2000.0)
+
+
+def test_a_worker_out_before_a_running_decision_that_comes_back_joins_the_next() -> None:
+    """w3 failed in generation 2; its host comes back while another worker's return is being
+    decided: w3's registration is a join for the next decision, not folded into the running
+    one (which lists w3 among the workers out) and lost."""
+    j = training_job()
+    send(j, "5-0", type="fault", worker="w3", cause="host lost")
+    send(j, "5-1", type="fault", worker="w4", cause="host lost")
+    request, _ = j.machine.next_request(2.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w5")), 3.0)
+    assert j.acks_for(request) == ["5-0", "5-1"]
+    for w in ("w0", "w1", "w2", "w5"):
+        send(j, type="ack", worker=w, generation=2, phase="ready")
+    send(j, "6-0", type="register", worker="w4", host="localhost", memory_bytes=2**31)
+    running, _ = j.machine.next_request(4.0)
+    assert running is not None and running.joined == {"w4"} and "w3" in running.failed
+    back = send(j, "7-0", type="register", worker="w3", host="localhost", memory_bytes=2**31)
+    assert back.label == "handled" and "w3" in j.machine.pending_joins
+    j.machine.decided(running, DecisionResult(3, "dynamic", ("w0", "w1", "w2", "w4", "w5")), 5.0)
+    assert "7-0" not in j.acks_for(running)  # answered by the decision that takes w3 in
+    for w in ("w0", "w1", "w2", "w4", "w5"):
+        send(j, type="ack", worker=w, generation=3, phase="ready")
+    after, _ = j.machine.next_request(6.0)
+    assert after is not None and after.joined == {"w3"}
+    assert j.acks_for(after) == ["7-0"]

@@ -22,6 +22,7 @@ NAMES = {
     "chameleon_events": "counter",
     "chameleon_worker_speed": "gauge",
     "chameleon_slow_episodes": "counter",
+    "chameleon_peer_notices": "counter",
     "chameleon_slow_decisions": "counter",
     "chameleon_slow_expected_gain_samples_per_second": "gauge",
     "chameleon_decision_seconds": "histogram",
@@ -80,6 +81,7 @@ def populated() -> Metrics:
     m.attempt.set(2)
     m.set_phase(Phase.TRANSITIONING)
     m.checkpoint_step.set(19)
+    m.set_speeds(["w0", "w1", "w2"], {"w2": 0.5})
     m.set_training(
         TrainingFigures(
             loss=2.31, grad_norm=0.82, learning_rate=3e-4, loss_scale=65536.0, eval_loss=2.45,

@@ -162,7 +162,8 @@ def test_bench_planner_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(rows) == 1
     assert set(rows[0]) == {
         "devices", "p50_seconds", "p99_seconds", "plans_considered", "optimality_gap",
-        "p50_cpu_seconds", "p99_cpu_seconds", "exact_cpu_seconds",
+        "p50_cpu_seconds", "p99_cpu_seconds", "exact_cpu_seconds", "first_seconds",
+        "first_cpu_seconds",
     }  # fmt: skip
     assert rows[0]["devices"] == 8 and rows[0]["optimality_gap"] == 0.0
 

@@ -395,12 +395,16 @@ def test_sync_groups_cover_surviving_owners_in_disjoint_rounds(data: st.DataObje
         n = data.draw(st.integers(1, n_layers))
         cuts = data.draw(st.lists(st.integers(1, n_layers - 1), min_size=n - 1, max_size=n - 1,
                                   unique=True)) if n > 1 else []  # fmt: skip
-        # Some workers own two stages (a rejoin or a squeeze can do that): exercise merging.
+        # Some workers own two stages (a rejoin or a squeeze can do that), of one pipeline or of
+        # two: exercise merging and their groups' conflicts.
         stages: list[Stage] = []
         for a, b in split(n_layers, cuts):
-            share: bool = data.draw(st.booleans())
-            if stages and share:
+            share = data.draw(st.sampled_from(["own", "previous", "other"]))
+            others = sorted({s.worker for q in pipes for s in q.stages})
+            if stages and share == "previous":
                 stages.append(Stage(stages[-1].worker, a, b))
+            elif others and share == "other":
+                stages.append(Stage(data.draw(st.sampled_from(others)), a, b))
             else:
                 stages.append(Stage(f"w{w}", a, b))
                 w += 1
@@ -423,6 +427,8 @@ def test_sync_groups_cover_surviving_owners_in_disjoint_rounds(data: st.DataObje
     for k in {g.round for g in groups}:
         members = [x for g in groups if g.round == k for x in g.workers]
         assert len(members) == len(set(members))
+    # The rounds are DSATUR's over the groups' conflicts (groups sharing a worker).
+    assert [g.round for g in groups] == rounds([g.workers for g in groups])
     assert sync_groups(list(reversed(pipes)), excluded) == groups
 
 

@@ -22,7 +22,7 @@ from chameleond.core.spec import parse_spec
 from chameleond.jobs import load_default_spec
 from chameleond.worker._backend import new_group, parse_device
 from chameleond.worker._generation import Generation
-from chameleond.worker._link import PeerWatch
+from chameleond.worker._liveness import PeerWatch
 from chameleond.worker._migrate import reconcile
 from chameleond.worker._state import WorkerState
 

@@ -309,7 +309,7 @@ def test_a_vote_lost_by_one_survivor_commits_late(start_job) -> None:
     }
     job = start_job("reroute", max_steps=steps, env=env)
     finish(job, steps)
-    assert [p.policy for p in job.record.plans] == ["initial", "reroute"]
+    assert [p.policy for p in job.record.plans] == ["initial", "reroute"], job.record.of("fault")
     assert job.workers.procs["w3"].poll() == -9
     reported = step_workers(job)
     assert reported[late] == {"w0", "w2", "w4", "w5"}  # w1's vote was lost, w3 died

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import zlib
 from pathlib import Path
 
 import redis
@@ -14,7 +15,7 @@ from chameleond.core.plan import plan_to_dict
 from chameleond.core.spec import parse_spec
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
-from chameleond.worker._link import PlanWatcher
+from chameleond.worker._link import _PLAN_POLL_SECONDS, PlanWatcher
 
 
 def test_the_watcher_sees_plans_once_redis_is_there(tmp_path: Path) -> None:
@@ -54,3 +55,50 @@ def test_the_watcher_sees_plans_once_redis_is_there(tmp_path: Path) -> None:
         client.close()
         server.stop()
     assert not watcher.is_alive()
+
+
+def test_the_watcher_reads_the_packed_plan_only_when_a_newer_generation_is_committed(
+    redis_server: RedisServer,
+) -> None:
+    """Workers read the zlib-packed plan; a repeated announcement costs no read, and a lost one is
+    caught up by the committed generation (a few bytes, polled), not by re-reading the plan."""
+    keys = Keys("packed")
+    admin = redis.Redis.from_url(redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    watcher = PlanWatcher(client, "packed")
+    plan = initial_plan(parse_spec(tiny_spec("packed")), generation=1, mtbf_seconds=3600.0)
+
+    def commit(generation: int, *, announce: bool = True) -> None:
+        doc = plan_to_dict(plan)
+        doc["generation"] = generation
+        admin.set(keys.plan, json.dumps(doc))
+        admin.set(keys.plan_packed, zlib.compress(json.dumps(doc).encode()))
+        admin.hset(keys.state, "generation", generation)
+        if announce:
+            admin.publish(keys.plans_channel, str(generation))
+
+    def plan_reads() -> int:
+        return int(admin.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
+
+    commit(1, announce=False)
+    admin.set(keys.plan, "not what the workers read: they read the packed copy")
+    watcher.start()
+    try:
+        seen = watcher.wait_newer(0, timeout=15)
+        assert seen is not None and seen.generation == 1
+        commit(2)
+        seen = watcher.wait_newer(1, timeout=15)
+        assert seen is not None and seen.generation == 2
+        reads = plan_reads()
+        for _ in range(20):  # repeats (a fenced worker's nudge): nothing newer to read
+            admin.publish(keys.plans_channel, "2")
+        time.sleep(0.5)
+        assert plan_reads() == reads
+        commit(3, announce=False)  # the announcement lost
+        seen = watcher.wait_newer(2, timeout=_PLAN_POLL_SECONDS + 5)
+        assert seen is not None and seen.generation == 3
+    finally:
+        watcher.stop()
+        watcher.join(timeout=5)
+        client.close()
+        admin.close()

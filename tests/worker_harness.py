@@ -194,8 +194,43 @@ class EventReader(threading.Thread):
         self.client.close()
 
 
+class ConnectionWatch(threading.Thread):
+    """Announces the workers' processes gone, as the daemon's connection watch does
+    (chameleond/daemon/connwatch.py): one CLIENT LIST per period, the notices published."""
+
+    def __init__(self, url: str, job: str, period: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        from chameleond.daemon.connwatch import Connections
+
+        self.client = redis.Redis.from_url(url)
+        self.keys = Keys(job)
+        self.period = period
+        self.connections = Connections()
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        from chameleond.daemon.connwatch import announce
+
+        ring = Keyring.configured(os.environ)
+        while not self._halt.wait(self.period):
+            try:
+                raw = self.client.execute_command("CLIENT", "LIST", "TYPE", "normal")
+                _, docs = announce(self.connections, raw, self.keys.job, ring, time.time())
+                if docs is not None:
+                    self.client.set(self.keys.gone, docs[0])
+                    self.client.publish(self.keys.liveness_channel, docs[1])
+            except redis.RedisError:
+                continue  # Redis restarting or stopped: nobody is announced meanwhile
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(5)
+        self.client.close()
+
+
 class Controller:
-    """Plans like the daemon does: the initial plan, then decide(force=policy) per failure."""
+    """Plans like the daemon does: the initial plan, then decide(force=policy) per failure; and
+    announces the workers' processes gone (`ConnectionWatch`)."""
 
     def __init__(
         self,
@@ -227,17 +262,20 @@ class Controller:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.connections = ConnectionWatch(url, self.spec.name)
         self.errors: list[str] = []
 
     def start(self) -> Controller:
         self.client.set(self.keys.spec, signed_doc("spec", self.keys.job, self.spec_dict))
         self.reader.start()
         self._thread.start()
+        self.connections.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.connections.stop()
         self.reader.stop()
         self.client.close()
 

@@ -17,12 +17,11 @@ import socket
 import sys
 from collections.abc import Sequence
 
-import redis
-
 from chameleond.agent.run import AgentConfig, AgentError, run
 from chameleond.auth import SECRET_ENV, SECRET_FILE_ENV, AuthError, Keyring
 from chameleond.local.cluster import console_script
 from chameleond.protocol import JOB_ENV, REDIS_URL_ENV, redact_url, scrub_url, url_error
+from chameleond.redisurl import connect
 
 HOST_ENV = "CHAMELEON_HOST"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
@@ -136,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"chameleon-agent: {e}", file=sys.stderr)
         return 2
-    client = redis.Redis.from_url(cfg.redis_url, decode_responses=True, socket_timeout=5)
+    client = connect(cfg.redis_url, decode_responses=True, socket_timeout=5)
     log.info("job %s on Redis %s", cfg.job, redact_url(cfg.redis_url))
     try:
         return run(cfg, client)

@@ -32,6 +32,7 @@ from chameleond.core.hosts import host_slots
 from chameleond.core.spec import JobSpec, SpecError, load_spec, parse_spec
 from chameleond.events import Fault
 from chameleond.protocol import JOB_ENV, REDIS_URL_ENV, Keys, redact_url
+from chameleond.redisurl import xadd_replicated
 from chameleond.sdnotify import Notifier
 
 log = logging.getLogger("chameleon.agent")
@@ -232,16 +233,17 @@ class Agent:
             return None
 
     def report(self, report: Report) -> None:
-        """The report's faults, signed, in one MULTI/EXEC: the daemon reads them in one batch."""
+        """The report's faults, signed, written at once (the daemon reads them in one batch) and,
+        under Sentinel, on a replica before they count as sent (chameleond/redisurl.py)."""
         try:
-            pipe = self.client.pipeline(transaction=True)
             reporter = self.cfg.reporter
+            entries = []
             for d in report.faults:
                 fields = Fault(d.worker, d.cause, d.generation, reporter, time.time()).to_fields()
                 if self.cfg.keyring is not None:
                     fields = self.cfg.keyring.sign_event(self.cfg.job, fields)
-                pipe.xadd(self.keys.events, fields)  # type: ignore[arg-type]
-            pipe.execute()
+                entries.append(fields)
+            xadd_replicated(self.client, self.keys.events, entries)
         except redis.RedisError as e:
             log.warning("faults of %s not reported: %s", ", ".join(report.workers), e)
             return

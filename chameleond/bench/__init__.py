@@ -18,6 +18,8 @@ BENCHES = {
     "peers": "chameleond.bench.peers",
     "hosts": "chameleond.bench.hosts",
     "slow": "chameleond.bench.slow",
+    "failover": "chameleond.bench.failover",
+    "control-plane": "chameleond.bench.control_plane",
 }
 
 

@@ -12,8 +12,6 @@ import signal
 import subprocess
 import time
 
-import redis
-
 from chameleond.auth import SIG_FIELD, event_payload
 from chameleond.bench.chaos_runner import (
     SETTLE_SECONDS,
@@ -26,6 +24,7 @@ from chameleond.bench.chaos_runner import (
 from chameleond.local.chaos import PlanFollowers
 from chameleond.local.fuzz import fuzzed_entries
 from chameleond.protocol import Keys
+from chameleond.redisurl import connect
 
 
 def one_fault(bench: Bench, keys: Keys, followers: PlanFollowers) -> tuple[str, list[str], float]:
@@ -112,7 +111,7 @@ def fuzz(s: Scene) -> Outcome:
     entries = fuzzed_entries(bench.rng, 300, bench.workers)
     ids: list[str] = []
     since = time.monotonic()
-    raw = redis.Redis.from_url(bench.redis.url)  # bytes in, bytes out
+    raw = connect(bench.redis.url)  # bytes in, bytes out
     try:
         for i, fields in enumerate(entries):
             if i == len(entries) // 2:
@@ -148,7 +147,7 @@ def forged(s: Scene) -> Outcome:
         bench.client.set(keys.plan, json.dumps(doc))
         bench.client.publish(keys.plans_channel, str(generation + n))
         t.forged_sent += 1
-        reader = redis.Redis.from_url(bench.redis.url)
+        reader = connect(bench.redis.url)
         from chameleond.worker._link import (
             PlanWatcher,  # the workers' own (needs chameleond[worker])
         )

@@ -25,6 +25,7 @@ from chameleond.local.chaos import Daemon, PlanFollowers
 from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.records import DecisionRecord, Entry, read_decisions
 from chameleond.redis_server import RedisServer
+from chameleond.redisurl import connect
 
 SETTLE_SECONDS = 60.0
 
@@ -62,7 +63,7 @@ class Bench:
         self.run_dir = args.logs or tmp / "logs"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(tmp / "redis").start()
-        self.client = redis.Redis.from_url(self.redis.url, decode_responses=True, socket_timeout=5)
+        self.client = connect(self.redis.url, decode_responses=True, socket_timeout=5)
         # The job's secret: the daemons, the workers' side and the trial's real faults hold it;
         # forged messages are unsigned or signed with a stranger's key.
         self.secret = secrets.token_hex(32)

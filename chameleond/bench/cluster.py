@@ -8,11 +8,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import redis
-
 from chameleond.core.spec import load_spec
 from chameleond.local.cluster import LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
+from chameleond.redisurl import connect
 
 JOB = "bench"
 
@@ -75,7 +74,7 @@ def warmed_up(cluster: LocalCluster, warmup: int, timeout: float) -> Iterator[St
     """Start the daemon and workers; yield the stream monitor once `warmup` steps commit."""
     cluster.start_daemon()
     cluster.start_workers()
-    client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+    client = connect(cluster.redis_url, decode_responses=True)
     try:
         mon = StreamMonitor(client, JOB)
         wait_steps(mon, cluster, warmup, None, timeout)

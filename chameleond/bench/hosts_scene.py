@@ -31,6 +31,7 @@ from chameleond.local.netns import Hosts
 from chameleond.protocol import CONSUMER_GROUP, REDIS_URL_ENV, Keys
 from chameleond.records import DecisionRecord, entry_seconds, read_record
 from chameleond.redis_server import RedisServer
+from chameleond.redisurl import connect
 
 JOB = "hosts"
 HOSTS = ("h0", "h1", "h2")
@@ -85,7 +86,7 @@ class Scene:
 
     def __enter__(self) -> Scene:
         self.redis.start()
-        self.client = redis.Redis.from_url(self.redis.url, decode_responses=True)
+        self.client = connect(self.redis.url, decode_responses=True)
         self.monitor = StreamMonitor(self.client, JOB)
         self.cluster = LocalCluster(
             self.run_dir, job=JOB, workers=[], spec_path=self.spec_path,

@@ -44,6 +44,7 @@ from chameleond.bench.peers_torchft import (
     run_torchft,
     sample_id,
 )
+from chameleond.redisurl import connect
 
 JOB = "bench-peers"
 HEARTBEAT_SECONDS = 3.0  # chameleond's heartbeat lapse (daemon default), TorchFT's timeout here
@@ -81,7 +82,6 @@ def run_chameleond(
     """A local cluster of the recipe's workers; w{victim} killed and started again as `when`
     says. The commits come from the job's streams, their samples and losses from the workers'
     own per-step logs."""
-    import redis
 
     from chameleond.core.plan import plan_from_dict
     from chameleond.local.cluster import ClusterError, LocalCluster
@@ -102,7 +102,7 @@ def run_chameleond(
         env={"RECIPE_LOG": str(logs), "HF_HUB_OFFLINE": "1"},
     )  # fmt: skip
     with cluster:
-        client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+        client = connect(cluster.redis_url, decode_responses=True)
         monitor = StreamMonitor(client, JOB)
         cluster.start_daemon()
         cluster.start_workers()

@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": (
         "chameleond.bench",
         "benchmarks: planner, ingest, recovery, checkpoint, chaos, policies, worker, sim-check, "
-        "training, peers, hosts, slow",
+        "training, peers, hosts, slow, failover, control-plane",
     ),
     "export": (
         "chameleond.cli.export",

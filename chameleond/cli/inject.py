@@ -41,6 +41,7 @@ from chameleond.protocol import (
     url_error,
 )
 from chameleond.redis_server import redis_cli_args
+from chameleond.redisurl import connect, xadd_replicated
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
 
@@ -70,7 +71,7 @@ def redis_client(url: str, command: str, *, decode: bool = True) -> redis.Redis 
     why = url_error(url)
     if why is None:
         try:
-            return redis.Redis.from_url(url, decode_responses=decode, socket_timeout=5)
+            return connect(url, decode_responses=decode, socket_timeout=5)
         except (ValueError, TypeError) as e:  # what parse_url let through
             why = scrub_url(str(e), url)
     print(f"chameleonctl {command}: bad --redis-url {why}", file=sys.stderr)
@@ -177,7 +178,7 @@ def run_fault(args: argparse.Namespace, worker: str) -> int:
         print(line(args.redis_url))  # asked for: the line to run, credentials included
         return 0
     try:
-        entry: str = cast(Any, client).xadd(Keys(args.job).events, event)
+        entry = xadd_replicated(client, Keys(args.job).events, [event])[0][0]
     except redis.RedisError as e:
         where = redact_url(args.redis_url)
         print(f"chameleonctl inject: cannot reach Redis at {where}: {e}", file=sys.stderr)

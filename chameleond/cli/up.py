@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis
 from redis.exceptions import RedisError
 
 from chameleond.core.policy import Selection
@@ -33,6 +32,7 @@ from chameleond.local.progress import ProgressView
 from chameleond.local.report import build_report, print_table, write_report
 from chameleond.local.run import LocalRun, RunOptions
 from chameleond.protocol import Keys, url_error
+from chameleond.redisurl import connect
 from chameleond.traces.replay import ReplayStep, TraceError, load_trace, plan_replay
 
 # The default schedule (docs/local.md, "Why the two default faults end differently").
@@ -220,7 +220,7 @@ def fresh_run_dir(report_dir: Path) -> Path:
 def job_taken(redis_url: str, job: str) -> bool:
     """Whether an external Redis already holds state of this job (a run would resume it)."""
     keys = Keys(job)
-    with redis.Redis.from_url(redis_url) as client:
+    with connect(redis_url) as client:
         return bool(client.exists(keys.state, keys.plan, keys.events, keys.decisions))
 
 

@@ -17,14 +17,14 @@ step. A restore (every worker loads a checkpoint) is priced by `restore_seconds`
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from chameleond.core import restorer, selector
 from chameleond.core.drop import FIXED_BATCH, drop, regrow
 from chameleond.core.estimator import Estimator
-from chameleond.core.holdings import Held, of_pipelines
+from chameleond.core.holdings import Held, holder_counts, of_pipelines, sole_holders
 from chameleond.core.layout import (
     LayoutError,
     layout_pipelines,
@@ -32,9 +32,10 @@ from chameleond.core.layout import (
     own_layout_rerouted,
     own_routing,
 )
-from chameleond.core.plan import Estimates, Pipeline, Plan, Transfer
+from chameleond.core.plan import Estimates, Pipeline, Plan, Transfer, executors
 from chameleond.core.policy import Policy
 from chameleond.core.reroute import RoutingTable, reroute
+from chameleond.core.roster import roster
 from chameleond.core.search import search
 from chameleond.core.spec import JobSpec
 
@@ -56,8 +57,8 @@ def infeasible(policy: Policy, reason: str, transition: float = 0.0) -> Candidat
     return Candidate(policy, False, reason, math.inf, transition, 0.0, 0, None)
 
 
-def worker_order(spec: JobSpec) -> dict[str, int]:
-    return {w.id: i for i, w in enumerate(spec.workers)}
+def worker_order(spec: JobSpec) -> Mapping[str, int]:
+    return roster(spec).order
 
 
 def _holders(held: Held) -> dict[int, set[str]]:
@@ -72,15 +73,16 @@ def _holders(held: Held) -> dict[int, set[str]]:
 
 def lost_layers(spec: JobSpec, held: Held, out: set[str]) -> str | None:
     """'layers 4-7 lost every replica (workers w3, w7 failed)', or None."""
-    holders_of = _holders(held)
+    counts = holder_counts(held, len(spec.layers), out)
     # A layer without parameters or optimizer state has nothing to lose (as in core.restorer).
     lost = [
         layer
         for layer, lp in enumerate(spec.layers)
-        if lp.param_bytes + lp.optimizer_bytes > 0 and not holders_of.get(layer, set()) - out
+        if lp.param_bytes + lp.optimizer_bytes > 0 and not counts[layer]
     ]
     if not lost:
         return None
+    holders_of = _holders(held)
     order = worker_order(spec)
     who = sorted({w for layer in lost for w in holders_of.get(layer, ())}, key=order.__getitem__)
     word = "layer" if len(lost) == 1 else "layers"
@@ -103,6 +105,7 @@ def priced_plan(
 ) -> tuple[Plan, str | None]:
     """A plan with its estimates, and the out-of-memory reason if a worker does not fit. Its
     global batch is the samples its pipelines train per step (the spec's B but for a drop plan)."""
+    pipelines = tuple(pipelines)
     groups = restorer.sync_groups(pipelines, excluded)
     step = est.step_seconds(pipelines, routing, groups)
     memory = est.peak_memory(pipelines, routing, excluded)
@@ -113,7 +116,7 @@ def priced_plan(
         policy=policy,
         global_batch=batch,
         micro_batch=spec.training.micro_batch,
-        pipelines=tuple(pipelines),
+        pipelines=pipelines,
         routing=routing,
         migration=migration,
         sync_groups=groups,
@@ -155,10 +158,28 @@ def at_risk(
     """The share of the plan's workers whose loss would leave some layer with no copy: those
     that are a layer's only holder among the workers the plan runs (a rerouted slot's owner
     is gone and holds nothing)."""
-    running = {w for pipe in routing for stage in pipe for w in stage}
-    held = [ws & running for ws in _holders(of_pipelines(pipelines)).values()]
-    sole = {next(iter(ws)) for ws in held if len(ws) == 1}
-    return len(sole) / len(running) if running else 0.0
+    for seen, seen_routing, risk in _RISKS:
+        if seen is pipelines and seen_routing is routing:
+            return risk
+    running = executors(routing)
+    if not running:
+        return 0.0
+    spans = [(st.first_layer, st.end_layer, st.worker) for pipe in pipelines
+             for st in pipe.stages if st.worker in running]  # fmt: skip
+    n_layers = max((b for _, b, _ in spans), default=0)
+    if len({w for _, _, w in spans}) < len(spans):  # a worker of several stages: merged
+        held = of_pipelines(pipelines, running.__contains__)
+        spans = [(a, b, w) for w, ivs in held.items() for a, b in ivs]
+    risk = len(sole_holders(spans, n_layers)) / len(running)
+    if isinstance(pipelines, tuple) and isinstance(routing, tuple):  # immutable: kept
+        _RISKS.insert(0, (pipelines, routing, risk))
+        del _RISKS[4:]
+    return risk
+
+
+# The last plans' risk, by identity: a candidate's plan is priced, then made a candidate, and the
+# dynamic one's also made a switch.
+_RISKS: list[tuple[Sequence[Pipeline], Sequence[Sequence[Sequence[str]]], float]] = []
 
 
 def switch_pays_after(step_rr: float, step_dyn: float, switch: Estimates) -> float | None:
@@ -201,7 +222,7 @@ def routed_candidate(
     owners that never acknowledged their layers receive them (repairs); nothing changed costs
     nothing, else the rebuild and the repairs."""
     excluded = sorted(fenced, key=worker_order(spec).__getitem__)
-    running = {w for pipe in routing for stage in pipe for w in stage}
+    running = executors(routing)
     try:  # owners that never acknowledged the layers the layout gives them receive them now
         repairs, seconds = restorer.repairs(spec, current.pipelines, running, held)
     except restorer.LostLayers as e:

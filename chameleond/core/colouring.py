@@ -16,7 +16,8 @@ among its neighbours, break ties by degree, then by vertex order; give it the sm
 neighbours do not use. The test suite checks that both give the same colouring. networkx's version
 recomputes every vertex's saturation before each pick, O(V * (V + E)) in all, which is minutes for
 the few thousand transfers of a 1,024-worker re-partition; this one keeps a heap with lazy
-deletion, O((V + E) log V).
+deletion, O((V + E) log V), and each vertex's neighbouring colours (as each member's rounds in
+`first_fit_decreasing`) as an integer bit set.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def dsatur(adjacency: Sequence[Collection[int]]) -> list[int]:
     """Colour vertices 0..n-1 (`adjacency[v]` = neighbours of v, symmetric, no self loops)."""
     n = len(adjacency)
     colour = [-1] * n
-    seen: list[set[int]] = [set() for _ in range(n)]  # distinct colours among coloured neighbours
+    # The distinct colours among a vertex's coloured neighbours as a bit set, and their count.
+    seen = [0] * n
+    saturation = [0] * n
     degree = [len(a) for a in adjacency]
     # Entries are (-saturation, -degree, vertex); an entry is stale once the vertex is coloured or
     # its saturation has grown (a newer entry was pushed then).
@@ -37,16 +40,17 @@ def dsatur(adjacency: Sequence[Collection[int]]) -> list[int]:
     heapq.heapify(heap)
     while heap:
         neg_sat, _, v = heapq.heappop(heap)
-        if colour[v] >= 0 or -neg_sat != len(seen[v]):
+        if colour[v] >= 0 or -neg_sat != saturation[v]:
             continue
-        c = 0
-        while c in seen[v]:
-            c += 1
+        used = seen[v]
+        c = (~used & (used + 1)).bit_length() - 1  # the smallest colour not in `used`
         colour[v] = c
+        bit = 1 << c
         for u in adjacency[v]:
-            if colour[u] < 0 and c not in seen[u]:
-                seen[u].add(c)
-                heapq.heappush(heap, (-len(seen[u]), -degree[u], u))
+            if colour[u] < 0 and not seen[u] & bit:
+                seen[u] |= bit
+                saturation[u] += 1
+                heapq.heappush(heap, (-saturation[u], -degree[u], u))
     return colour
 
 
@@ -58,8 +62,9 @@ def conflict_graph(members: Sequence[Iterable[Hashable]]) -> list[set[int]]:
             by_member.setdefault(m, []).append(i)
     adjacency: list[set[int]] = [set() for _ in members]
     for items in by_member.values():
-        for i in items:
-            adjacency[i].update(items)
+        if len(items) > 1:  # a member of one item links nothing
+            for i in items:
+                adjacency[i].update(items)
     for i, a in enumerate(adjacency):
         a.discard(i)
     return adjacency
@@ -74,17 +79,18 @@ def first_fit_decreasing(
     members: Sequence[Iterable[Hashable]], seconds: Sequence[float]
 ) -> list[int]:
     """Rounds for items with durations: longest first, each into the lowest round it fits."""
-    busy: dict[Hashable, set[int]] = {}
+    busy: dict[Hashable, int] = {}  # member -> the rounds it takes part in, as a bit set
     colour = [0] * len(members)
     for i in sorted(range(len(members)), key=lambda i: (-seconds[i], i)):
         ms = list(members[i])
-        taken = set().union(*(busy.get(m, ()) for m in ms))
-        c = 0
-        while c in taken:
-            c += 1
-        colour[i] = c
+        taken = 0
         for m in ms:
-            busy.setdefault(m, set()).add(c)
+            taken |= busy.get(m, 0)
+        c = (~taken & (taken + 1)).bit_length() - 1  # the lowest round not taken
+        colour[i] = c
+        bit = 1 << c
+        for m in ms:
+            busy[m] = busy.get(m, 0) | bit
     return colour
 
 

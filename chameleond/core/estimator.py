@@ -34,9 +34,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Collection, Sequence
+from itertools import repeat
 
 from chameleond.core.layertable import LayerTable
-from chameleond.core.plan import Pipeline, SyncGroup
+from chameleond.core.plan import Pipeline, SyncGroup, executors
+from chameleond.core.roster import roster
 from chameleond.core.schedule import (
     BACKWARD,
     FORWARD,
@@ -191,10 +193,11 @@ class Estimator:
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.table = LayerTable(spec)
-        self._host = {w.id: w.host for w in spec.workers}
-        self._memory = {w.id: w.memory_bytes for w in spec.workers}
-        self._speed = {w.id: w.speed for w in spec.workers}
+        workers = roster(spec)
+        self._host, self._memory, self._speed = workers.host, workers.memory, workers.speed
         self._memo: dict[PathKey, list[float]] = {}
+        self._shapes: dict[tuple[tuple[tuple[int, int, float], ...], tuple[int, ...], int],
+                           list[float]] = {}  # fmt: skip
         # The failure-free longest path of rerouted pipelines, by shape: a job's pipelines of one
         # length and micro-batch count on links alike are timed once per decision.
         self._ideal: dict[PathKey, tuple[list[float], list[float], list[float], list[float]]] = {}
@@ -218,15 +221,42 @@ class Estimator:
         """When each executing worker ends its last op of the step."""
         out: dict[str, float] = {}
         for group in _coupled(pipelines, routing):
-            if len(group) == 1 and _unrouted(pipelines[group[0]], routing[group[0]]):
+            if len(group) == 1:
                 pipe = pipelines[group[0]]
-                for st, end in zip(pipe.stages, self._own_pipeline(pipe), strict=True):
-                    out[st.worker] = end
-            else:
-                out.update(self._schedule([pipelines[p] for p in group], group, routing))
+                times = self._own_pipeline(pipe, routing[group[0]])
+                if times is not None:
+                    for st, end in zip(pipe.stages, times, strict=True):
+                        out[st.worker] = end
+                    continue
+            out.update(self._schedule([pipelines[p] for p in group], group, routing))
         return out
 
-    def _own_pipeline(self, pipe: Pipeline) -> list[float]:
+    def _own_pipeline(self, pipe: Pipeline, rt: Sequence[Sequence[str]]) -> list[float] | None:
+        """Each stage's end, for a pipeline whose slots each run every micro-batch on their own
+        worker, one worker per slot; None for any other (it is scheduled with its routing)."""
+        # What the times depend on: each stage's layers and speed, each boundary's link (none
+        # between two stages of one worker), the micro-batches; cheaper to key than the times.
+        host, v = self._host, self._speed
+        spans: list[tuple[int, int, float]] = []
+        links: list[int] = []
+        before = None
+        for st, run in zip(pipe.stages, rt, strict=True):
+            w = st.worker
+            if run.count(w) != len(run):
+                return None  # rerouted
+            spans.append((st.first_layer, st.end_layer, v[w]))
+            if before is not None:
+                links.append(0 if before == w else 1 if host[before] == host[w] else 2)
+            before = w
+        if len({st.worker for st in pipe.stages}) < len(spans):
+            return None  # a worker of several slots runs them in one queue
+        shape = (tuple(spans), tuple(links), pipe.micro_batches)
+        found = self._shapes.get(shape)
+        if found is None:
+            found = self._shapes[shape] = self._own_pipeline_times(pipe)
+        return found
+
+    def _own_pipeline_times(self, pipe: Pipeline) -> list[float]:
         t, v = self.table, self._speed
         fwd = tuple(
             t.forward_seconds(s.first_layer, s.end_layer) / v[s.worker] for s in pipe.stages
@@ -357,7 +387,7 @@ class Estimator:
         if not self.spec.training.overlap_sync:
             return self.makespan(pipelines, routing) + self.sync_seconds(groups)
         finish = self.finishes(pipelines, routing)
-        ready = [max((finish.get(w, 0.0) for w in g.workers), default=0.0) for g in groups]
+        ready = [max(map(finish.get, g.workers, repeat(0.0)), default=0.0) for g in groups]
         seconds = [self.group_sync_seconds(g) for g in groups]
         end = overlapped_sync_end(ready, seconds, [g.round for g in groups])
         return max(max(finish.values(), default=0.0), end)
@@ -370,11 +400,11 @@ class Estimator:
     def _update_per_worker(
         self, pipelines: Sequence[Pipeline], routing: Routing
     ) -> dict[str, float]:
-        executors = {w for rt in routing for stage in rt for w in stage}
+        running = executors(routing)
         out: dict[str, float] = {}
         for pipe in pipelines:
             for st in pipe.stages:
-                if st.worker in executors:
+                if st.worker in running:
                     u = (
                         self.table.update_seconds(st.first_layer, st.end_layer)
                         / self._speed[st.worker]
@@ -412,7 +442,7 @@ class Estimator:
         """(the shared step's seconds, CPU work per step of each shared host), or None when no
         host is shared by more executing workers than it has cores."""
         hosts, host_of = self.spec.hosts, self._host
-        executing = {w for rt in routing for stage in rt for w in stage}
+        executing = executors(routing)
         crowd = Counter(host_of[w] for w in executing if host_of[w] in hosts)
         if all(n <= hosts[h].cpu_cores for h, n in crowd.items()):
             return None
@@ -445,7 +475,7 @@ class Estimator:
     def vote_seconds(self, routing: Routing) -> float:
         """The commit vote: an all-reduce of a few numbers per worker over every executing worker,
         once per step; its cost is the link latency of the ring's 2(n-1) hops."""
-        executing = {w for rt in routing for stage in rt for w in stage}
+        executing = executors(routing)
         hosts = {self._host[w] for w in executing}
         link = self.spec.intra_host if len(hosts) <= 1 else self.spec.inter_host
         return ring_allreduce_seconds(len(executing), VOTE_BYTES * len(executing), link)
@@ -474,14 +504,23 @@ class Estimator:
         """
         t = self.table
         out: dict[str, int] = {}
+        slot: dict[tuple[int, int, int], int] = {}  # (layers, stashed micro-batches) -> bytes
         for p, pipe in enumerate(pipelines):
             n = len(pipe.stages)
             for s, st in enumerate(pipe.stages):
-                a, b = st.first_layer, st.end_layer
-                if st.worker not in excluded:
-                    out[st.worker] = out.get(st.worker, 0) + t.state_bytes(a, b)
+                a, b, owner, executing = st.first_layer, st.end_layer, st.worker, routing[p][s]
+                if owner not in excluded and executing.count(owner) == len(executing):
+                    # The owner runs every micro-batch of its slot (most slots).
+                    key = (a, b, min(n - s, len(executing)))
+                    own = slot.get(key)
+                    if own is None:
+                        own = slot[key] = t.state_bytes(a, b) + key[2] * t.activation_bytes(a, b)
+                    out[owner] = out.get(owner, 0) + own
+                    continue
+                if owner not in excluded:
+                    out[owner] = out.get(owner, 0) + t.state_bytes(a, b)
                 counts: dict[str, int] = {}
-                for w in routing[p][s]:
+                for w in executing:
                     counts[w] = counts.get(w, 0) + 1
                 for w, k in counts.items():
                     out[w] = out.get(w, 0) + min(n - s, k) * t.activation_bytes(a, b)
@@ -489,10 +528,12 @@ class Estimator:
 
     def over_memory(self, memory: dict[str, int]) -> str | None:
         """The first worker whose peak exceeds its device memory, as a reason, or None."""
-        for w in sorted(memory, key=lambda w: memory[w] - self._memory[w], reverse=True):
-            if memory[w] > self._memory[w]:
-                return f"worker {w} needs {memory[w]} bytes, has {self._memory[w]} (out of memory)"
-            break
+        if not memory:
+            return None
+        # The first of the largest overshoots, in `memory`'s order.
+        w = max(memory, key=lambda w: memory[w] - self._memory[w])
+        if memory[w] > self._memory[w]:
+            return f"worker {w} needs {memory[w]} bytes, has {self._memory[w]} (out of memory)"
         return None
 
 
@@ -531,14 +572,6 @@ def reroute_bound_seconds(
     return (n_stages + n_micro - 1 + extra) * (t_f + t_b)
 
 
-def _unrouted(pipe: Pipeline, routing: Sequence[Sequence[str]]) -> bool:
-    """Every slot runs its own micro-batches, each on a worker of its own."""
-    owners = [st.worker for st in pipe.stages]
-    if len(set(owners)) != len(owners):
-        return False
-    return all(all(w == owner for w in stage) for owner, stage in zip(owners, routing, strict=True))
-
-
 def _coupled(pipelines: Sequence[Pipeline], routing: Routing) -> list[list[int]]:
     """Pipelines that share an executor, directly or through others (union-find)."""
     parent = list(range(len(pipelines)))
@@ -552,7 +585,8 @@ def _coupled(pipelines: Sequence[Pipeline], routing: Routing) -> list[list[int]]
     first_seen: dict[str, int] = {}
     for p in range(len(pipelines)):
         for stage in routing[p]:
-            for w in set(stage):
+            # Most stages run on their owner alone.
+            for w in (stage[0],) if stage.count(stage[0]) == len(stage) else set(stage):
                 q = first_seen.setdefault(w, p)
                 if q != p:
                     parent[find(p)] = find(q)

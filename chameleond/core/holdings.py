@@ -24,9 +24,11 @@ newest step whose files cover every layer is what a `restore` plan loads.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from chameleond.core.plan import Pipeline, Plan
 
@@ -54,9 +56,82 @@ def of_pipelines(
     raw: dict[str, list[Interval]] = {}
     for pipe in pipelines:
         for st in pipe.stages:
-            if holds(st.worker):
-                raw.setdefault(st.worker, []).append((st.first_layer, st.end_layer))
-    return {w: merge(ivs) for w, ivs in raw.items()}
+            w = st.worker
+            if holds(w):
+                got = raw.get(w)
+                if got is None:
+                    raw[w] = [(st.first_layer, st.end_layer)]
+                else:
+                    got.append((st.first_layer, st.end_layer))
+    # Most workers own one stage: its interval is already merged unless it is empty.
+    return {w: ivs if len(ivs) == 1 and ivs[0][0] < ivs[0][1] else merge(ivs)
+            for w, ivs in raw.items()}  # fmt: skip
+
+
+def coverage(held: Held, n_layers: int) -> tuple[list[int], list[str | None]]:
+    """Per layer: how many workers of `held` hold it, and its holder where exactly one does
+    (None elsewhere). A sweep over the intervals' ends, so linear in the intervals and the
+    layers; each worker's intervals must not overlap (merged, as `Held` is)."""
+    return spans_coverage([(a, b, w) for w, ivs in held.items() for a, b in ivs], n_layers)
+
+
+def holder_counts(held: Held, n_layers: int, out: Collection[str] = ()) -> list[int]:
+    """Per layer: how many workers of `held`, but those in `out`, hold it (`coverage`'s counts
+    alone)."""
+    starts: list[int] = []
+    ends: list[int] = []
+    for w, ivs in held.items():
+        if w not in out:
+            for a, b in ivs:
+                if a < b:
+                    starts.append(a)
+                    ends.append(min(b, n_layers))
+    return _counts(starts, ends, n_layers).tolist()
+
+
+def sole_holders(spans: Sequence[tuple[int, int, str]], n_layers: int) -> set[str]:
+    """The workers of (first_layer, end_layer, worker) spans, no two of one worker overlapping,
+    that are some layer's only holder: `spans_coverage`'s sole holders, as a set."""
+    starts = np.array([a for a, _, _ in spans], np.intp)
+    ends = np.minimum(np.array([b for _, b, _ in spans], np.intp), n_layers)
+    alone = _counts(starts, ends, n_layers) == 1
+    if not alone.any():
+        return set()
+    # A span over a layer held once is that layer's holder.
+    prefix = np.concatenate(([0], np.cumsum(alone)))
+    over = np.flatnonzero((prefix[ends] - prefix[starts] > 0) & (starts < ends))
+    return {spans[i][2] for i in over.tolist()}
+
+
+def _counts(starts: Sequence[int] | np.ndarray, ends: Sequence[int] | np.ndarray,
+            n_layers: int) -> np.ndarray:  # fmt: skip
+    """Per layer, the spans [start, end) over it (ends at most n_layers)."""
+    size = n_layers + 1
+    first, end = np.asarray(starts, np.intp), np.asarray(ends, np.intp)
+    count = np.bincount(first, minlength=size) - np.bincount(end, minlength=size)
+    return np.cumsum(count[:n_layers])
+
+
+def spans_coverage(
+    spans: Sequence[tuple[int, int, str]], n_layers: int
+) -> tuple[list[int], list[str | None]]:
+    """`coverage` of (first_layer, end_layer, worker) spans, no two of one worker overlapping."""
+    workers = list(dict.fromkeys(w for _, _, w in spans))
+    number = {w: i for i, w in enumerate(workers)}
+    starts = [a for a, b, _ in spans if a < b]
+    ends = [min(b, n_layers) for a, b, _ in spans if a < b]
+    index = [number[w] for a, b, w in spans if a < b]
+    size = n_layers + 1
+    first, end = np.array(starts, np.intp), np.array(ends, np.intp)
+    count = np.bincount(first, minlength=size) - np.bincount(end, minlength=size)
+    # The sum of the holders' indices: the holder itself where there is one.
+    at = np.array(index, np.int64)
+    which = np.bincount(first, at, size).astype(np.int64) - np.bincount(end, at, size).astype(
+        np.int64
+    )
+    counts = np.cumsum(count[:n_layers]).tolist()
+    sums = np.cumsum(which[:n_layers]).tolist()
+    return counts, [workers[i] if c == 1 else None for c, i in zip(counts, sums, strict=True)]
 
 
 def of_plan(plan: Plan, alive: Collection[str] | None = None) -> dict[str, list[Interval]]:

@@ -8,8 +8,9 @@ groups, each in colouring rounds, and the model's estimates. Generations strictl
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any
 
 from chameleond.core.policy import Policy
@@ -92,12 +93,18 @@ class Plan:
     # from the job's checkpoint of this step and training resumes after it (docs/plan.md)
     restore_step: int | None = None
 
-    @property
+    @cached_property
     def workers(self) -> tuple[str, ...]:
-        """Every worker that executes something under this plan, sorted."""
+        """Every worker that executes something under this plan, sorted (found once: the plan
+        is frozen)."""
         ws = {w for pipe in self.routing for stage in pipe for w in stage}
         ws |= {t.dst for t in self.migration}
         return tuple(sorted(ws))
+
+    @cached_property
+    def members(self) -> frozenset[str]:
+        """The workers that run this plan: its workers less the excluded."""
+        return frozenset(self.workers) - frozenset(self.excluded)
 
     def owned_layers(self, worker: str) -> tuple[int, ...]:
         """Layers whose state `worker` holds after this plan's migration."""
@@ -117,6 +124,28 @@ class Plan:
     def samples_per_second(self) -> float:
         step = self.estimates.step_seconds
         return self.global_batch / step if step else 0.0
+
+
+def executors(routing: Sequence[Sequence[Sequence[str]]]) -> frozenset[str]:
+    """Every worker that executes some micro-batch of some stage."""
+    last = _EXECUTORS[0]
+    if last is not None and last[0] is routing:
+        return last[1]
+    out: set[str] = set()
+    for pipe in routing:
+        for stage in pipe:
+            if stage and stage.count(stage[0]) == len(stage):  # the owner runs them all
+                out.add(stage[0])
+            else:
+                out.update(stage)
+    found = frozenset(out)
+    if isinstance(routing, tuple):  # immutable: the step's parts ask for the same routing
+        _EXECUTORS[0] = (routing, found)
+    return found
+
+
+# The last routing asked about and its executors (one reference, replaced whole).
+_EXECUTORS: list[tuple[Sequence[Sequence[Sequence[str]]], frozenset[str]] | None] = [None]
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import networkx as nx
@@ -28,9 +28,10 @@ import numpy as np
 import numpy.typing as npt
 from scipy.optimize import linear_sum_assignment
 
-from chameleond.core.colouring import rounds, weighted_rounds
+from chameleond.core.colouring import dsatur, weighted_rounds
 from chameleond.core.holdings import Held, Interval, of_plan
 from chameleond.core.plan import Pipeline, Plan, Stage, SyncGroup, Transfer
+from chameleond.core.roster import roster
 from chameleond.core.spec import JobSpec, LinkSpec
 
 
@@ -130,7 +131,7 @@ def assign(
     (the caller turns that into the unrecoverable result).
     """
     _check_shape(shape, micro_batches, spec)
-    order = {w.id: i for i, w in enumerate(spec.workers)}
+    order = roster(spec).order
     unknown = [w for w in survivors if w not in order]
     if unknown:
         raise RestoreError(f"survivors: {', '.join(map(str, unknown[:5]))} not workers of the job")
@@ -174,6 +175,8 @@ def repairs(
     does not hold yet (a layout kept while its last transition was cut short), and its seconds.
     Raises `LostLayers` when some layer has no holder among `workers`."""
     ws = set(workers)
+    if _nothing_missing(spec, pipelines, ws, held):
+        return (), 0.0
     running = [
         Pipeline(tuple(st for st in p.stages if st.worker in ws), p.first_micro_batch,
                  p.micro_batches)
@@ -184,8 +187,37 @@ def repairs(
     return _migration(spec, running, kept, _replicas(kept, layer_bytes), layer_bytes)
 
 
+def _nothing_missing(
+    spec: JobSpec, pipelines: Sequence[Pipeline], workers: Collection[str], held: Held
+) -> bool:
+    """Each of `workers` holds every layer of its stages, and those stages cover every layer
+    with state (so none is lost): `repairs` has nothing to send (most reroutes)."""
+    covered: set[tuple[int, int]] = set()
+    for pipe in pipelines:
+        for st in pipe.stages:
+            if st.worker in workers:
+                a, b = st.first_layer, st.end_layer
+                if not _holds(held.get(st.worker, ()), a, b):
+                    return False
+                covered.add((a, b))
+    layers = [False] * len(spec.layers)
+    for a, b in covered:
+        layers[a:b] = [True] * (b - a)
+    stateful = (lp.param_bytes + lp.optimizer_bytes > 0 for lp in spec.layers)
+    return all(c or not s for c, s in zip(layers, stateful, strict=True))
+
+
+def _holds(intervals: Sequence[Interval], first: int, end: int) -> bool:
+    """Whether merged `intervals` cover [first, end)."""
+    if len(intervals) == 1:  # most workers hold one stage's layers
+        x, y = intervals[0]
+        return x <= first and end <= y
+    return any(x <= first and end <= y for x, y in intervals)
+
+
 def _held_by(workers: Iterable[str], held: Held) -> dict[str, list[Interval]]:
-    return {w: list(held[w]) for w in workers if held.get(w)}
+    """What `workers` hold (read, never changed: the lists are `held`'s own)."""
+    return {w: ivs for w in workers if (ivs := held.get(w))}
 
 
 def _layer_bytes(spec: JobSpec) -> npt.NDArray[np.int64]:
@@ -328,7 +360,7 @@ class _Replicas:
 class _Links:
     """spec.link without its linear worker lookup (called once per transfer candidate)."""
 
-    def __init__(self, spec: JobSpec, host: dict[str, str]) -> None:
+    def __init__(self, spec: JobSpec, host: Mapping[str, str]) -> None:
         self.intra, self.inter, self.host = spec.intra_host, spec.inter_host, host
 
     def __call__(self, a: str, b: str) -> LinkSpec:
@@ -338,48 +370,58 @@ class _Links:
 class _Sources:
     """Per segment, its holders in heaps keyed by the seconds of sending already given to them.
 
-    One heap over all holders and one per host; entries go stale when a holder's load grows and
-    are dropped lazily, so each choice costs O(log holders).
+    One heap over all holders and one per host, built when a piece of the segment first needs a
+    source; entries go stale when a holder's load grows and are dropped lazily, so each choice
+    costs O(log holders).
     """
 
-    def __init__(self, replicas: _Replicas, order: dict[str, int], host: dict[str, str]) -> None:
+    def __init__(
+        self, replicas: _Replicas, order: Mapping[str, int], host: Mapping[str, str]
+    ) -> None:
         self.replicas, self.order, self.host = replicas, order, host
-        self.load: dict[str, float] = {w: 0.0 for w in replicas.segments_of}
-        self.any: list[list[tuple[float, int, str]]] = [[] for _ in replicas.holders]
+        self.load: dict[str, float] = {}  # seconds of sending given to a holder; absent: none
+        self.any: dict[int, list[tuple[float, int, str]]] = {}
         self.local: dict[tuple[int, str], list[tuple[float, int, str]]] = {}
-        for w in replicas.segments_of:
-            self._push(w)
+
+    def _build(self, segment: int) -> None:
+        # Sorted lists are heaps: every holder once, at its load now.
+        load, order = self.load, self.order
+        entries = sorted((load.get(w, 0.0), order[w], w) for w in self.replicas.holders[segment])
+        self.any[segment] = entries
+        for entry in entries:
+            self.local.setdefault((segment, self.host[entry[2]]), []).append(entry)
 
     def _push(self, w: str) -> None:
         entry = (self.load[w], self.order[w], w)
         for k in self.replicas.segments_of[w]:
-            heapq.heappush(self.any[k], entry)
-            heapq.heappush(self.local.setdefault((k, self.host[w]), []), entry)
+            if k in self.any:  # a heap not built yet reads the load when it is
+                heapq.heappush(self.any[k], entry)
+                heapq.heappush(self.local[(k, self.host[w])], entry)
 
     def _top(self, heap: list[tuple[float, int, str]] | None) -> str | None:
         while heap:
             load, _, w = heap[0]
-            if load == self.load[w]:
+            if load == self.load.get(w, 0.0):
                 return w
             heapq.heappop(heap)
         return None
 
-    def choose(self, segment: int, dst: str, nbytes: int, links: _Links) -> str:
-        """The holder that would finish sending `nbytes` to `dst` earliest; same host on ties."""
-        best: tuple[float, int, int, str] | None = None
-        for w in (
-            self._top(self.local.get((segment, self.host[dst]))),
-            self._top(self.any[segment]),
-        ):
-            if w is None:
-                continue
-            finish = self.load[w] + links(w, dst).transfer_seconds(nbytes)
-            key = (finish, int(self.host[w] != self.host[dst]), self.order[w], w)
-            if best is None or key < best:
-                best = key
-        assert best is not None, "segment without a holder reached source choice"
-        w = best[3]
-        self.load[w] = best[0]
+    def choose(self, segment: int, dst: str, local: float, remote: float) -> str:
+        """The holder that would finish sending to `dst` earliest (`local`, `remote`: the
+        piece's seconds on the same host and across hosts); same host on ties."""
+        if segment not in self.any:
+            self._build(segment)
+        here, load = self.host[dst], self.load
+        w = self._top(self.any[segment])
+        assert w is not None, "segment without a holder reached source choice"
+        if self.host[w] == here:  # the least loaded holder is local: no other can beat it
+            finish = load.get(w, 0.0) + local
+        else:
+            finish = load.get(w, 0.0) + remote
+            near = self._top(self.local.get((segment, here)))
+            if near is not None and load.get(near, 0.0) + local <= finish:
+                w, finish = near, load.get(near, 0.0) + local
+        load[w] = finish
         self._push(w)
         return w
 
@@ -391,24 +433,28 @@ def _migration(
     replicas: _Replicas,
     layer_bytes: npt.NDArray[np.int64],
 ) -> tuple[tuple[Transfer, ...], float]:
-    order = {w.id: i for i, w in enumerate(spec.workers)}
-    links = _Links(spec, {w.id: w.host for w in spec.workers})
+    workers = roster(spec)
+    order = workers.order
+    links = _Links(spec, workers.host)
     prefix = np.concatenate(([0], np.cumsum(layer_bytes))).tolist()
     # Every missing piece (destination, segment, layer range) with bytes to send.
     pieces: list[tuple[int, str, int, int, int]] = []
     for pipe in pipelines:
         for st in pipe.stages:
-            own = set(replicas.segments_of.get(st.worker, ()))
-            for k, a, b in replicas.pieces(st.first_layer, st.end_layer, own):
+            w, first, end = st.worker, st.first_layer, st.end_layer
+            if _holds(held.get(w, ()), first, end):
+                continue  # nothing to send it
+            for k, a, b in replicas.pieces(first, end, replicas.segments_of.get(w, ())):
                 nbytes = prefix[b] - prefix[a]
                 if nbytes > 0:  # layers without parameters or optimizer state move nothing
-                    pieces.append((nbytes, st.worker, k, a, b))
+                    pieces.append((nbytes, w, k, a, b))
     # Largest first (LPT): big pieces spread over idle sources, small ones fill in the gaps.
     pieces.sort(key=lambda x: (-x[0], order[x[1]], x[3]))
     sources = _Sources(replicas, order, links.host)
     coalesced: dict[tuple[str, str], tuple[list[int], int]] = {}
+    intra, inter = spec.intra_host, spec.inter_host
     for nbytes, dst, k, a, b in pieces:
-        src = sources.choose(k, dst, nbytes, links)
+        src = sources.choose(k, dst, intra.transfer_seconds(nbytes), inter.transfer_seconds(nbytes))
         layers, sent = coalesced.get((src, dst), ([], 0))
         layers.extend(range(a, b))
         coalesced[(src, dst)] = (layers, sent + nbytes)
@@ -428,7 +474,7 @@ def _migration(
 
 def nic_bound_seconds(
     spec: JobSpec,
-    host: dict[str, str],
+    host: Mapping[str, str],
     pairs: Sequence[tuple[str, str]],
     nbytes: Sequence[int],
     seconds: Sequence[float],
@@ -458,26 +504,68 @@ def sync_groups(pipelines: Sequence[Pipeline], excluded: Collection[str]) -> tup
     pipeline. Layers with identical groups are merged; groups sharing a worker conflict and go to
     different rounds. A group of one is listed too (nothing to reduce, but explicit for workers).
     """
-    cuts: set[int] = set()
+    out = set(excluded)
+    spans: dict[tuple[int, int], list[str]] = {}  # a stage's layers -> their owners
+    first: dict[str, tuple[int, int]] = {}  # each owner's first stage
+    several: dict[str, list[tuple[int, int]]] = {}  # owners of more than one stage -> spans
     for pipe in pipelines:
         for st in pipe.stages:
-            cuts.update((st.first_layer, st.end_layer))
-    bounds = sorted(cuts)
+            span = (st.first_layer, st.end_layer)
+            found = spans.get(span)
+            if found is None:
+                found = spans[span] = []
+            w = st.worker
+            if w not in out:
+                found.append(w)
+                if w in first:
+                    several.setdefault(w, [first[w]]).append(span)
+                else:
+                    first[w] = span
+    bounds = sorted({b for span in spans for b in span})
     index = {b: i for i, b in enumerate(bounds)}
-    owners: list[set[str]] = [set() for _ in bounds[:-1]]
-    for pipe in pipelines:
-        for st in pipe.stages:
-            if st.worker in excluded:
-                continue
-            for k in range(index[st.first_layer], index[st.end_layer]):
-                owners[k].add(st.worker)
+    # Per segment between two bounds: the spans over it, each span's owners sorted once.
+    over: list[list[tuple[int, int]]] = [[] for _ in bounds[:-1]]
+    for span, names in spans.items():
+        if names:
+            names.sort()
+            for k in range(index[span[0]], index[span[1]]):
+                over[k].append(span)
     merged: dict[tuple[str, ...], list[int]] = {}
-    for k, ws in enumerate(owners):
-        if ws:
-            merged.setdefault(tuple(sorted(ws)), []).extend(range(bounds[k], bounds[k + 1]))
+    for k, covering in enumerate(over):
+        if covering:
+            # Sorting sorted runs is linear; a set only where an owner may repeat.
+            ws = [w for span in covering for w in spans[span]]
+            key = tuple(sorted(set(ws) if several else ws))
+            merged.setdefault(key, []).extend(range(bounds[k], bounds[k + 1]))
     groups = sorted(merged.items(), key=lambda g: (min(g[1]), g[0]))
-    colour = rounds([ws for ws, _ in groups])
+    colour = dsatur(_group_conflicts(groups, spans, several))
     return tuple(
         SyncGroup(ws, tuple(sorted(layers)), c)
         for (ws, layers), c in zip(groups, colour, strict=True)
     )
+
+
+def _group_conflicts(
+    groups: Sequence[tuple[tuple[str, ...], list[int]]],
+    spans: dict[tuple[int, int], list[str]],
+    several: dict[str, list[tuple[int, int]]],
+) -> list[set[int]]:
+    """`conflict_graph` of the groups' workers, from the stages: the groups of one owner's
+    layers form a clique, so owners of the same stages give the same clique, built once."""
+    group_of: dict[int, int] = {}
+    for g, (_, layers) in enumerate(groups):
+        for layer in layers:
+            group_of[layer] = g
+    cliques = {frozenset(group_of[layer] for layer in range(a, b) if layer in group_of)
+               for (a, b), names in spans.items() if names}  # fmt: skip
+    for owned in several.values():
+        cliques.add(frozenset(group_of[layer] for a, b in owned for layer in range(a, b)
+                              if layer in group_of))  # fmt: skip
+    adjacency: list[set[int]] = [set() for _ in groups]
+    for clique in cliques:
+        if len(clique) > 1:
+            for g in clique:
+                adjacency[g].update(clique)
+    for g, a in enumerate(adjacency):
+        a.discard(g)
+    return adjacency

@@ -38,7 +38,9 @@ from itertools import combinations
 
 from chameleond.core.balance import Balancer
 from chameleond.core.estimator import LayerTable, ring_allreduce_seconds, stage_finishes
-from chameleond.core.spec import JobSpec, LinkSpec
+from chameleond.core.knapsack import knapsack
+from chameleond.core.roster import roster
+from chameleond.core.spec import JobSpec, LayerProfile, LinkSpec
 from chameleond.core.splits import ROUNDING, LayerArrays, SplitCosts, Table
 
 Shape = tuple[tuple[tuple[int, int], ...], ...]  # per pipeline, per stage: (first_layer, end_layer)
@@ -67,6 +69,28 @@ class Shared:
         self.costs: dict[tuple[int, LinkSpec, int, int], SplitCosts] = {}
 
 
+# The tables of the jobs searched most recently, by what they are computed from: a daemon
+# decides many times per job, and no fault changes them. Only the search's own ShapeModel fills
+# them (a weakened model for a referee's negative control gets tables of its own).
+_TABLES: dict[tuple[tuple[LayerProfile, ...], bool], Shared] = {}
+_TABLES_KEPT = 8
+
+
+def job_tables(spec: JobSpec) -> Shared:
+    """The shared tables of `spec`'s layers and sync mode, kept across searches."""
+    key = (spec.layers, spec.training.overlap_sync)
+    found = _TABLES.pop(key, None) or Shared()
+    _TABLES[key] = found  # the most recent last
+    for old in list(_TABLES)[:-_TABLES_KEPT]:
+        _TABLES.pop(old, None)
+    return found
+
+
+def forget_tables() -> None:
+    """Drop the kept tables: the next search of every job starts cold (benchmarks)."""
+    _TABLES.clear()
+
+
 @dataclass(frozen=True)
 class Layout:
     shape: Shape
@@ -91,12 +115,15 @@ class ShapeModel:
         self.spec = spec
         self.table = LayerTable(spec)
         self.n_layers = len(spec.layers)
-        workers = {w.id: w for w in spec.workers}
-        chosen = [workers[w] for w in survivors]
-        self.memory = min(w.memory_bytes for w in chosen)
-        spans_hosts = len({w.host for w in chosen}) > 1
+        workers = roster(spec)
+        try:
+            self.memory = min(map(workers.memory.__getitem__, survivors))
+            spans_hosts = len(set(map(workers.host.__getitem__, survivors))) > 1
+        except KeyError:
+            unknown = sorted(set(survivors) - set(workers.order))[:5]
+            raise KeyError(f"survivors: {unknown} not workers") from None
         self.link = spec.inter_host if spans_hosts else spec.intra_host
-        self.n_survivors = len(chosen)
+        self.n_survivors = len(survivors)
         self._best: dict[tuple[int, int], tuple[float, tuple[int, ...] | None]] = {}
         self._shares: dict[tuple[int, int], float] = {}
         # Longest paths depend on the stage durations, micro-batches and link only: searches over
@@ -356,7 +383,7 @@ def search(
     gap against the exact search, bench/exact.py)."""
     best: SearchResult | None = None
     considered = timed = 0
-    shared = Shared()
+    shared = job_tables(spec) if shape_model is ShapeModel else Shared()
     for used in spare_counts(spec, len(survivors)):
         found = _search_all(spec, survivors[:used], shared, shape_model)
         considered += found.plans_considered
@@ -432,21 +459,10 @@ def _search_by_threshold(
             if t0 is not None and t0 <= limit:
                 room = n_surv if t1 is not None and t1 <= limit else 0
                 items.append((n, total * n - n_surv * m - room))
-        best = [math.inf] * (n_surv + 1)
-        last = [0] * (n_surv + 1)
-        best[0] = 0
-        for x in range(1, n_surv + 1):
-            for n, w in items:
-                if n <= x and best[x - n] + w < best[x]:
-                    best[x], last[x] = best[x - n] + w, n
-            states += len(items)
-        if best[n_surv] > 0:
+        states += len(items) * n_surv
+        counts = knapsack(items, n_surv)
+        if counts is None:
             return None
-        counts: dict[int, int] = {}
-        x = n_surv
-        while x:
-            counts[last[x]] = counts.get(last[x], 0) + 1
-            x -= last[x]
         return [counts.get(n, 0) for _, n, _ in classes]
 
     found = None

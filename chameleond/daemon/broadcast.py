@@ -1,7 +1,8 @@
 """Durable commits and plan publication, in one atomic Lua script.
 
-Everything a decision changes lands in Redis at once, or not at all: the plan key, the generation
-counter, the job snapshot, the decision and transition records, the dead letters, the XACK of the
+Everything a decision changes lands in Redis at once, or not at all: the plan key (and its
+zlib-packed copy, which the workers read), the generation counter, the job snapshot, the decision
+and transition records, the dead letters, the XACK of the
 stream entries it answers, and the PUBLISH of the new generation. A daemon killed at any point
 either committed all of it (the entries are acknowledged and never seen again) or nothing (they
 are still pending and a restarted daemon reads them again). The lease check (daemon/lease.py)
@@ -13,6 +14,7 @@ daemon fail loudly instead of publishing a generation twice, or finds that Redis
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +52,7 @@ local gen = tonumber(ARGV[2])
 if ARGV[3] ~= '' then
   if gen <= cur then return redis.error_reply('generation must increase') end
   redis.call('SET', KEYS[2], ARGV[3])
+  redis.call('SET', KEYS[7], ARGV[13])
   redis.call('HSET', KEYS[1], 'generation', ARGV[2])
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'snapshot', ARGV[4]) end
@@ -60,7 +63,7 @@ end
 for _, rec in ipairs(cjson.decode(ARGV[7])) do
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(rec))
 end
-for i = 13, #ARGV, 500 do
+for i = 14, #ARGV, 500 do
   redis.call('XACK', KEYS[4], ARGV[10], unpack(ARGV, i, math.min(i + 499, #ARGV)))
 end
 if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[2]) end
@@ -113,7 +116,7 @@ class Broadcaster:
     async def commit(self, c: Commit) -> None:
         k = self.keys
         dead = [[_text(x) for x in rec] for rec in c.dead_letters]
-        args: list[str | int] = [
+        args: list[str | int | bytes] = [
             c.expected_generation,
             c.generation,
             c.plan_json,
@@ -126,9 +129,10 @@ class Broadcaster:
             CONSUMER_GROUP,
             self.lease.token,
             self.lease.ttl_ms,
+            zlib.compress(c.plan_json.encode(), 1) if c.plan_json else b"",
             *c.acks,
         ]
-        keys = [k.state, k.plan, k.decisions, k.events, k.dead, k.leader]
+        keys = [k.state, k.plan, k.decisions, k.events, k.dead, k.leader, k.plan_packed]
         await self._script(keys=keys, args=args)
 
     async def nudge(self, generation: int) -> None:

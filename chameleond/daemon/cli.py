@@ -32,6 +32,7 @@ from chameleond.core.spec import JobSpec, SpecError, load_spec
 from chameleond.daemon.config import FIELDS, HELP, Config, ConfigError, given, load, validate
 from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.redis_server import RedisServer, redis_cli_args
+from chameleond.redisurl import connect
 from chameleond.usage import Parser
 
 log = logging.getLogger("chameleond")
@@ -251,7 +252,7 @@ def check(cfg: Config, config_only: bool, named_by: str | None = "--job") -> tup
         )
     url = cfg.redis_url or f"redis://127.0.0.1:{cfg.embedded_redis_port}/0"
     try:
-        client = redis.Redis.from_url(url, socket_timeout=3, socket_connect_timeout=3)
+        client = connect(url, socket_timeout=3, socket_connect_timeout=3)
         groups = client.xinfo_groups(Keys(cfg.job).events)
         client.close()
     except redis.RedisError as e:

@@ -67,6 +67,7 @@ class Committer:
         self.broadcaster = Broadcaster(client, keys, lease)
         self.lock = asyncio.Lock()
         self.spec_written = job.spec_version  # the version stored under chameleon:{job}:spec
+        self._spec_at = 0.0  # when the spec was last written
         self._last_progress = 0.0
         self.last_attempt = time.monotonic()  # a commit retrying through an outage is alive
         self.unsaved = UNCHANGED  # what the job's transitions changed that no commit carried yet
@@ -88,10 +89,14 @@ class Committer:
             self._last_progress = now
         async with self.lock:
             await self._job_commit(acks, dead=dead, progress=progress_doc)
-        if job.spec_version != self.spec_written:
-            # The spec the workers read, derived from the job: a write lost to a Redis outage is
-            # made again by the next batch (at the latest the next housekeeping tick).
-            version = job.spec_version
+        if job.spec_version != self.spec_written and (
+            force_progress or now - self._spec_at >= self.persist_interval_seconds
+        ):
+            # The spec the workers read, derived from the job, at most once per persist interval
+            # (profiles change it with nearly every batch of a large job; a document of 8,192
+            # workers takes 45 ms to write): a write lost to a Redis outage, or held back, is
+            # made by a later batch (at the latest the next housekeeping tick).
+            version, self._spec_at = job.spec_version, now
             try:
                 await self.client.set(self.keys.spec, self._signed("spec", spec_document(job.spec)))
             except (RedisError, OSError) as e:

@@ -36,6 +36,7 @@ class Config:
     policy: str = Selection.ADAPTIVE.value  # a Selection; validate() checks it
     min_workers: int = 0  # 0: every worker of the spec must register before the initial plan
     heartbeat_timeout_seconds: float = 3.0
+    peer_watch_seconds: float = 0.1  # one CLIENT LIST per this long finds dead workers; 0: off
     ready_timeout_seconds: float = 30.0
     registration_ttl_seconds: float = 60.0  # a register from outside the spec awaits its profile
     block_ms: int = 1000
@@ -97,6 +98,10 @@ HELP: dict[str, str] = {
     "if its profile does not follow within this long",
     "block_ms": "XREADGROUP BLOCK in milliseconds (keep well under the socket timeout)",
     "socket_timeout_seconds": "Redis client socket timeout",
+    "peer_watch_seconds": "how often the daemon lists the workers' Redis connections to announce "
+    "the processes gone (one CLIENT LIST, at most once per 20 of its round trips; a worker "
+    "learns of a dead peer within this and a publish); 0 turns it off (dead workers are then "
+    "found by the heartbeat timeout)",
     "batch_count": "stream entries read per XREADGROUP (COUNT)",
     "max_deliveries": "an entry delivered this many times without success goes to dead letters",
     "claim_idle_seconds": "pending entries idle this long are claimed again (XAUTOCLAIM)",
@@ -239,8 +244,8 @@ def validate(cfg: Config) -> Config:
             f"({cfg.socket_timeout_seconds} s): the holder renews every third of the lease, and "
             f"a renewal that takes the whole socket timeout must finish before the lease lapses"
         )
-    if cfg.min_workers < 0 or cfg.decision_delay_seconds < 0:
-        raise ConfigError("min_workers and decision_delay_seconds must be >= 0")
+    if cfg.min_workers < 0 or cfg.decision_delay_seconds < 0 or cfg.peer_watch_seconds < 0:
+        raise ConfigError("min_workers, decision_delay_seconds and peer_watch_seconds must be >= 0")
     if cfg.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"log_level: {cfg.log_level!r} is not debug, info, warning or error")
     return cfg

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
@@ -24,8 +23,9 @@ from chameleond.protocol import CONSUMER_GROUP, Keys
 log = logging.getLogger("chameleond.consumer")
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
+    """One stream entry as read (a tuple: made once per event, so it is cheap to make)."""
+
     id: str
     fields: dict[bytes, bytes] | None  # None: trimmed from the stream before it was handled
     deliveries: int = 1

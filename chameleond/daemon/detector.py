@@ -11,13 +11,17 @@ plan's `excluded` list, and the current generation is published again now and th
 Silence while Redis is unreachable, and for one timeout after it is back, is nobody's fault: a
 Redis restart must not turn into every worker declared failed. Nor is silence while the daemon
 itself did not run (stopped, starved: a tick comes more than STALL_SECONDS late): nobody's
-heartbeat was read meanwhile. A suspicion is written only while this daemon holds the lease
-(`Lease.xadd`), so one that stalled past its lease and wakes up writes nothing.
+heartbeat was read meanwhile. Nor is silence the daemon has not read yet: while the consumer is
+behind its stream (a backlog of events), a live worker's newest heartbeat or ack may be sitting
+unread, so silence and lateness are judged only up to the time through which every event in the
+stream has been handled (`Ingest.handled_through`), never up to the clock. A worker silent for the
+timeout before that time is silent indeed. A suspicion is written only while this daemon holds
+the lease (`Lease.xadd`), so one that stalled past its lease and wakes up writes nothing.
 
 The detector is given what it reads and the two things it may do, nothing else of the daemon:
 the job (it reads the workers and the plan; it changes nothing in it), the configuration,
-the daemon's view of Redis, a function that writes an event to the job's stream, and one that
-publishes a generation again.
+the daemon's view of Redis, how far the daemon has read its stream, a function that writes an
+event to the job's stream, and one that publishes a generation again.
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ class Detector:
         reachability: Reachability,
         write_event: Callable[[Event], Awaitable[None]],
         nudge: Callable[[int], Awaitable[None]],
+        handled_through: Callable[[], float] | None = None,
     ) -> None:
         self.job, self.cfg, self.reachability = job, cfg, reachability
+        # The time up to which every event in the stream has been handled (None: the clock's).
+        self.handled_through = handled_through
         self.write_event = write_event  # to the job's event stream, signed, while leading
         self.nudge = nudge  # publish this generation again (the fenced learn they are out)
         self.reported: dict[str, float] = {}  # worker -> when a suspicion was written
@@ -73,21 +80,27 @@ class Detector:
         redis = self.reachability
         if redis.error or now - redis.since < hold or now < self.quiet_until:
             return {}
+        # Silence is judged up to what was read: a heartbeat still in the backlog is not silence.
+        through = now if self.handled_through is None else min(now, self.handled_through())
         out: dict[str, str] = {}
         # A worker on standby is offered to every decision, a joining one to the next: one that
         # died must not be planned in.
+        heard_after = through - cfg.heartbeat_timeout_seconds
         for w in (*m.plan_workers, *sorted(m.standby), *sorted(m.pending_joins)):
+            rec = job.workers.get(w)
+            if rec is not None and rec.last_heartbeat >= heard_after:
+                continue  # heard within the timeout: the common case, looked at first
             if w in out or w in m.failed or now - self.reported.get(w, 0.0) < hold:
                 continue
             if job.ended(w) or (job.pending(w) and w not in m.pending_joins):
                 continue
-            age = now - job.worker(w).last_heartbeat
+            age = through - job.worker(w).last_heartbeat
             if age > cfg.heartbeat_timeout_seconds:
                 out[w] = (
                     f"heartbeat lapse: none for {age:.1f} s "
                     f"(timeout {cfg.heartbeat_timeout_seconds:g} s)"
                 )
-        for w in m.overdue(now):
+        for w in m.overdue(through):
             if job.ended(w):
                 continue
             if w not in out and not job.pending(w) and now - self.reported.get(w, 0.0) >= hold:
@@ -95,6 +108,18 @@ class Detector:
                     f"did not acknowledge generation {m.generation} within "
                     f"{cfg.ready_timeout_seconds:g} s"
                 )
+        return out
+
+    def out_of_plans(self, now: float) -> dict[str, WorkerState]:
+        """The state of each worker declared failed or excluded by the plan: only these can be
+        fenced or dead (Job.worker_state), so the others are not looked at on every tick."""
+        job, m = self.job, self.job.machine
+        out = {}
+        for w in sorted(m.failed | set(job.plan.excluded if job.plan else ())):
+            rec = job.workers.get(w)
+            state = job.worker_state(rec, now, self.cfg.heartbeat_timeout_seconds) if rec else None
+            if state is not None:
+                out[w] = state
         return out
 
     async def run(self) -> None:
@@ -114,7 +139,7 @@ class Detector:
                     self.reported[worker] = now
                     log.warning("suspect %s: %s", worker, cause)
                     await self.write_event(Fault(worker, cause, source="detector"))
-                states = job.worker_states(now, cfg.heartbeat_timeout_seconds)
+                states = self.out_of_plans(now)
                 fenced = sorted(w for w, s in states.items() if s is WorkerState.FENCED)
                 for w in set(fenced) - self.fenced_logged:
                     log.warning("fenced %s: heard from after it was declared failed", w)

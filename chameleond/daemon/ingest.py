@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from redis.exceptions import RedisError
 
@@ -26,15 +26,16 @@ from chameleond.daemon.reachability import Reachability
 from chameleond.daemon.redis_errors import ErrorCode, has_code
 from chameleond.events import Event
 from chameleond.handlers.outcome import EventOutcome
-from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.change import SNAPSHOT, UNCHANGED
 from chameleond.jobstate.job import Job
 from chameleond.protocol import EVENT_TYPES, EventError, read_event, shorten
 
 log = logging.getLogger("chameleond")
 
-# Called with each handled entry, its event and the time its handling finished (benchmarks measure
-# latency from a field of the raw entry).
-EventObserver = Callable[[Entry, Event, float], None]
+# Called once per batch with each handled entry, its event and the time its handling finished, and
+# the time the commit that acknowledged them finished (benchmarks measure latency from a field of
+# the raw entry).
+EventObserver = Callable[[Sequence[tuple[Entry, Event, float]], float], None]
 
 
 class Ingest:
@@ -63,6 +64,11 @@ class Ingest:
         self._forged_logged = 0.0  # when a refused signature was last logged (once a second)
         self._forged_quiet = 0  # refused since then, not logged one by one
         self.last_loop = time.monotonic()  # the read loop's last turn (liveness, /healthz)
+        # How far the stream is handled (handled_through): when the last read that found the
+        # stream read to its end began, and whether a read is waiting on such a stream now.
+        self._through = 0.0
+        self._caught_up = False
+        self._reading = False
 
     async def replay_own_pending(self) -> None:
         """Entries this consumer name read before a restart and never acknowledged."""
@@ -79,9 +85,11 @@ class Ingest:
         """Read and handle batches until `stop`; a Redis error is retried (Redis restarts)."""
         while not stop.is_set():
             self.last_loop = time.monotonic()
+            started, self._reading = time.time(), True
             try:
                 entries = await self.consumer.read()
             except (RedisError, OSError) as e:
+                self._reading = self._caught_up = False
                 if has_code(e, ErrorCode.NOGROUP):
                     await self._group_lost()
                     continue
@@ -89,9 +97,23 @@ class Ingest:
                 self.reachability.failed(e)
                 await asyncio.sleep(0.5)
                 continue
+            self._reading = False
             self.reachability.succeeded()
+            self._caught_up = False
             if entries:
                 await self.process(entries)
+            if len(entries) < self.consumer.count:  # it read to the end: all before is handled
+                self._through, self._caught_up = started, True
+
+    def handled_through(self) -> float:
+        """The time up to which every event written to the stream has been handled: the start of
+        the last read that found no more than it took (its batch is handled); now while a read
+        waits on a stream read to its end (what arrives meanwhile is delivered at once). While
+        the daemon is behind its stream (full batches), it stays where it was: what it has not
+        read may hold any worker's newest heartbeat. 0 before the first such read."""
+        if self._reading and self._caught_up:
+            return time.time()
+        return self._through
 
     async def _group_lost(self) -> None:
         """Redis answers without the consumer group: it came back without the job's data (no
@@ -121,49 +143,57 @@ class Ingest:
         """Handle one batch, then commit its durable effects and acknowledgements at once."""
         job, m = self.job, self.metrics
         now = time.time()
-        owed = {i for ids in job.owed.values() for i in ids}
+        owed = {i for ids in job.owed.values() for i in ids} if job.owed else ()
         acks: list[str] = []
         dead: list[list[str | bytes]] = []
+        counts: dict[tuple[str, EventOutcome], int] = {}  # counted once per batch
+        handled: list[tuple[Entry, Event, float]] = []
         for e in entries:
             if e.id in owed:
                 continue  # redelivered while its decision runs: acknowledged by that decision
             if e.fields is None:
                 dead.append(_dead(e, {}, "the entry was deleted from the stream before handling"))
                 acks.append(e.id)
-                m.count_event("unknown", EventOutcome.INVALID)
+                _count(counts, ("unknown", EventOutcome.INVALID))
                 continue
-            kind = _kind(e.fields)
             if e.deliveries > self.max_deliveries:
                 reason = f"delivered {e.deliveries} times without being handled"
                 dead.append(_dead(e, e.fields, reason))
                 acks.append(e.id)
-                m.count_event(kind, EventOutcome.INVALID)
+                _count(counts, (_kind(e.fields), EventOutcome.INVALID))
                 continue
             try:
                 event = read_event(e.fields, job.name, self.keyring)
                 outcome = dispatch(job, event, e.id, now)
             except AuthError as err:
+                kind = _kind(e.fields)
                 dead.append(_dead(e, e.fields, f"refused: {err}"))
                 acks.append(e.id)
-                m.count_event(kind, EventOutcome.INVALID)
+                _count(counts, (kind, EventOutcome.INVALID))
                 m.forged_counters[kind].inc()
                 self._log_forged(e.id, kind, str(err))
                 continue
             except EventError as err:
                 dead.append(_dead(e, e.fields, str(err)))
                 acks.append(e.id)
-                m.count_event(kind, EventOutcome.INVALID)
+                _count(counts, (_kind(e.fields), EventOutcome.INVALID))
                 continue
             except Exception:  # a handler bug: leave the entry pending; it comes back, then dies
                 log.exception("handler for entry %s failed; it stays pending", e.id)
                 continue
-            m.count_event(event.type, outcome.label)
-            self.committer.note(outcome.change)
+            key = (event.type, outcome.label)
+            counts[key] = counts.get(key, 0) + 1
+            if outcome.change is not UNCHANGED:
+                self.committer.note(outcome.change)
             if not outcome.owed:
                 acks.append(e.id)
             if self.observer is not None:
-                self.observer(e, event, time.time())
+                handled.append((e, event, time.time()))
+        for (kind, label), n in counts.items():
+            m.event_counters[kind, label].inc(n)
         await self.committer.batch(acks, dead)
+        if handled and self.observer is not None:
+            self.observer(handled, time.time())
         self.decisions.maybe_decide()
 
     def _log_forged(self, entry: str, kind: str, why: str) -> None:
@@ -174,6 +204,10 @@ class Ingest:
         more = f" ({self._forged_quiet} more since the last report)" if self._forged_quiet else ""
         log.warning("refused %s event %s: %s%s", kind, entry, why, more)
         self._forged_logged, self._forged_quiet = now, 0
+
+
+def _count(counts: dict[tuple[str, EventOutcome], int], key: tuple[str, EventOutcome]) -> None:
+    counts[key] = counts.get(key, 0) + 1
 
 
 def _kind(fields: dict[bytes, bytes]) -> str:

@@ -4,7 +4,7 @@ Names and labels are part of the interface (docs/daemon.md, dashboards/chameleon
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -236,7 +236,17 @@ class Metrics:
             "keeping the current plan, over the episode's expected duration.",
             registry=r,
         )
+        self.peer_notices = Counter(
+            "chameleon_peer_notices",
+            "Worker processes announced gone (their Redis connections closed) or live again, "
+            "since this daemon started.",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("gone", "live"):
+            self.peer_notices.labels(kind)
         self._slow_counted = (0, 0)
+        self._speeds_shown: dict[str, float] = {}  # worker -> the speed its series holds
         self.training = TrainingCollector()
         r.register(self.training)
         # Every label value exists from the start, so dashboards and alerts see zeros, not gaps;
@@ -281,6 +291,16 @@ class Metrics:
             counts[s] += 1
         for state, n in counts.items():
             self.workers.labels(state).set(n)
+
+    def set_speeds(self, workers: Iterable[str], speeds: Mapping[str, float]) -> None:
+        """Each worker's speed (1.0 unless named in `speeds`); a worker's series is written only
+        when its value moves (a job of thousands of workers refreshes this every second)."""
+        shown = self._speeds_shown
+        for w in workers:
+            speed = speeds.get(w, 1.0)
+            if shown.get(w) != speed:
+                self.worker_speed.labels(w).set(speed)
+                shown[w] = speed
 
     def set_slow_episodes(self, detected: int, recovered: int) -> None:
         """The detector's totals (jobstate/slowness.py), counted as they grow."""

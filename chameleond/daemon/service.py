@@ -34,6 +34,7 @@ from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.daemon import views
 from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
+from chameleond.daemon.connwatch import ConnWatch
 from chameleond.daemon.consumer import StreamConsumer
 from chameleond.daemon.decisions import Decisions
 from chameleond.daemon.detector import Detector
@@ -48,6 +49,7 @@ from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.jobstate.snapshot import restore
 from chameleond.protocol import Keys, redact_url
+from chameleond.redisurl import connect_async
 from chameleond.sdnotify import Notifier
 
 log = logging.getLogger("chameleond")
@@ -127,7 +129,7 @@ class Service:
     async def _run(self) -> int:
         cfg, job = self.cfg, self.job
         incarnation = new_incarnation()
-        client = aioredis.Redis.from_url(
+        client = connect_async(
             self.redis_url,
             socket_timeout=cfg.socket_timeout_seconds,
             socket_connect_timeout=cfg.socket_timeout_seconds,
@@ -182,7 +184,7 @@ class Service:
             detector = Detector(
                 job, cfg, reachability,
                 write_event=own_event_writer(lease, self.keys, self.keyring),
-                nudge=committer.broadcaster.nudge,
+                nudge=committer.broadcaster.nudge, handled_through=ingest.handled_through,
             )  # fmt: skip
             self.health.ready = True
             self.refresh_gauges()
@@ -202,6 +204,11 @@ class Service:
                 ),
                 asyncio.create_task(lease.keep(self._stop), name="lease"),
             ]
+            if cfg.peer_watch_seconds > 0:
+                watch = ConnWatch(
+                    client, self.keys, cfg.peer_watch_seconds, self.metrics, self.keyring
+                )
+                tasks.append(asyncio.create_task(watch.run(self._stop), name="connwatch"))
             stop = asyncio.create_task(self._stop.wait(), name="stop")
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
             for t in done:

@@ -140,9 +140,7 @@ def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
     now = time.time()
     metrics.expected_fault_seconds.set(job.mtbf(now))
     metrics.decision_window_seconds.set(job.window(now))
-    speeds = job.slowness.speeds()
-    for w in job.workers:
-        metrics.worker_speed.labels(w).set(speeds.get(w, 1.0))
+    metrics.set_speeds(job.workers, job.slowness.speeds())
     metrics.set_slow_episodes(job.slowness.detected, job.slowness.recovered)
-    newest = job.checkpoints.newest(len(job.spec.layers))
+    newest = job.checkpoints.newest(len(job.base_spec.layers))
     metrics.checkpoint_step.set(-1 if newest is None else newest)

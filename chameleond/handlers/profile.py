@@ -7,6 +7,9 @@ earlier ones, and the slowest of each kind replace the spec's link figures."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from chameleond.core.machine import Phase
 from chameleond.core.spec import JobSpec, LayerProfile, LinkSpec
 from chameleond.events import Profile
@@ -34,8 +37,8 @@ def _handle(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
         # raises and leaves the registration held).
         change = job.confirm(event.worker)
         try:
-            spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
-            links = parse_links(data, len(job.spec.workers))
+            spec, profile, has_host = _folded(job, data)
+            links = parse_links(data, _worker_count(job))
         except (EventError, ValueError, KeyError, TypeError):
             job.unconfirm(event.worker, held)  # as it was: nothing to persist
             raise
@@ -45,8 +48,8 @@ def _handle(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
         return admitted(job, event.worker, entry_id, now, changed=True).having(change)
     # Held in the job's base spec: a measurement like the profiles, re-sent periodically, so a
     # restarted daemon has it again within one reporting period.
-    spec, profile, has_host = fold_profile(job.base_spec, data, job.plan, job.spec)
-    links = parse_links(data, len(job.spec.workers))
+    spec, profile, has_host = _folded(job, data)
+    links = parse_links(data, _worker_count(job))
     rec = job.worker(event.worker)
     # Every training report reaches the slowness detector, a repeat of the last one too: a
     # worker's speed is a matter of how long it stays where it is.
@@ -54,6 +57,19 @@ def _handle(job: Job, event: Profile, entry_id: str, now: float) -> Outcome:
     if rec.profile == profile and not has_host and links in (None, rec.links):
         return DUPLICATE.having(observed)
     return HANDLED.having(_fold(job, event.worker, spec, profile, links) | observed)
+
+
+def _folded(job: Job, data: Mapping[str, Any]) -> tuple[JobSpec, dict[int, LayerProfile], bool]:
+    """`fold_profile` of the event's data. Only a host report needs the planner's spec (the
+    plan's busy fraction of the host): the measured spec is not derived for the others, which
+    come constantly (one per worker per reporting period)."""
+    model = job.spec if "host" in data else job.base_spec
+    return fold_profile(job.base_spec, data, job.plan, model)
+
+
+def _worker_count(job: Job) -> int:
+    """The workers of the planner's spec: the base spec's and those registered beyond it."""
+    return len(job.base_spec.workers) + len(job.extra_workers)
 
 
 def _fold(

@@ -11,7 +11,7 @@ from chameleond.protocol import EventError
 
 
 def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
-    if job.pending(worker):
+    if _deciding(job, worker):
         job.owe(worker, entry_id)
         return DUPLICATE_OWED
     new, transitions = job.machine.join(worker, now)
@@ -26,6 +26,19 @@ def join(job: Job, worker: str, entry_id: str, now: float) -> Outcome:
         job.owe(worker, entry_id)
         return HANDLED_OWED.having(change)
     return HANDLED.having(change)
+
+
+def _deciding(job: Job, worker: str) -> bool:
+    """A decision about the worker is pending or running: its fault, its join, its failed
+    restore. A running decision also lists every worker that was out before it (`failed`): a new
+    process of one of those is a join for the next decision, not a duplicate of this one (a
+    host's workers that come back together register while the first one's join is decided)."""
+    m, flight = job.machine, job.machine.in_flight
+    if flight is None or worker not in flight.failed or worker in flight.faults:
+        return job.pending(worker)
+    in_flight = worker in flight.joined or worker in flight.unrestorable
+    waiting = worker in m.pending_faults or worker in m.pending_joins
+    return in_flight or waiting or worker in m.pending_unrestorable
 
 
 def handle_rejoin(job: Job, event: Rejoin, entry_id: str, now: float) -> Outcome:

@@ -21,6 +21,10 @@ class Change:
     recoveries: tuple[Recovery, ...] = ()  # completed recoveries, for the metrics
 
     def __or__(self, other: Change) -> Change:
+        if not other:  # the common case, once per event: nothing new to make
+            return self
+        if not self:
+            return other
         return Change(
             self.snapshot or other.snapshot,
             self.records + other.records,
@@ -42,4 +46,4 @@ def snapshot_if(changed: bool) -> Change:
 def recorded(ts: Iterable[Transition]) -> Change:
     """The policy machine moved: its snapshot changed, and each transition is recorded."""
     records: tuple[Record, ...] = tuple(TransitionRecord.of(t) for t in ts)
-    return Change(snapshot=bool(records), records=records)
+    return Change(snapshot=True, records=records) if records else UNCHANGED

@@ -21,8 +21,8 @@ from chameleond.core.policy import Policy, Selection
 from chameleond.core.spec import JobSpec, LayerProfile, LinkSpec, WorkerSpec, backend_of
 from chameleond.events import Step
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
-from chameleond.jobstate.jobspec import measured_layers
 from chameleond.jobstate.links import links_view, measured_links
+from chameleond.jobstate.measured import MeasuredLayers
 from chameleond.jobstate.records import (
     UNCONFIRMED_MAX,
     FollowUp,
@@ -81,6 +81,12 @@ class Job:
         self._spec_cache: JobSpec | None = None
         self._spec_generation = 0  # the plan `_spec_cache` took its link measurements from
         self._model_cache: tuple[tuple[int, int], float] | None = None
+        self._measured = MeasuredLayers()  # the layer figures' running sums
+        # The layer figures a restart restored (Job.measured_means, persisted): the planner's
+        # until a worker measures that layer again.
+        self.restored_layers: dict[int, LayerProfile] = {}
+        self._speeds_of: tuple[tuple[WorkerSpec, ...], dict[str, float]] | None = None
+        self._members: tuple[Plan, frozenset[str], frozenset[str]] | None = None
         # (generation, the highest attempt a worker acknowledged for it): the workers build a
         # generation again when it failed with nobody gone (docs/worker.md).
         self._attempt = (0, 1)
@@ -97,19 +103,36 @@ class Job:
     def spec(self) -> JobSpec:
         generation = self.plan.generation if self.plan is not None else 0
         if self._spec_cache is None or self._spec_generation != generation:
-            spec = self._workers_spec().with_speeds(self.slowness.speeds())
-            measured = [w for w in self.workers.values() if w.profile]
-            if measured:
-                speed = {w.id: w.speed for w in spec.workers}
-                profiles = [w.profile for w in measured]
-                factors = [speed.get(w.id, 1.0) for w in measured]
-                spec = spec.with_layers(measured_layers(spec.layers, profiles, factors))
+            spec = self._workers_spec()
+            slow = self.slowness.speeds()
+            if slow:
+                spec = spec.with_speeds(slow)
+            profiles = {w.id: w.profile for w in self.workers.values() if w.profile}
+            if profiles or self.restored_layers:
+                known = self.restored_layers
+                base = tuple(known.get(i, layer) for i, layer in enumerate(spec.layers))
+                speeds = {**self._spec_speeds(spec), **slow}
+                spec = spec.with_layers(self._measured.layers(base, profiles, speeds))
             spec = measured_links(spec, self._links(), self._link_members())
             rebuild = self.rebuild_seconds(spec)
             if rebuild != spec.rebuild_seconds:
                 spec = replace(spec, rebuild_seconds=rebuild)
             self._spec_cache, self._spec_generation = spec, generation
         return self._spec_cache
+
+    def measured_means(self) -> dict[int, LayerProfile]:
+        """The layer figures the workers' profiles made (or a restart restored), by layer index:
+        what the job's snapshot keeps of its profiles."""
+        layers = self.spec.layers
+        measured = self._measured.measured() | set(self.restored_layers)
+        return {i: layers[i] for i in sorted(measured) if i < len(layers)}
+
+    def _spec_speeds(self, spec: JobSpec) -> dict[str, float]:
+        """The speeds the spec gives its workers, where not 1.0 (read once per spec's workers)."""
+        if self._speeds_of is None or self._speeds_of[0] is not spec.workers:
+            given = {w.id: w.speed for w in spec.workers if w.speed != 1.0}
+            self._speeds_of = (spec.workers, given)
+        return self._speeds_of[1]
 
     def _workers_spec(self) -> JobSpec:
         spec = self.base_spec
@@ -120,11 +143,11 @@ class Job:
     def _links(self) -> dict[str, dict[str, LinkSpec]]:
         return {w.id: w.links for w in self.workers.values() if w.links}
 
-    def _link_members(self) -> set[str] | None:
+    def _link_members(self) -> frozenset[str] | None:
         """The workers whose link measurements count: those the plan in force runs."""
         if self.plan is None:
             return None
-        return set(self.plan.workers) - set(self.plan.excluded)
+        return self.plan.members
 
     def links_view(self) -> dict[str, Any]:
         """The link figures the planner uses and the measured pairs behind them (status)."""
@@ -204,11 +227,19 @@ class Job:
         measure = measure_of(data, profile)
         if measure is None or self.plan is None:
             return UNCHANGED
-        members = set(self.plan.workers) - set(self.plan.excluded) - self.machine.failed
-        moved = self.slowness.observe(worker, measure, members, now)
+        moved = self.slowness.observe(worker, measure, self._training_members(self.plan), now)
         for t in moved:
             self.slow_due[t.worker] = t
         return self.spec_changed() if moved else UNCHANGED
+
+    def _training_members(self, plan: Plan) -> frozenset[str]:
+        """The plan's members not declared failed: the same object while neither changes, so
+        the slowness detector sees at a glance that its peers are the same."""
+        failed = frozenset(self.machine.failed)
+        cached = self._members
+        if cached is None or cached[0] is not plan or cached[1] != failed:
+            cached = self._members = (plan, failed, plan.members - failed)
+        return cached[2]
 
     def knows(self, worker: str) -> bool:
         return worker in self.workers

@@ -134,7 +134,9 @@ def _scaled(p: LayerProfile, speed: float) -> LayerProfile:
 
 
 def profile_to_json(profile: Mapping[int, LayerProfile]) -> list[dict[str, Any]]:
-    return [{"index": i, **asdict(p)} for i, p in sorted(profile.items())]
+    return [
+        {"index": i, **{k: getattr(p, k) for k in LAYER_FIELDS}} for i, p in sorted(profile.items())
+    ]
 
 
 def profile_from_json(items: Sequence[Mapping[str, Any]]) -> dict[int, LayerProfile]:

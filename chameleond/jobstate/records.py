@@ -12,7 +12,7 @@ from typing import Any
 from chameleond.core.plan import Plan, plan_from_dict, plan_to_dict
 from chameleond.core.spec import LayerProfile, LinkSpec
 from chameleond.events import Step
-from chameleond.jobstate.jobspec import profile_from_json, profile_to_json
+from chameleond.jobstate.jobspec import profile_from_json
 from chameleond.jobstate.links import links_from_json, links_to_json
 
 
@@ -64,7 +64,8 @@ class WorkerRecord:
     down_since: float = 0.0  # when its current fault was counted (0: not out); see Job.window
 
     def to_json(self) -> dict[str, Any]:
-        """The durable part (the soft state, heartbeats, starts again on a restart)."""
+        """The durable part (the soft state, heartbeats and the profile, starts again on a
+        restart: the job keeps the layer figures its profiles made, Job.measured_means)."""
         return {
             "host": self.host,
             "device": self.device,
@@ -74,7 +75,6 @@ class WorkerRecord:
             "since_generation": self.since_generation,
             "ended": self.ended or "",
             "down_since": self.down_since,
-            "profile": profile_to_json(self.profile),
             "links": links_to_json(self.links),
         }
 
@@ -86,7 +86,8 @@ class WorkerRecord:
         ended = str(d.get("ended", ""))
         self.ended = WorkerState(ended) if ended else None
         self.down_since = float(d.get("down_since", 0.0))
-        self.profile = profile_from_json(d["profile"])
+        # A snapshot from before the job kept its layer figures holds each worker's profile.
+        self.profile = profile_from_json(d.get("profile", []))
         self.links = links_from_json(d.get("links", {}))
 
 

@@ -18,8 +18,8 @@ between below, confirmed by a profile of its own), and recovered once it stays a
 from __future__ import annotations
 
 import math
-import statistics
-from collections.abc import Iterable, Mapping
+from bisect import bisect_left
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,33 +111,75 @@ class Slowness:
     episodes: list[tuple[float, float]] = field(default_factory=list)
     detected: int = 0  # soft: transitions since this daemon started (metrics)
     recovered: int = 0
+    # Derived from `measures` and the members last observed: the members' computes by the layers
+    # they ran, and each worker's speed as last observed.
+    _members: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
+    _groups: dict[frozenset[int], dict[str, float]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _observed: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def speeds(self) -> dict[str, float]:
         """Every slow worker's speed (the others are 1.0): what the planner is told."""
         return {w: s.speed for w, s in sorted(self.workers.items()) if s.slow}
 
     def observe(
-        self, worker: str, measure: Measure, members: Iterable[str], now: float
+        self, worker: str, measure: Measure, members: Collection[str], now: float
     ) -> list[Transition]:
         """A training profile from `worker`: the members' speeds computed again and each
-        observed at `now`. Returns the workers that became slow or recovered."""
+        observed at `now`. Returns the workers that became slow or recovered.
+
+        Only the speeds this profile can move are computed again (the worker's peers before
+        and after it, while the members stay the same), and a speed observed again unchanged
+        is observed only for the worker that reported: for any other worker that changes
+        nothing (WorkerSlowness.observe: only its own profile completes a hold)."""
+        old = self.measures.get(worker)
         self.measures[worker] = measure
-        current = {w: self.measures[w] for w in members if w in self.measures}
+        if self._members is not members and self._members != frozenset(members):
+            self._members = members if isinstance(members, frozenset) else frozenset(members)
+            self._groups = {}
+            for w, m in self.measures.items():
+                if w in self._members:
+                    self._groups.setdefault(m.layers, {})[w] = m.compute_seconds
+            self._observed = {}
+            dirty = set(self._groups)
+        else:
+            dirty = {measure.layers}
+            if old is not None:
+                self._groups.get(old.layers, {}).pop(worker, None)
+                dirty.add(old.layers)
+            if worker in self._members:
+                self._groups.setdefault(measure.layers, {})[worker] = measure.compute_seconds
         out = []
-        for w, speed in peer_speeds(current).items():
-            t = self.workers.setdefault(w, WorkerSlowness()).observe(w, speed, now, w == worker)
-            if t is not None:
-                self.detected += t.slow
-                self.recovered += not t.slow
-                if not t.slow:
-                    episode = (now - t.seconds, t.seconds)
-                    self.episodes = [*self.episodes, episode][-EPISODES_KEPT:]
-                out.append(t)
+        for layers in dirty:
+            group = self._groups.get(layers, {})
+            speeds = group_speeds(group)
+            for w in [w for w in group if w not in speeds]:
+                self._observed.pop(w, None)  # no peers now: observed afresh once it has some
+            for w, speed in speeds.items():
+                if w != worker and self._observed.get(w) == speed:
+                    continue
+                self._observed[w] = speed
+                t = self.workers.setdefault(w, WorkerSlowness()).observe(w, speed, now, w == worker)
+                if t is not None:
+                    out.append(self._moved(t, now))
         return out
+
+    def _moved(self, t: Transition, now: float) -> Transition:
+        self.detected += t.slow
+        self.recovered += not t.slow
+        if not t.slow:
+            episode = (now - t.seconds, t.seconds)
+            self.episodes = [*self.episodes, episode][-EPISODES_KEPT:]
+        return t
 
     def forget(self, worker: str) -> bool:
         """A worker that died is an ordinary fault: out of the speeds. Whether it was slow."""
-        self.measures.pop(worker, None)
+        measure = self.measures.pop(worker, None)
+        if measure is not None:
+            self._groups.get(measure.layers, {}).pop(worker, None)
+            self._members = None  # its peers' speeds change: all observed again
+        self._observed.pop(worker, None)
         state = self.workers.pop(worker, None)
         return state is not None and state.slow
 
@@ -182,10 +224,29 @@ def peer_speeds(measures: Mapping[str, Measure]) -> dict[str, float]:
         by_layers.setdefault(m.layers, {})[w] = m.compute_seconds
     out = {}
     for group in by_layers.values():
-        for w, compute in group.items():
-            peers = [c for p, c in group.items() if p != w]
-            if peers:
-                out[w] = statistics.median(peers) / compute
+        out.update(group_speeds(group))
+    return out
+
+
+def group_speeds(group: Mapping[str, float]) -> dict[str, float]:
+    """Each worker's speed in a group of peers (worker -> compute seconds): the median of the
+    others' compute over its own. The computes are sorted once; each worker's median is read
+    from them with its own left out (statistics.median of the others, the same float)."""
+    if len(group) < 2:
+        return {}
+    ordered = sorted(group.values())
+    n = len(ordered) - 1  # each worker's peers
+    mid = n // 2
+    out = {}
+    for w, compute in group.items():
+        k = bisect_left(ordered, compute)  # its own place: the others skip it
+        upper = ordered[mid if mid < k else mid + 1]
+        if n % 2:
+            median = upper
+        else:
+            lower = ordered[mid - 1 if mid - 1 < k else mid]
+            median = (lower + upper) / 2
+        out[w] = median / compute
     return out
 
 

@@ -11,6 +11,7 @@ from chameleond.core.machine import PolicyMachine
 from chameleond.core.plan import Plan, plan_to_dict
 from chameleond.core.spec import WorkerSpec
 from chameleond.jobstate.job import Job
+from chameleond.jobstate.jobspec import profile_from_json, profile_to_json
 from chameleond.jobstate.records import FollowUp, RebuildMeter, Registration
 from chameleond.jobstate.slowness import Slowness
 
@@ -21,7 +22,7 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
     can write there, so a restarted daemon resumes from this copy (daemon/service.py)."""
     current = plan or job.plan
     return {
-        "plan": plan_to_dict(current) if current is not None else None,
+        "plan": _plan_document(current) if current is not None else None,
         "machine": job.machine.snapshot(),
         "started": job.started,
         "fault_times": job.decided_fault_times()[-1000:],
@@ -36,10 +37,26 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
             for w in job.extra_workers.values()
         ],
         "workers": {w.id: w.to_json() for w in job.workers.values()},
+        # The planner's layer figures from the profiles, not every worker's profile: a job of
+        # thousands of workers whose start-up profiles list every layer would weigh 100 MB.
+        "measured_layers": profile_to_json(job.measured_means()),
         "rebuilds": job.rebuilds.to_json(),
         "slowness": job.slowness.to_json(),
         "links": job.links_view(),  # shown by status, never restored (the workers' links are)
     }
+
+
+def _plan_document(plan: Plan) -> dict[str, Any]:
+    """`plan_to_dict(plan)`, made once per plan: the plan is frozen, and every snapshot holds
+    the current one."""
+    cached = _PLAN_DOCUMENT[0]
+    if cached is None or cached[0] is not plan:
+        cached = _PLAN_DOCUMENT[0] = (plan, plan_to_dict(plan))
+    return cached[1]
+
+
+# The last plan serialised and its document (one reference, replaced whole).
+_PLAN_DOCUMENT: list[tuple[Plan, dict[str, Any]] | None] = [None]
 
 
 def restore(job: Job, snap: dict[str, Any], plan: Plan | None, *, ready_timeout: float) -> None:
@@ -65,6 +82,7 @@ def restore(job: Job, snap: dict[str, Any], plan: Plan | None, *, ready_timeout:
         )
     for wid, d in snap.get("workers", {}).items():
         job.worker(wid).load(d)
+    job.restored_layers = profile_from_json(snap.get("measured_layers", []))
     job.rebuilds = RebuildMeter.from_json(snap.get("rebuilds", {}))
     job.slowness = Slowness.from_json(snap.get("slowness", {}))
     now = time.time()

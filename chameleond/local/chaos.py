@@ -31,6 +31,7 @@ from chameleond.events import Ack, AckPhase, Heartbeat, Register
 from chameleond.exits import WorkerExit
 from chameleond.protocol import REDIS_URL_ENV, Keys
 from chameleond.redis_server import free_port
+from chameleond.redisurl import connect
 
 HEARTBEAT_SECONDS = 0.5
 TICK_SECONDS = 0.05
@@ -132,7 +133,7 @@ class PlanFollowers(threading.Thread):
         self.job = job
         self.keys = Keys(job)
         self.keyring = keyring
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.client = connect(redis_url, socket_timeout=2, socket_connect_timeout=2)
         from chameleond.worker._link import (
             PlanWatcher,  # the workers' own (needs chameleond[worker])
         )

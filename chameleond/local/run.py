@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import redis
-
 from chameleond.local.cluster import ClusterError, LocalCluster
 from chameleond.local.faults import Fault, corrupt_newest_checkpoint, send_fault_event
 from chameleond.local.monitor import StreamMonitor
@@ -24,6 +22,7 @@ from chameleond.local.report import Injection
 from chameleond.local.slowdown import Slowdown
 from chameleond.protocol import redact_url
 from chameleond.records import entry_seconds
+from chameleond.redisurl import connect
 from chameleond.traces.replay import ReplayStep
 
 
@@ -80,7 +79,7 @@ class LocalRun:
             devices=o.devices,
         )
         with cluster:
-            client = redis.Redis.from_url(cluster.redis_url, decode_responses=True)
+            client = connect(cluster.redis_url, decode_responses=True)
             try:
                 monitor = StreamMonitor(client, o.job)
                 cluster.start_daemon()

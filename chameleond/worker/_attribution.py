@@ -3,7 +3,7 @@
 A generation fails on an error from a collective, a group's set-up, the store or Redis (FAULTS).
 The worker first rules out its own device (a CUDA error surfaces at the next synchronisation,
 often inside a collective, where it looks like a peer's), then names in a fault only the peers
-without a live process (chameleond.worker._link: their named Redis connections are gone). With
+the daemon announced gone (their Redis connections closed: chameleond.worker._liveness). With
 nobody gone the generation is built again; a live peer absent from ABSENT_ATTEMPTS rendezvous
 attempts in a row is named as hung (chameleond.worker._absence).
 """
@@ -11,18 +11,17 @@ attempts in a row is named as hung (chameleond.worker._absence).
 from __future__ import annotations
 
 import logging
-import math
 import time
 
-import redis
 import torch
 
 from chameleond.core.plan import Plan
 from chameleond.worker._absence import ABSENT_ATTEMPTS, Absences
 from chameleond.worker._backend import CollectiveFailed, DeviceChoice, check_device_health
 from chameleond.worker._generation import Generation, GenerationAborted
-from chameleond.worker._link import Reporter, dead_peers, gone, live_incarnations
-from chameleond.worker._outbox import OUTAGE_ERRORS, RedisUnreachable
+from chameleond.worker._link import Reporter
+from chameleond.worker._liveness import NOTICE_WAIT_SECONDS, PeerNotices
+from chameleond.worker._outbox import RedisUnreachable
 from chameleond.worker._rendezvous import GenerationAbandoned
 from chameleond.worker._state import WorkerState
 from chameleond.worker._store import StoreAborted
@@ -41,24 +40,21 @@ FAULTS: tuple[type[BaseException], ...] = (
 )
 # Those, and the ones the plan follower answers apart, that end a generation (their time is noted).
 FAILS_GENERATION: tuple[type[BaseException], ...] = (*FAULTS, GenerationAbandoned, DeviceFailed)
-LIVENESS_CHECK_SECONDS = 0.1  # at most one CLIENT LIST per this many seconds
 
 
 class Attribution:
     """The evidence of one worker against its peers, and the faults it reports from it."""
 
     def __init__(
-        self, client: redis.Redis, job: str, me: str, device: DeviceChoice, reporter: Reporter
+        self, notices: PeerNotices, me: str, device: DeviceChoice, reporter: Reporter
     ) -> None:
-        self.redis = client
-        self.job = job
+        self.notices = notices  # the daemon's announcements of processes gone
         self.me = me
         self.device = device
         self.reporter = reporter
         self.absences = Absences()  # peers missing from the rendezvous
         self._failed_at = 0.0
         self._peers: dict[str, str | None] = {}  # the failed generation's members (incarnations)
-        self._last_liveness_check = 0.0
 
     def started(self) -> None:
         """A generation starts: an earlier generation's peers are no evidence in this one."""
@@ -70,22 +66,8 @@ class Attribution:
         self._peers = gen.peers()
 
     def gone(self, gen: Generation) -> list[str]:
-        """Members without a live process, checked at most every LIVENESS_CHECK_SECONDS."""
-        now = time.monotonic()
-        if now - self._last_liveness_check < LIVENESS_CHECK_SECONDS:
-            return []
-        self._last_liveness_check = now
-        try:
-            return gone(live_incarnations(self.redis, self.job), gen.peers())
-        except redis.exceptions.NoPermissionError as e:
-            log.warning(
-                "CLIENT LIST denied by the Redis ACL (%s): a failed peer is found by "
-                "--group-timeout instead; allow +client|list (docs/worker.md)", e,
-            )  # fmt: skip
-            self._last_liveness_check = math.inf  # never asked again
-            return []
-        except OUTAGE_ERRORS:  # Redis away: no evidence against anyone
-            return []
+        """Members announced gone (no Redis command: the notices the worker holds)."""
+        return self.notices.gone(gen.peers())
 
     def own_failure(self, plan: Plan, error: DeviceFailed) -> None:
         """This worker's computation failed: nobody else is to blame. Its peers see only a
@@ -110,9 +92,9 @@ class Attribution:
             state.discard_step()
         peers = self._peers or {w: None for w in plan.workers if w != self.me}
         t_close = time.time()
-        dead = dead_peers(self.redis, self.job, peers)
+        dead = self.notices.wait_gone(peers, NOTICE_WAIT_SECONDS)
         log.info(
-            "groups closed %.3fs after the error; dead peers found in %.3fs",
+            "groups closed %.3fs after the error; dead peers announced in %.3fs",
             t_close - detected,
             time.time() - t_close,
         )

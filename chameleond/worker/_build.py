@@ -24,8 +24,9 @@ from chameleond.worker._attribution import FAILS_GENERATION, Attribution
 from chameleond.worker._config import WorkerConfig
 from chameleond.worker._generation import Generation
 from chameleond.worker._hooks import WorkerHooks, migration_hook
-from chameleond.worker._link import PeerWatch, PlanWatcher, Reporter
+from chameleond.worker._link import PlanWatcher, Reporter
 from chameleond.worker._linkprobe import probe_links
+from chameleond.worker._liveness import PeerWatch
 from chameleond.worker._loop import Finished, StepLoop
 from chameleond.worker._migrate import reconcile
 from chameleond.worker._outbox import through_outage

@@ -19,6 +19,7 @@ import torch
 
 from chameleond.core.spec import SpecError
 from chameleond.protocol import redact_url
+from chameleond.redisurl import connect
 from chameleond.worker._backend import check_device
 from chameleond.worker._config import WorkerConfig, config_error
 from chameleond.worker._hooks import WorkerHooks
@@ -59,7 +60,7 @@ def train_with(
     # with the same kernels, so a rerouted micro-batch gives the same numbers as on its owner.
     torch.set_num_threads(1)
     cfg = replace(config, incarnation=config.incarnation or new_incarnation())
-    client = redis.Redis.from_url(
+    client = connect(
         cfg.redis_url,
         client_name=connection_name(cfg.job, cfg.worker_id, cfg.incarnation),
         socket_timeout=30,

@@ -1,16 +1,20 @@
 """The worker's link to its job's Redis: events it sends (`Reporter`), plans it watches
-(`PlanWatcher`), its `Heartbeat`, and the peers it believes alive (liveness, `PeerWatch`).
+(`PlanWatcher`, with the daemon's liveness notices), and its `Heartbeat`.
 
 Events are typed (chameleond/events.py) and XADDed to `Keys(job).events` as their flat string
-fields (docs/protocol.md). Plans arrive as the `Keys(job).plan` key, announced on
-`Keys(job).plans_channel`; the watcher re-reads the key on every announcement and once a second
-anyway, so a missed message or a restart still converges.
+fields (docs/protocol.md). Plans arrive as the `Keys(job).plan` key (read packed,
+`Keys(job).plan_packed`), announced on `Keys(job).plans_channel`; the watcher reads it on an
+announcement of a newer generation, on every (re)subscription, and when the generation the daemon
+committed (a few bytes, polled every _PLAN_POLL_SECONDS) is newer than the one it holds, so a
+missed message or a restart still converges without every worker re-reading the whole plan.
 
 Liveness: every Redis connection of a worker carries the name
 `chameleon-worker:{job}:{id}:{incarnation}` (the incarnation is new for every process). The
-kernel closes a killed process's sockets, so Redis drops its connections at once; a peer without any
-named connection is gone. A survivor names a peer in a fault only on that evidence, never on a
-collective error alone (the error may come from a live peer that itself gave up the step).
+kernel closes a killed process's sockets, so Redis drops its connections at once; the daemon
+lists them and announces the processes gone (chameleond/daemon/connwatch.py), and the plan
+watcher hands its notices to the worker's `PeerNotices` (chameleond/worker/_liveness.py). A
+survivor names a peer in a fault only on that evidence, never on a collective error alone (the
+error may come from a live peer that itself gave up the step).
 """
 
 from __future__ import annotations
@@ -18,32 +22,33 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+import zlib
 
 import redis
 from redis.client import PubSub
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
-from chameleond.events import Event, Fault
+from chameleond.events import Ack, Event, Fault, Step
 from chameleond.events import Heartbeat as Beat
 from chameleond.protocol import Keys
+from chameleond.redisurl import xadd_replicated
+from chameleond.worker._liveness import PeerNotices
 from chameleond.worker._outbox import Outbox
 
 log = logging.getLogger("chameleon.worker")
+# The events the daemon hears a worker in (chameleond/handlers: heartbeat, step, ack).
+HEARD = (Beat, Step, Ack)
 
-HEARTBEAT_SECONDS = 0.5
-_PLAN_POLL_SECONDS = 1.0
-# After a Redis restart every live worker reconnects within a heartbeat or two (redis-py's retries
-# back off to 1 s); until then a missing connection says nothing.
-RECONNECT_SECONDS = 3
-# A peer missing from the connection list counts as gone for PeerWatch after this long in a row
-# (a live worker whose connections dropped is back within a heartbeat).
-PEER_GONE_CONFIRM_SECONDS = 1.0
+HEARTBEAT_SECONDS = 1.0
+# The plan key is read again on every announcement, on every (re)subscription, and this often
+# anyway (a message lost while connected).
+_PLAN_POLL_SECONDS = 5.0
 
 
 def connection_name(job: str, worker: str, incarnation: str) -> str:
@@ -87,6 +92,7 @@ class Reporter:
         self.keyring = keyring
         self.refused = Refused()
         self.outbox = Outbox()
+        self.last_report = 0.0  # time.monotonic() of the last HEARD event handed to the outbox
 
     def start(self) -> None:
         self.outbox.start()
@@ -99,16 +105,21 @@ class Reporter:
         """Send `event` (chameleond/events.py) as its flat fields; `keep`: hold it through a Redis
         outage (a heartbeat is not kept: a stale one says nothing)."""
         self._xadd(event.to_fields(), keep)
+        if isinstance(event, HEARD):
+            self.last_report = time.monotonic()
 
     def fault(self, failed: str, cause: str, *, generation: int, at: float) -> None:
         """Name `failed` out of `generation`, seen at `at` (this worker's clock) for `cause`."""
-        self.report(Fault(failed, cause[:500], generation, reporter=self.worker, at=at))
+        fault = Fault(failed, cause[:500], generation, reporter=self.worker, at=at)
+        self._xadd(fault.to_fields(), keep=True, replicated=True)
 
     def set_key(self, key: str, value: str) -> None:
         """SET `key`, in order with the events (a later event is never seen before it)."""
         self.outbox.put(lambda: self._redis.set(key, value))
 
-    def _xadd(self, entry: dict[str, str], keep: bool) -> None:
+    def _xadd(self, entry: dict[str, str], keep: bool, replicated: bool = False) -> None:
+        """`replicated`: under Sentinel, held until a replica has it too (a fault must survive a
+        failover; chameleond/redisurl.py)."""
         if self.keyring is not None:
             entry = self.keyring.sign_event(self._keys.job, entry)
 
@@ -116,13 +127,18 @@ class Reporter:
             # No MAXLEN: a worker's trim cuts from the head, past entries the daemon has not
             # acknowledged yet (a fault, while the daemon restarts). The daemon trims, and
             # never past an unacknowledged entry (daemon/consumer.py).
+            if replicated:
+                return xadd_replicated(self._redis, self._keys.events, [entry])
             return self._redis.xadd(self._keys.events, entry)  # type: ignore[arg-type]
 
         self.outbox.put(write, keep=keep)
 
 
 class Heartbeat(threading.Thread):
-    """A heartbeat every HEARTBEAT_SECONDS until stopped; none is kept while Redis is away."""
+    """A heartbeat every HEARTBEAT_SECONDS until stopped; none is kept while Redis is away. The
+    daemon hears a worker in its steps and acks too (HEARD), so a beat is skipped when one of
+    them went out within the period, unless the count of refused messages it carries
+    moved: a training worker that reports its steps sends about half the beats."""
 
     def __init__(self, reporter: Reporter) -> None:
         super().__init__(name="heartbeat", daemon=True)
@@ -130,62 +146,19 @@ class Heartbeat(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        refused = 0
         while not self._stop_event.is_set():
             try:
                 reporter = self._reporter
-                beat = Beat(reporter.worker, at=time.time(), refused=reporter.refused.count)
-                reporter.report(beat, keep=False)
+                quiet = time.monotonic() - reporter.last_report >= HEARTBEAT_SECONDS * 0.9
+                if quiet or reporter.refused.count != refused:
+                    refused = reporter.refused.count
+                    beat = Beat(reporter.worker, at=time.time(), refused=refused)
+                    reporter.report(beat, keep=False)
             except redis.RedisError as e:  # the outbox's error; the main thread ends with it
                 log.warning("heartbeat not sent: %s", e)
                 return
             self._stop_event.wait(HEARTBEAT_SECONDS)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-
-class PeerWatch(threading.Thread):
-    """Calls `on_gone` once with the peers `find_gone` returns (polled every `period` seconds),
-    once they have been gone for `confirm` seconds in a row, until stopped.
-
-    gloo fails a survivor's pending operation within milliseconds of a peer's death, because the
-    kernel closes the dead process's sockets. NCCL and HCCL do not: the survivors' device work
-    waits until a timeout. A worker on those backends runs this watch for the life of a
-    generation and aborts the generation's groups when a member's process is gone. A live worker
-    whose Redis connections drop for a moment (a network blip at its host) is missing from the
-    connection list until it reconnects, within half a second (its heartbeat's next send): a peer
-    counts as gone only when it stays missing for `confirm` seconds, so the blip does not cost
-    the generation.
-    """
-
-    def __init__(
-        self,
-        find_gone: Callable[[], list[str]],
-        on_gone: Callable[[list[str]], None],
-        period: float = 0.1,
-        confirm: float = PEER_GONE_CONFIRM_SECONDS,
-    ) -> None:
-        super().__init__(name="peer-watch", daemon=True)
-        self._find_gone = find_gone
-        self._on_gone = on_gone
-        self._period = period
-        self._confirm = confirm
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        missing: dict[str, float] = {}  # peer -> when it was first seen missing, in a row
-        while not self._stop_event.wait(self._period):
-            try:
-                found = self._find_gone()
-            except (redis.RedisError, OSError) as e:
-                log.warning("peer watch: %s", e)
-                continue
-            now = time.monotonic()
-            missing = {w: missing.get(w, now) for w in found}
-            confirmed = sorted(w for w, since in missing.items() if now - since >= self._confirm)
-            if confirmed:
-                self._on_gone(confirmed)
-                return
 
     def stop(self) -> None:
         self._stop_event.set()
@@ -200,10 +173,13 @@ class PlanWatcher(threading.Thread):
         job: str,
         keyring: Keyring | None = None,
         refused: Refused | None = None,
+        notices: PeerNotices | None = None,
     ) -> None:
         super().__init__(name="plan-watcher", daemon=True)
         self._redis = client
         self._keys = Keys(job)
+        # The daemon's liveness notices, taken on the same subscription (None: not followed).
+        self.notices = notices
         self._keyring = keyring  # a plan must carry the job's signature (None: not checked)
         self.refused = refused or Refused()
         self._cond = threading.Condition()
@@ -234,11 +210,15 @@ class PlanWatcher(threading.Thread):
             return self._plan
 
     def refresh(self) -> None:
-        raw = self._redis.get(self._keys.plan)
+        """Read the plan: its packed copy (Keys.plan_packed), else the plan key itself."""
+        raw = self._redis.get(self._keys.plan_packed)
+        packed = raw is not None
+        if raw is None:
+            raw = self._redis.get(self._keys.plan)
         if raw is None or raw == self._accepted_raw:
             return  # nothing new: the plan held was read from these very bytes
         try:
-            doc = json.loads(raw)
+            doc = json.loads(zlib.decompress(raw) if packed else raw)  # type: ignore[arg-type]
             if self._keyring is not None:
                 if not isinstance(doc, dict):
                     raise AuthError("not a JSON object")
@@ -249,7 +229,7 @@ class PlanWatcher(threading.Thread):
             # plan it has; the daemon's next plan replaces the forged one.
             self.refused.note(f"the plan under {self._keys.plan}", raw, str(e))
             return
-        except (json.JSONDecodeError, PlanError) as e:
+        except (json.JSONDecodeError, zlib.error, PlanError) as e:
             # A bad plan is the daemon's bug; training keeps the plan it has. Logged once.
             gen = hash(raw) & 0x7FFFFFFF
             if gen != self._bad_generation:
@@ -272,13 +252,18 @@ class PlanWatcher(threading.Thread):
                     if pubsub is None:
                         # Inside the retry: Redis may be unreachable when the worker starts, or
                         # lost later; a subscription made on a dead connection must be made again.
-                        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-                        pubsub.subscribe(self._keys.plans_channel)
-                        self.refresh()  # a plan published while not subscribed
+                        pubsub = self._subscribe()
                         last = time.monotonic()
                     msg = pubsub.get_message(timeout=0.2)
-                    if msg is not None or time.monotonic() - last > _PLAN_POLL_SECONDS:
-                        self.refresh()
+                    if msg is not None and self._is_notice(msg):
+                        assert self.notices is not None
+                        self.notices.take(msg["data"])
+                    elif msg is not None:
+                        if _generation(msg) > self.newest_generation:
+                            self.refresh()
+                    elif time.monotonic() - last > _PLAN_POLL_SECONDS:
+                        if self._stored_generation() > self.newest_generation:
+                            self.refresh()  # an announcement lost while subscribed
                         last = time.monotonic()
                     if failing:
                         log.info("plan watch: Redis answers again")
@@ -297,56 +282,47 @@ class PlanWatcher(threading.Thread):
             if pubsub is not None:
                 _close_quietly(pubsub)
 
+    def _subscribe(self) -> PubSub:
+        """Subscribe, then read what was published while not subscribed: the plan, and the
+        incarnations announced gone."""
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        channels = [self._keys.plans_channel]
+        if self.notices is not None:
+            channels.append(self._keys.liveness_channel)
+        pubsub.subscribe(*channels)
+        self.refresh()
+        if self.notices is not None and (gone := self._redis.get(self._keys.gone)) is not None:
+            self.notices.take(gone)
+        return pubsub
+
+    def _stored_generation(self) -> int:
+        """The generation the daemon last committed (a few bytes: the plan is read only when it
+        is newer than the one held)."""
+        raw = self._redis.hget(self._keys.state, "generation")
+        try:
+            return int(raw) if raw is not None else 0
+        except ValueError:
+            return 0
+
+    def _is_notice(self, msg: dict[str, object]) -> bool:
+        channel = msg.get("channel")
+        if isinstance(channel, bytes):
+            channel = channel.decode()
+        return self.notices is not None and channel == self._keys.liveness_channel
+
     def stop(self) -> None:
         self._stop_event.set()
+
+
+def _generation(msg: dict[str, object]) -> float:
+    """The generation an announcement names; infinite when it names none (the plan is read)."""
+    data = msg.get("data")
+    try:
+        return int(data) if isinstance(data, bytes | str) else math.inf
+    except ValueError:
+        return math.inf
 
 
 def _close_quietly(pubsub: PubSub) -> None:
     with contextlib.suppress(redis.RedisError, OSError):  # its connection is already broken
         pubsub.close()
-
-
-def live_incarnations(client: redis.Redis, job: str) -> set[tuple[str, str]] | None:
-    """(worker, incarnation) of every process of `job` with an open Redis connection; None when
-    Redis itself started less than RECONNECT_SECONDS ago (no connection is older): live workers
-    may not have reconnected yet, so a missing connection is not yet evidence of anything."""
-    prefix = f"chameleon-worker:{job}:"
-    out = set()
-    oldest = 0
-    for c in client.client_list():
-        oldest = max(oldest, int(c.get("age", 0)))
-        name = str(c.get("name", ""))
-        if name.startswith(prefix):
-            worker, _, incarnation = name[len(prefix) :].rpartition(":")
-            out.add((worker, incarnation))
-    return out if oldest >= RECONNECT_SECONDS else None
-
-
-def gone(live: set[tuple[str, str]] | None, peers: Mapping[str, str | None]) -> list[str]:
-    """Peers whose process is gone. A peer known by incarnation is gone when that process has no
-    connection (a new process under the same id does not keep it alive); one known by id only is
-    gone when no process of that id has one. Nobody, when `live` is unknown (None)."""
-    if live is None:
-        return []
-    ids = {w for w, _ in live}
-    return sorted(w for w, inc in peers.items() if ((w, inc) not in live if inc else w not in ids))
-
-
-def dead_peers(
-    client: redis.Redis,
-    job: str,
-    peers: Mapping[str, str | None],
-    *,
-    settle_seconds: float = 0.3,
-) -> list[str]:
-    """Peers whose process is gone, polled briefly so that Redis has seen a fresh death."""
-    deadline = time.monotonic() + settle_seconds
-    while True:
-        try:
-            dead = gone(live_incarnations(client, job), peers)
-        except redis.RedisError as e:  # denied by an ACL, or Redis away
-            log.warning("cannot list connections to find the failed peer: %s", e)
-            return []
-        if dead or time.monotonic() > deadline:
-            return dead
-        time.sleep(0.02)

@@ -32,6 +32,7 @@ from chameleond.worker._build import GenerationRunner, PlanRejected
 from chameleond.worker._config import WorkerConfig
 from chameleond.worker._hooks import WorkerHooks
 from chameleond.worker._link import Heartbeat, PlanWatcher, Reporter
+from chameleond.worker._liveness import PeerNotices
 from chameleond.worker._loop import Finished, StepLoop
 from chameleond.worker._migrate import StateLost
 from chameleond.worker._rendezvous import BuiltWithoutMe, GenerationAbandoned
@@ -66,9 +67,10 @@ class WorkerRuntime:
         self.stop = stop  # set: leave the job after the step under way
         self.keys = Keys(cfg.job)
         self.reporter = Reporter(client, cfg.job, cfg.worker_id, cfg.keyring)
-        self.watcher = PlanWatcher(client, cfg.job, cfg.keyring, self.reporter.refused)
+        notices = PeerNotices(cfg.job, cfg.keyring)
+        self.watcher = PlanWatcher(client, cfg.job, cfg.keyring, self.reporter.refused, notices)
         self.heartbeat = Heartbeat(self.reporter)
-        self.attribution = Attribution(client, cfg.job, cfg.worker_id, cfg.device, self.reporter)
+        self.attribution = Attribution(notices, cfg.worker_id, cfg.device, self.reporter)
         # Set at this process's first commit: the job has trained (see migrate.plan_moves).
         self.trained_key = self.keys.prefix + "workers:trained"
 

@@ -1,0 +1,409 @@
+"""Control-plane load: one chameleond and one Redis serving 1,024 and 8,192 simulated workers.
+
+Per worker count N: a job of N devices (examples/cluster-1024.toml, examples/cluster-8192.toml, or
+the first pipelines of them: hosts of 8 devices, pipelines of 8 and 16 stages), one
+redis-server, the real daemon (its own process, as `chameleonctl up` starts it), and N simulated
+workers (chameleond/bench/simworkers.py: asyncio tasks in processes of at most
+WORKERS_PER_PROCESS, speaking the real protocol with two named Redis connections each). One host's
+workers run in a process of their own, which is killed (-9) under load, so the kernel closes its
+sockets as it does a dead host's. The phases:
+
+* register: every worker registered -> the first plan acked ready by all;
+* steady state (--steady-seconds): Redis commands per worker per second (INFO
+  `total_commands_processed`, per command from `commandstats`), Redis output bytes per second,
+  daemon and Redis CPU seconds per second (/proc), the daemon's backlog (the group's lag);
+* host lost: the kill -> each member's ready ack of the first plan without the host's workers
+  (`fault_to_all_acked_p99_seconds`; the plan may keep a survivor out, as a spare); when the
+  daemon publishes liveness (Keys(job).prefix + "liveness"), the kill -> each peer of a lost
+  worker learning of it (`peer_death_detect_seconds`, else null);
+* host back: a new process for the host (new incarnations) -> the plan that takes its workers
+  back acked by all.
+
+A simulated worker acks a plan as soon as it has read it (no process groups to build): the times
+are the control plane's part of a recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import redis
+
+from chameleond.bench.simworkers import layout_of
+from chameleond.core.spec import JobSpec, load_spec
+from chameleond.jobstate.jobspec import spec_document
+from chameleond.local.cluster import ClusterError, LocalCluster, tail, wait_for
+from chameleond.protocol import Keys
+from chameleond.worker._link import _PLAN_POLL_SECONDS, HEARTBEAT_SECONDS
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+WORKERS_PER_PROCESS = 1024
+# Each simulated worker holds two connections (commands, pub/sub), as a real one: 2 N + the
+# daemon's few. Redis serves at most its open-file limit less 32.
+MAXCLIENTS = 19_900
+MICRO_BATCHES_PER_PIPELINE = 16
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", default="1024,8192", help="worker counts, comma-separated")
+    parser.add_argument("--step-seconds", type=float, default=2.0, help="simulated step time")
+    parser.add_argument("--steady-seconds", type=float, default=30.0, help="steady-state window")
+    parser.add_argument("--timeout", type=float, default=600.0, help="limit of each phase (s)")
+
+
+def spec_for(n: int, tmp: Path) -> Path:
+    """The example of `n` devices, else the first pipelines of the smallest example that has
+    them (8 stages a pipeline, one host's, at 1,024; 16, two hosts', at 8,192), written to `tmp`
+    as job `control-{n}`."""
+    if n % 8 or n <= 0:
+        raise ValueError(f"{n} workers: a multiple of 8 (hosts of 8 devices)")
+    example = EXAMPLES / f"cluster-{n}.toml"
+    if example.exists():
+        return example
+    base = load_spec(EXAMPLES / ("cluster-1024.toml" if n <= 1024 else "cluster-8192.toml"))
+    if n > len(base.workers):
+        raise ValueError(f"{n} workers: more than the largest example has")
+    stages = len(base.layout[0])
+    if n % stages:
+        raise ValueError(f"{n} workers: a multiple of the example's {stages} stages")
+    layout = base.layout[: n // stages]
+    kept = {w for pipe in layout for w in pipe}
+    batch = len(layout) * MICRO_BATCHES_PER_PIPELINE * base.training.micro_batch
+    spec = dataclasses.replace(
+        base, name=f"control-{n}", workers=tuple(w for w in base.workers if w.id in kept),
+        layout=layout, training=dataclasses.replace(base.training, global_batch=batch,
+                                                    min_global_batch=batch),
+    )  # fmt: skip
+    path = tmp / f"control-{n}.json"
+    path.write_text(json.dumps(spec_document(spec)))
+    return path
+
+
+class Observations:
+    """What the simulated workers' processes print, gathered by one reader thread per process."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.acks: dict[str, list[tuple[int, float]]] = {}  # worker -> (generation, at)
+        self.learned: list[tuple[str, str, float]] = []  # (worker, gone peer, at)
+        self.up = 0
+        self.errors: list[str] = []
+
+    def read(self, stream: IO[bytes]) -> None:
+        with stream:
+            for line in stream:
+                with contextlib.suppress(ValueError):  # a line cut short by the kill
+                    self._add(json.loads(line))
+
+    def _add(self, rec: list[Any]) -> None:
+        with self.lock:
+            if rec[0] == "ack":
+                self.acks.setdefault(rec[1], []).append((rec[2], rec[3]))
+            elif rec[0] == "learned":
+                self.learned.append((rec[1], rec[2], rec[4]))
+            elif rec[0] == "up":
+                self.up += rec[1]
+            else:
+                self.errors.append(str(rec[1])[:300])
+
+    def acked_at(self, workers: frozenset[str], generation: int) -> dict[str, float]:
+        """Each of `workers` that acked `generation` or a later one: when it first did."""
+        with self.lock:
+            out = {}
+            for w in workers:
+                times = [at for gen, at in self.acks.get(w, ()) if gen >= generation]
+                if times:
+                    out[w] = min(times)
+            return out
+
+
+class SimProcesses:
+    """The simulated workers' processes: one per host to lose, the others by WORKERS_PER_PROCESS."""
+
+    def __init__(self, cluster: LocalCluster, spec_path: Path, step_seconds: float) -> None:
+        self.cluster = cluster
+        self.step_seconds = step_seconds
+        self.obs = Observations()
+        self.base = {"url": cluster.redis_url, "job": cluster.job, "spec": str(spec_path),
+                     "step_seconds": step_seconds, "epoch": time.time()}  # fmt: skip
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.readers: list[threading.Thread] = []
+
+    def start(self, workers: list[tuple[str, str]]) -> subprocess.Popen[bytes]:
+        path = self.cluster.run_dir / f"sim-{len(self.procs)}.json"
+        path.write_text(json.dumps({**self.base, "workers": workers}))
+        log = (self.cluster.run_dir / f"sim-{len(self.procs)}.log").open("ab")
+        proc = subprocess.Popen(  # noqa: S603 - this interpreter and a module of this package
+            [sys.executable, "-m", "chameleond.bench.simworkers", str(path)],
+            stdout=subprocess.PIPE, stderr=log, env=self.cluster.env, start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        assert proc.stdout is not None
+        reader = threading.Thread(target=self.obs.read, args=(proc.stdout,), daemon=True)
+        reader.start()
+        self.readers.append(reader)
+        self.procs.append(proc)
+        return proc
+
+    def check(self) -> None:
+        self.cluster.check_daemon()
+        for p in self.procs:
+            if p.poll() not in (None, -signal.SIGKILL):
+                raise ClusterError(f"a simulated workers' process exited {p.returncode}")
+        if self.obs.errors:
+            raise ClusterError("simulated workers: " + "; ".join(self.obs.errors[:3]))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for reader in self.readers:
+            reader.join(timeout=10)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (/proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass
+class Sample:
+    at: float
+    commands: int
+    per_command: dict[str, int]
+    output_bytes: int
+    daemon_cpu: float
+    redis_cpu: float
+    sims_cpu: float
+
+
+def sample(client: redis.Redis, cluster: LocalCluster, sims: SimProcesses) -> Sample:
+    stats: Any = client.info("stats")
+    per: Any = client.info("commandstats")
+    assert cluster.daemon is not None and cluster.daemon.pid and cluster.redis is not None
+    assert cluster.redis.proc is not None
+    return Sample(
+        time.monotonic(), int(stats["total_commands_processed"]),
+        {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in per.items()},
+        int(stats["total_net_output_bytes"]), cpu_seconds(cluster.daemon.pid),
+        cpu_seconds(cluster.redis.proc.pid),
+        sum(cpu_seconds(p.pid) for p in sims.procs if p.poll() is None),
+    )  # fmt: skip
+
+
+def steady_figures(a: Sample, b: Sample, n: int) -> dict[str, Any]:
+    dt = b.at - a.at
+    per = {k: (v - a.per_command.get(k, 0)) / dt / n for k, v in b.per_command.items()}
+    top = sorted(((k, v) for k, v in per.items() if v > 0), key=lambda kv: -kv[1])[:8]
+    return {
+        "seconds": round(dt, 1),
+        "redis_commands_per_worker_per_second": round((b.commands - a.commands) / dt / n, 3),
+        "top_commands_per_worker_per_second": {k: round(v, 3) for k, v in top},
+        "redis_output_bytes_per_second": round((b.output_bytes - a.output_bytes) / dt),
+        "daemon_cpu_seconds_per_second": round((b.daemon_cpu - a.daemon_cpu) / dt, 3),
+        "redis_cpu_seconds_per_second": round((b.redis_cpu - a.redis_cpu) / dt, 3),
+        "simulated_workers_cpu_seconds_per_second": round((b.sims_cpu - a.sims_cpu) / dt, 3),
+    }
+
+
+def quantile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, int(q * len(s)))], 3)
+
+
+def current_plan(client: redis.Redis, job: str) -> tuple[int, frozenset[str]]:
+    """The generation and the members of the job's current plan ((0, {}) before the first)."""
+    raw: Any = client.get(Keys(job).plan)
+    if raw is None:
+        return 0, frozenset()
+    layout = layout_of(json.loads(raw))
+    return layout.generation, layout.members
+
+
+def until_acked(
+    client: redis.Redis,
+    sims: SimProcesses,
+    after: int,
+    wanted: Callable[[frozenset[str]], bool],
+    timeout: float,
+) -> tuple[int, frozenset[str], dict[str, float]]:
+    """Wait for the first plan above generation `after` whose members are `wanted`, acked ready
+    by all of them: its generation, its members and when each acked it. (A plan may leave a
+    survivor out, as a spare: the members are the plan's, not the survivors.)"""
+    found: dict[str, Any] = {}
+
+    def done() -> bool:
+        sims.check()
+        if "gen" not in found:
+            gen, members = current_plan(client, sims.cluster.job)
+            if gen <= after or not wanted(members):
+                return False
+            found["gen"], found["members"] = gen, members
+        found["acks"] = sims.obs.acked_at(found["members"], found["gen"])
+        return len(found["acks"]) == len(found["members"])
+
+    wait_for(done, timeout, "a plan acked by all its members", 0.2)
+    return found["gen"], found["members"], found["acks"]
+
+
+def decisions_since(client: redis.Redis, job: str, since: float) -> list[dict[str, Any]]:
+    """The daemon's decision records stored after unix time `since` (the fields people read)."""
+    entries: Any = client.xrange(Keys(job).decisions, min=f"{int(since * 1000)}-0")
+    out = []
+    for _, f in entries:
+        f = {k.decode(): v.decode() for k, v in f.items()}
+        if f.get("kind") == "decision":
+            keep = ("generation", "selected", "cause", "decision_seconds", "search_seconds")
+            out.append({k: f[k] for k in keep if k in f})
+    return out
+
+
+def run_size(n: int, step_seconds: float, steady_seconds: float, timeout: float) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="chameleon-control-") as tmp:
+        spec_path = spec_for(n, Path(tmp))
+        spec = load_spec(spec_path)
+        with LocalCluster(Path(tmp), job=spec.name, workers=[], spec_path=spec_path,
+                          daemon_args=["--log-level", "warning"]) as cluster:  # fmt: skip
+            client = redis.Redis.from_url(cluster.redis_url)
+            client.config_set("maxclients", MAXCLIENTS)
+            sims = SimProcesses(cluster, spec_path, step_seconds)
+            out: dict[str, Any] = {"workers": len(spec.workers)}
+            try:
+                scenario(out, client, cluster, sims, spec, steady_seconds, timeout)
+            except ClusterError as e:  # a phase that did not complete: the figures so far
+                out["error"] = str(e)[:500]
+                out["daemon_log_tail"] = (
+                    tail(cluster.daemon.log_path, 800) if cluster.daemon else ""
+                )
+            finally:
+                sims.stop()
+                client.close()
+            return out
+
+
+def scenario(
+    out: dict[str, Any],
+    client: redis.Redis,
+    cluster: LocalCluster,
+    sims: SimProcesses,
+    spec: JobSpec,
+    steady_seconds: float,
+    timeout: float,
+) -> None:
+    """The phases, each adding its figures to `out` as it completes."""
+    n = len(spec.workers)
+    hosts: dict[str, list[tuple[str, str]]] = {}
+    for w in spec.workers:
+        hosts.setdefault(w.host, []).append((w.id, w.host))
+    lost_host = list(hosts)[len(hosts) // 2]
+    lost = hosts.pop(lost_host)
+    others = [w for ws in hosts.values() for w in ws]
+    everyone = frozenset(w.id for w in spec.workers)
+    out["lost_host"] = lost_host
+
+    cluster.start_daemon()
+    t0 = time.time()
+    victim = sims.start(lost)
+    for i in range(0, len(others), WORKERS_PER_PROCESS):
+        sims.start(others[i : i + WORKERS_PER_PROCESS])
+    wait_for(lambda: _checked(sims, lambda: sims.obs.up >= n), timeout, "all registered", 0.2)
+    out["register_seconds"] = round(time.time() - t0, 2)
+    gen1, _, acks = until_acked(client, sims, 0, lambda m: m == everyone, timeout)
+    out["first_plan_acked_seconds"] = round(max(acks.values()) - t0, 2)
+    raw: Any = client.get(Keys(cluster.job).plan)
+    out["plan_bytes"] = len(raw)
+    out["plan_bytes_zlib"] = len(zlib.compress(raw, 1))  # what a compressed plan would weigh
+    out["redis_connected_clients"] = int(client.info("clients")["connected_clients"])
+
+    time.sleep(2 * sims.step_seconds)  # past the first steps and their profiles
+    before = sample(client, cluster, sims)
+    time.sleep(steady_seconds)
+    sims.check()
+    out["steady"] = steady_figures(before, sample(client, cluster, sims), n)
+    lag: Any = client.xinfo_groups(Keys(cluster.job).events)
+    out["steady"]["daemon_backlog_events"] = int(lag[0].get("lag") or 0) if lag else None
+
+    killed_at = time.time()
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    gone = frozenset(w for w, _ in lost)
+    survivors = everyone - gone
+    try:
+        gen2, without, acks = until_acked(client, sims, gen1, gone.isdisjoint, timeout)
+    finally:  # how soon the peers learned of the loss, whether or not the plan after it came
+        with sims.obs.lock:
+            learned = [at - killed_at for _, peer, at in sims.obs.learned if peer in gone]
+        out["peer_death_learned_p99_seconds"] = quantile(learned, 0.99)
+        out["peer_death_detect_seconds"] = round(max(learned), 3) if learned else None
+    delays = [at - killed_at for at in acks.values()]
+    out["fault_to_all_acked_p50_seconds"] = quantile(delays, 0.5)
+    out["fault_to_all_acked_p99_seconds"] = quantile(delays, 0.99)
+    out["fault_to_all_acked_max_seconds"] = round(max(delays), 3)
+    out["plan_without_host"] = {"generation": gen2, "workers": len(without),
+                                "survivors": len(survivors)}  # fmt: skip
+    out["decisions_after_loss"] = decisions_since(client, cluster.job, killed_at)
+
+    back_at = time.time()
+    sims.start(lost)
+    gen3, back, acks = until_acked(client, sims, gen2, gone.issubset, timeout)
+    delays = [at - back_at for at in acks.values()]
+    out["host_back_to_all_acked_p99_seconds"] = quantile(delays, 0.99)
+    out["host_back_to_all_acked_max_seconds"] = round(max(delays), 3)
+    out["plan_with_host"] = {"generation": gen3, "workers": len(back)}
+    out["decisions_after_return"] = decisions_since(client, cluster.job, back_at)
+
+
+def _checked(sims: SimProcesses, predicate: Callable[[], bool]) -> bool:
+    sims.check()
+    return predicate()
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in str(args.workers).split(",") if x.strip()]
+    figures = {
+        str(n): run_size(n, args.step_seconds, args.steady_seconds, args.timeout) for n in sizes
+    }
+    detect = [
+        f["peer_death_detect_seconds"] for f in figures.values() if "peer_death_detect_seconds" in f
+    ]
+    known = [d for d in detect if d is not None]
+    result = {
+        "control_plane": figures,
+        "peer_death_detect_seconds": max(known) if known and len(known) == len(figures) else None,
+        "heartbeat_seconds": HEARTBEAT_SECONDS,
+        "plan_poll_seconds": _PLAN_POLL_SECONDS,
+        "step_seconds": args.step_seconds,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    for n, f in figures.items():
+        s = f.get("steady", {})
+        print(
+            f"{n:>5} workers: {s.get('redis_commands_per_worker_per_second')} Redis commands/"
+            f"worker/s, daemon {s.get('daemon_cpu_seconds_per_second')} CPU s/s, Redis "
+            f"{s.get('redis_cpu_seconds_per_second')} CPU s/s; host lost -> all acked p99 "
+            f"{f.get('fault_to_all_acked_p99_seconds')} s; host back -> all acked p99 "
+            f"{f.get('host_back_to_all_acked_p99_seconds')} s; plan {f.get('plan_bytes')} bytes"
+            + (f"; FAILED: {f['error']}" if "error" in f else "")
+        )
+    print(f"peer death detected within {result['peer_death_detect_seconds']} s")
+    return 0

@@ -1,0 +1,299 @@
+"""Simulated workers for `chameleonctl bench control-plane`: one process, many asyncio tasks, each a
+worker that speaks the real protocol (docs/protocol.md) and trains nothing.
+
+Each simulated worker has what a real one has on its job's Redis: a command connection and a pub/sub
+connection, both named `chameleon-worker:{job}:{worker}:{incarnation}` (chameleond/worker/_link.py
+`connection_name`), a new incarnation per process. It sends `profile` (every layer of the spec, as a
+start-up profile) then `register`; a heartbeat every HEARTBEAT_SECONDS unless a step or an ack went
+out within it (as a real worker's); on every announcement of a newer generation on
+`Keys(job).plans_channel`, and when the committed generation (polled every _PLAN_POLL_SECONDS) is
+newer than its own, it GETs the packed plan as the real PlanWatcher does, and acks `ready` for each
+new generation it is a member of (at once: no process groups to build). As a member it reports a
+`step` every step period of the shared clock, and a training `profile` of the layers it holds every
+REPORT_STEPS steps. It listens on the job's liveness channel; when a peer of its plan (same pipeline
+or same stage) is reported gone, it notes when and names that peer in a `fault`, with the generation
+it saw it fail in, as a survivor of a failed collective does.
+
+The plan bytes each worker reads are parsed once per process (verified, then `plan_from_dict`):
+the load on Redis is every worker's, the parsing cost one worker's. Every event is signed with the
+job's keyring ($CHAMELEON_SECRET_FILE). Observations go to stdout, one JSON list a line:
+`["up", n]` once every worker has registered, `["ack", worker, generation, at]`,
+`["learned", worker, peer, incarnation, at]`, `["error", text]`.
+
+Run: `python -m chameleond.bench.simworkers CONFIG.json`, the config holding `url`, `job`,
+`spec` (a spec file), `workers` ([[id, host], ...]), `step_seconds` and `epoch` (the shared
+clock's origin, unix time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+import sys
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import uvloop
+
+from chameleond.auth import AuthError, Keyring
+from chameleond.core.plan import PlanError, plan_from_dict
+from chameleond.core.spec import JobSpec, load_spec
+from chameleond.events import Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
+from chameleond.protocol import Keys
+from chameleond.worker._link import _PLAN_POLL_SECONDS, HEARD, HEARTBEAT_SECONDS, connection_name
+from chameleond.worker._profile import REPORT_STEPS
+
+MEMORY_BYTES = 80 * 2**30
+# A process of a thousand simulated workers on a loaded machine may not get back to one of them
+# for seconds (at start-up above all): its reply is not late, its reader is. The client's 5 s
+# default would end the worker for the load generator's own slowness.
+SOCKET_TIMEOUT_SECONDS = 60.0
+LIVENESS = "liveness"  # the kind a liveness notice is signed as (chameleond/daemon/connwatch.py)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One plan as the simulated workers use it: its generation, global batch, members, and each
+    member's place (pipeline, stage) and layers."""
+
+    generation: int
+    global_batch: int
+    members: frozenset[str]
+    place: dict[str, tuple[int, int]]
+    layers: dict[str, tuple[int, ...]]
+
+    def peers(self, a: str, b: str) -> bool:
+        """Whether `a` and `b` share a pipeline or a stage (a collective of theirs fails)."""
+        pa, pb = self.place.get(a), self.place.get(b)
+        return pa is not None and pb is not None and a != b and (pa[0] == pb[0] or pa[1] == pb[1])
+
+
+def layout_of(doc: dict[str, Any]) -> Layout:
+    plan = plan_from_dict(doc)
+    place: dict[str, tuple[int, int]] = {}
+    layers: dict[str, set[int]] = {}
+    for p, pipe in enumerate(plan.pipelines):
+        for s, stage in enumerate(pipe.stages):
+            place.setdefault(stage.worker, (p, s))
+            layers.setdefault(stage.worker, set()).update(stage.layers)
+    members = frozenset(plan.workers) - frozenset(plan.excluded)
+    owned = {w: tuple(sorted(ls)) for w, ls in layers.items()}
+    return Layout(plan.generation, plan.global_batch, members, place, owned)
+
+
+class Shared:
+    """What a process's simulated workers share: the connection settings, the keyring, the spec's
+    layer figures, parsed plans by their bytes, and the observation output."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.url: str = cfg["url"]
+        self.keys = Keys(cfg["job"])
+        self.keyring = Keyring.configured(os.environ)
+        self.spec: JobSpec = load_spec(cfg["spec"])
+        self.step_seconds = float(cfg["step_seconds"])
+        self.epoch = float(cfg["epoch"])
+        self._plans: dict[bytes, Layout | None] = {}
+        self._reports: dict[tuple[int, ...] | None, list[dict[str, Any]]] = {}
+        self._out: list[str] = []
+        self.registered = 0
+
+    def layout(self, raw: bytes) -> Layout | None:
+        """The plan in `raw`, verified and parsed once per distinct bytes; None when it is not a
+        valid plan of the job's daemon (the worker keeps the plan it holds)."""
+        if raw not in self._plans:
+            if len(self._plans) > 8:
+                self._plans.pop(next(iter(self._plans)))
+            try:
+                doc = json.loads(zlib.decompress(raw))
+                if self.keyring is not None:
+                    self.keyring.verify_doc("plan", self.keys.job, doc)
+                self._plans[raw] = layout_of(doc)
+            except (ValueError, zlib.error, AuthError, PlanError) as e:
+                self.note("error", f"plan refused: {e}")
+                self._plans[raw] = None
+        return self._plans[raw]
+
+    def fields(self, event: Event) -> dict[str, str]:
+        entry = event.to_fields()
+        return self.keyring.sign_event(self.keys.job, entry) if self.keyring else entry
+
+    def layer_report(self, layers: tuple[int, ...] | None) -> list[dict[str, Any]]:
+        """The spec's figures of `layers` (all of them: None) as a profile's `layers` list (made
+        once per set of layers: the process's workers report the same figures)."""
+        report = self._reports.get(layers)
+        if report is None:
+            ids = range(len(self.spec.layers)) if layers is None else layers
+            report = self._reports[layers] = [
+                {**asdict(self.spec.layers[i]), "index": i} for i in ids
+            ]
+        return report
+
+    def note(self, *record: Any) -> None:
+        self._out.append(json.dumps(record))
+
+    async def flush_forever(self) -> None:
+        while True:
+            if self._out:
+                out, self._out = self._out, []
+                sys.stdout.write("\n".join(out) + "\n")
+                sys.stdout.flush()
+            await asyncio.sleep(0.1)
+
+
+class SimWorker:
+    """One simulated worker: its two named connections and its loops."""
+
+    def __init__(self, shared: Shared, worker: str, host: str) -> None:
+        self.s = shared
+        self.worker = worker
+        self.host = host
+        self.incarnation = f"{os.getpid()}-{secrets.token_hex(4)}"
+        name = connection_name(shared.keys.job, worker, self.incarnation)
+        self.cmd = aioredis.Redis.from_url(
+            shared.url, client_name=name, single_connection_client=True,
+            socket_timeout=SOCKET_TIMEOUT_SECONDS, socket_connect_timeout=SOCKET_TIMEOUT_SECONDS,
+        )  # fmt: skip
+        self.sub = aioredis.Redis.from_url(
+            shared.url, client_name=name, socket_timeout=SOCKET_TIMEOUT_SECONDS,
+            socket_connect_timeout=SOCKET_TIMEOUT_SECONDS,
+        )  # fmt: skip
+        self.plan: Layout | None = None
+        self.acked = 0  # the newest generation acked ready
+        self.heard_at = 0.0  # time.monotonic() of the last heartbeat, step or ack sent
+        self.raw: bytes | None = None  # the plan bytes held: an unchanged GET parses nothing
+        self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) already named
+
+    async def send(self, event: Event) -> None:
+        await self.cmd.xadd(self.s.keys.events, self.s.fields(event))  # type: ignore[arg-type]
+        if isinstance(event, HEARD):
+            self.heard_at = time.monotonic()
+
+    async def run(self) -> None:
+        pubsub = self.sub.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self.s.keys.plans_channel, self.s.keys.liveness_channel)
+        await self.send(Profile(self.worker, {"layers": self.s.layer_report(None)}))
+        reg = Register(self.worker, self.host, MEMORY_BYTES, "cuda:0", os.getpid())
+        await self.send(reg)
+        await self.read_plan()
+        self.s.registered += 1
+        await asyncio.gather(self.beat(), self.steps(), self.listen(pubsub), self.poll())
+
+    async def beat(self) -> None:
+        await asyncio.sleep(random.uniform(0, HEARTBEAT_SECONDS))  # noqa: S311 - a phase, not a secret
+        while True:  # skipped when a step or an ack went out within the period, as a worker's
+            if time.monotonic() - self.heard_at >= HEARTBEAT_SECONDS * 0.9:
+                await self.send(Heartbeat(self.worker, at=time.time()))
+            await asyncio.sleep(HEARTBEAT_SECONDS)
+
+    async def poll(self) -> None:
+        while True:
+            await asyncio.sleep(_PLAN_POLL_SECONDS * random.uniform(0.9, 1.1))  # noqa: S311
+            stored: Any = await self.cmd.hget(self.s.keys.state, "generation")
+            if int(stored or 0) > self.held:
+                await self.read_plan()
+
+    async def listen(self, pubsub: Any) -> None:
+        liveness = self.s.keys.liveness_channel.encode()
+        async for msg in pubsub.listen():
+            if msg.get("type") != "message":
+                continue
+            if msg["channel"] == liveness:
+                await self.on_liveness(msg["data"])
+            elif int(msg["data"]) > self.held:
+                await self.read_plan()
+
+    @property
+    def held(self) -> int:
+        return self.plan.generation if self.plan is not None else 0
+
+    async def read_plan(self) -> None:
+        raw: Any = await self.cmd.get(self.s.keys.plan_packed)
+        if raw is None or raw == self.raw:
+            return
+        layout = self.s.layout(raw)
+        if layout is None or (self.plan is not None and layout.generation <= self.plan.generation):
+            return
+        self.plan, self.raw = layout, raw
+        if self.worker in layout.members and layout.generation > self.acked:
+            ready = Ack(self.worker, layout.generation, AckPhase.READY, 1, build_seconds=0.0,
+                        migration_seconds=0.0)  # fmt: skip
+            await self.send(ready)
+            self.acked = layout.generation
+            self.s.note("ack", self.worker, layout.generation, time.time())
+
+    async def steps(self) -> None:
+        """A `step` at each period of the shared clock while a member of an acked plan; a
+        training profile of its layers every REPORT_STEPS steps."""
+        period = self.s.step_seconds
+        while True:
+            now = time.time()
+            step = int((now - self.s.epoch) / period) + 1
+            await asyncio.sleep(self.s.epoch + step * period - now)
+            plan = self.plan
+            if plan is None or self.acked != plan.generation or self.worker not in plan.members:
+                continue
+            await self.send(Step(self.worker, plan.generation, step, plan.global_batch, period,
+                                 2.0, vote_seconds=0.01, at=time.time()))  # fmt: skip
+            if step % REPORT_STEPS == 0:
+                data = {
+                    "layers": self.s.layer_report(plan.layers.get(self.worker, ())),
+                    "source": "training", "generation": plan.generation, "steps": REPORT_STEPS,
+                    "seconds_per_step": period, "micro_batch": self.s.spec.training.micro_batch,
+                    "device": "cuda:0",
+                }  # fmt: skip
+                await self.send(Profile(self.worker, data))
+
+    async def on_liveness(self, raw: bytes) -> None:
+        """A liveness document: note each newly gone peer of this worker's plan, then name it in a
+        fault with the generation it was lost in."""
+        now = time.time()
+        try:
+            doc = json.loads(raw)
+            if self.s.keyring is not None:
+                self.s.keyring.verify_doc(LIVENESS, self.s.keys.job, doc)
+            gone = [(str(w), str(i)) for w, i in doc.get("gone", [])]
+        except (ValueError, TypeError, AuthError) as e:
+            self.s.note("error", f"liveness refused: {e}")
+            return
+        plan = self.plan
+        if plan is None:
+            return
+        for peer, incarnation in gone:
+            if (peer, incarnation) in self.reported or not plan.peers(self.worker, peer):
+                continue
+            self.reported.add((peer, incarnation))
+            self.s.note("learned", self.worker, peer, incarnation, now)
+            await self.send(Fault(peer, "peer process gone", plan.generation,
+                                  reporter=self.worker, at=now))  # fmt: skip
+
+
+async def main(cfg: dict[str, Any]) -> None:
+    shared = Shared(cfg)
+    flusher = asyncio.create_task(shared.flush_forever())
+    sims = [SimWorker(shared, w, h) for w, h in cfg["workers"]]
+    tasks = []
+    for sim in sims:  # connect in waves: thousands of connects at once overflow the accept queue
+        tasks.append(asyncio.create_task(sim.run()))
+        if len(tasks) % 64 == 0:
+            await asyncio.sleep(0.05)
+    while shared.registered < len(sims) and not any(t.done() for t in tasks):
+        await asyncio.sleep(0.05)
+    if shared.registered == len(sims):
+        shared.note("up", len(sims))
+    finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for t in finished:  # a worker's loops end only on an error
+        shared.note("error", repr(t.exception()))
+    await asyncio.sleep(0.2)
+    flusher.cancel()
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], encoding="utf-8") as f:
+        config = json.load(f)
+    uvloop.run(main(config))

@@ -1,0 +1,223 @@
+"""Peer death, seen once for the whole job: the daemon watches the workers' Redis connections and
+announces the processes that are gone.
+
+Every Redis connection of a worker is named `chameleon-worker:{job}:{id}:{incarnation}`
+(chameleond/worker/_link.py); the kernel closes a killed process's sockets, so Redis drops its
+connections at once. One `CLIENT LIST TYPE normal` per `peer_watch_seconds` (about 2 MB and 9 ms
+of Redis at 8,192 workers; at most one per LISTING_SPACING of its round trips) finds the
+incarnations that were listed and are not any more; the daemon publishes them on
+`Keys.liveness_channel` and keeps the recent ones under `Keys.gone` for a worker that subscribes
+later. A worker thus learns of a peer's death within one period and a publish, on every backend,
+without listing clients itself (its ACL user needs no CLIENT LIST).
+
+The notice is evidence, not a verdict: a survivor names a peer in a fault only when its own
+collective failed and the peer is announced gone (chameleond/worker/_attribution.py), as before.
+An incarnation seen again is announced `live` (a connection blip), and so is a new incarnation
+of a worker that had one gone (its restart): for the workers, the id is alive again.
+
+`Connections` is the pure part (the listed incarnations in, the notices out); `ConnWatch` is the
+loop around it. After a Redis restart or failover no connection is older than
+RECONNECT_SECONDS: until one is, a missing connection says nothing (live workers are
+reconnecting) and the watch keeps what it saw before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError, RedisError
+
+from chameleond.auth import AuthError, Keyring, signed_json
+from chameleond.daemon.metrics import Metrics
+from chameleond.protocol import Keys
+
+log = logging.getLogger("chameleond.connwatch")
+# After a Redis restart every live worker reconnects within a heartbeat or two (redis-py's retries
+# back off to 1 s); until then a missing connection says nothing.
+RECONNECT_SECONDS = 3
+GONE_KEEP_SECONDS = 600.0  # how long a gone incarnation stays listed under Keys.gone
+# The watch waits at least this many times its last listing's round trip between listings, so
+# that listing a large job's connections takes at most 1/20 of Redis's time.
+LISTING_SPACING = 20
+_AGE = re.compile(rb" age=(\d+)")  # right after the name, in CLIENT LIST
+
+Incarnation = tuple[str, str]  # (worker id, incarnation)
+
+
+def listed(raw: bytes, job: str) -> tuple[set[Incarnation], int]:
+    """The job's worker incarnations in a CLIENT LIST reply, and the oldest of their connections'
+    ages (only the job's: a sentinel's or a tool's old connection says nothing of the workers)."""
+    prefix = f" name=chameleon-worker:{job}:".encode()
+    out: set[Incarnation] = set()
+    oldest = 0
+    start = raw.find(prefix)
+    while start >= 0:
+        begin = start + len(prefix)
+        end = raw.find(b" ", begin)
+        worker, _, incarnation = raw[begin:end].decode("utf-8", "replace").rpartition(":")
+        if worker:
+            out.add((worker, incarnation))
+        if age := _AGE.match(raw, end):
+            oldest = max(oldest, int(age.group(1)))
+        start = raw.find(prefix, end)
+    return out, oldest
+
+
+@dataclass(frozen=True)
+class Notice:
+    """Incarnations gone since the last listing, and those live again (back after a blip, or a
+    new process of a worker that had one gone)."""
+
+    gone: tuple[Incarnation, ...] = ()
+    live: tuple[Incarnation, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.gone or self.live)
+
+    def doc(self, at: float) -> dict[str, object]:
+        gone, live = [list(g) for g in self.gone], [list(v) for v in self.live]
+        return {"gone": gone, "live": live, "at": at}
+
+
+@dataclass
+class Connections:
+    """The job's worker incarnations as the listings show them (pure: listings in, notices out)."""
+
+    seen: set[Incarnation] = field(default_factory=set)
+    gone: dict[Incarnation, float] = field(default_factory=dict)  # -> when it was seen gone
+
+    def update(self, live: set[Incarnation], oldest: int, now: float) -> Notice:
+        """One listing at `now` (unix time); nothing changes while no connection is older than
+        RECONNECT_SECONDS (Redis restarted or failed over: live workers are reconnecting).
+
+        Announced live: an incarnation listed again after it was announced gone, and the live
+        incarnations of a worker whose other incarnation just went or came (a restarted worker:
+        its id is alive, whichever process of it died)."""
+        if oldest < RECONNECT_SECONDS:
+            return Notice()
+        gone = self.seen - live
+        new = live - self.seen
+        self.seen = live
+        back = new & set(self.gone)
+        for v in back:
+            del self.gone[v]
+        for g in gone:
+            self.gone[g] = now
+        for g, at in list(self.gone.items()):
+            if now - at > GONE_KEEP_SECONDS:
+                del self.gone[g]
+        touched = {w for w, _ in gone | new}
+        with_gone = {w for w, _ in self.gone}
+        also = {v for v in live if v[0] in touched and v[0] in with_gone}
+        return Notice(tuple(sorted(gone)), tuple(sorted(back | also)))
+
+    def current(self) -> Notice:
+        """What a worker that subscribes now needs (the Keys.gone document): the incarnations
+        gone within GONE_KEEP_SECONDS, and the live ones of the same workers."""
+        with_gone = {w for w, _ in self.gone}
+        return Notice(
+            tuple(sorted(self.gone)), tuple(sorted(v for v in self.seen if v[0] in with_gone))
+        )
+
+    def restore(self, doc: dict[str, object]) -> None:
+        """Take up the gone incarnations a previous daemon announced (its Keys.gone doc)."""
+        at = float(doc.get("at", 0) or 0)  # type: ignore[arg-type]
+        for item in doc.get("gone", []):  # type: ignore[attr-defined]
+            if isinstance(item, list) and len(item) == 2:
+                self.gone.setdefault((str(item[0]), str(item[1])), at)
+
+
+def announce(
+    connections: Connections, raw: object, job: str, keyring: Keyring | None, now: float
+) -> tuple[Notice, tuple[str, str] | None]:
+    """One CLIENT LIST reply taken into `connections`: the notice, and when it says anything the
+    two texts to write (the Keys.gone document, the message for Keys.liveness_channel)."""
+    live, oldest = listed(raw if isinstance(raw, bytes) else str(raw).encode(), job)
+    notice = connections.update(live, oldest, now)
+    if not notice:
+        return notice, None
+    if notice.gone:
+        log.info("gone: %s", ", ".join(f"{w} ({i})" for w, i in notice.gone))
+    current = signed_json(keyring, "liveness", job, connections.current().doc(now))
+    return notice, (current, signed_json(keyring, "liveness", job, notice.doc(now)))
+
+
+class ConnWatch:
+    """Lists the job's worker connections every `period` seconds (or LISTING_SPACING times the
+    last listing's round trip, when that is longer) and announces changes."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: Keys,
+        period: float,
+        metrics: Metrics,
+        keyring: Keyring | None = None,
+    ) -> None:
+        self.client, self.keys, self.period = client, keys, period
+        self.metrics, self.keyring = metrics, keyring
+        self.connections = Connections()
+        self.listing_seconds = 0.0  # the last CLIENT LIST's round trip
+
+    @property
+    def pause(self) -> float:
+        return max(self.period, LISTING_SPACING * self.listing_seconds)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop`. Denied CLIENT LIST (an ACL without it): said once, and peers are then
+        found by the heartbeat timeout and the rendezvous alone."""
+        await self._restore()
+        failing = False
+        while not stop.is_set():
+            try:
+                await self.tick()
+                if failing:
+                    log.info("connection watch: Redis answers again")
+                failing = False
+            except NoPermissionError as e:
+                log.error(
+                    "CLIENT LIST denied (%s): dead workers are found by the heartbeat timeout "
+                    "only; give the daemon's user +client|list (docs/daemon.md)", e,
+                )  # fmt: skip
+                await stop.wait()
+                return
+            except (RedisError, OSError) as e:
+                if not failing:
+                    log.warning("connection watch: %s", e)
+                failing = True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=self.pause)
+
+    async def tick(self) -> Notice:
+        began = time.perf_counter()
+        raw = await self.client.execute_command("CLIENT", "LIST", "TYPE", "normal")
+        self.listing_seconds = time.perf_counter() - began
+        notice, docs = announce(self.connections, raw, self.keys.job, self.keyring, time.time())
+        if docs is not None:
+            self.metrics.peer_notices.labels("gone").inc(len(notice.gone))
+            self.metrics.peer_notices.labels("live").inc(len(notice.live))
+            current, message = docs
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.set(self.keys.gone, current)
+                pipe.publish(self.keys.liveness_channel, message)
+                await pipe.execute()
+        return notice
+
+    async def _restore(self) -> None:
+        try:
+            raw = await self.client.get(self.keys.gone)
+            if raw is None:
+                return
+            doc = json.loads(raw)
+            if self.keyring is not None:
+                self.keyring.verify_doc("liveness", self.keys.job, doc)
+            self.connections.restore(doc)
+        except (RedisError, OSError, ValueError, AuthError) as e:
+            log.warning("the gone workers announced before are not taken up: %s", e)

@@ -1,0 +1,102 @@
+"""The planner's layer figures from the workers' newest profiles, kept as running sums.
+
+Per layer, the mean over the workers whose newest profile measured it, each worker's seconds at a
+healthy worker's pace (jobstate/jobspec.py `measured_layers` is the definition). Profiles arrive
+constantly and decisions are rare, so a new profile costs the layers it covers, not the job's
+workers times its layers: the sums are exact (fixed-point integers), so taking a worker's old
+profile out and putting its new one in never drifts from the sum made from scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from chameleond.core.spec import LayerProfile
+
+# Every finite float times 2**1074 is an integer (the smallest subnormal is 2**-1074).
+_SCALE_BITS = 1074
+_SECONDS = ("forward_seconds", "backward_seconds", "update_seconds")
+_BYTES = ("param_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
+
+
+def _fixed(x: float) -> int:
+    num, den = float(x).as_integer_ratio()
+    return num << (_SCALE_BITS - den.bit_length() + 1)
+
+
+@dataclass
+class _LayerSum:
+    count: int = 0
+    seconds: list[int] = field(default_factory=lambda: [0] * len(_SECONDS))
+    nbytes: list[int] = field(default_factory=lambda: [0] * len(_BYTES))
+
+    def add(self, p: LayerProfile, speed: float, sign: int) -> None:
+        """Count `p` in (sign 1) or out (-1); a worker at `speed` measured 1/speed times a
+        healthy worker's seconds, so they count times `speed`."""
+        self.count += sign
+        for k, name in enumerate(_SECONDS):
+            self.seconds[k] += sign * _fixed(getattr(p, name) * speed)
+        for k, name in enumerate(_BYTES):
+            self.nbytes[k] += sign * int(getattr(p, name))
+
+    def mean(self, name: str) -> LayerProfile:
+        n = self.count
+        forward, backward, update = (s / (n << _SCALE_BITS) for s in self.seconds)
+        param, optimizer, activation, output = (round(b / n) for b in self.nbytes)
+        return LayerProfile(name, forward, backward, param, optimizer, activation, output,
+                            update_seconds=update)  # fmt: skip
+
+
+class MeasuredLayers:
+    """Each worker's profile and speed as last counted, and the per-layer sums over them."""
+
+    def __init__(self) -> None:
+        self._counted: dict[str, tuple[Mapping[int, LayerProfile], float]] = {}
+        self._sums: dict[int, _LayerSum] = {}
+        self._means: dict[int, LayerProfile] = {}  # the layers whose sums did not move since
+
+    def layers(
+        self,
+        base: Sequence[LayerProfile],
+        profiles: Mapping[str, Mapping[int, LayerProfile]],
+        speeds: Mapping[str, float],
+    ) -> tuple[LayerProfile, ...]:
+        """`measured_layers(base, profiles, speeds)`: the workers' profiles (a profile is
+        counted again only when it is another object than the one counted) at their speeds
+        (1.0 when not named)."""
+        counted = self._counted
+        for w in [w for w in counted if w not in profiles]:
+            self._count(w, None, 1.0)
+        for w, p in profiles.items():
+            speed = speeds.get(w, 1.0)
+            was = counted.get(w)
+            if was is None or was[0] is not p or was[1] != speed:
+                self._count(w, p, speed)
+        out = []
+        for i, layer in enumerate(base):
+            s = self._sums.get(i)
+            if s is None or not s.count:
+                out.append(layer)
+                continue
+            mean = self._means.get(i)
+            if mean is None or mean.name != layer.name:
+                mean = self._means[i] = s.mean(layer.name)
+            out.append(mean)
+        return tuple(out)
+
+    def measured(self) -> set[int]:
+        """The layers some counted profile measured."""
+        return {i for i, s in self._sums.items() if s.count}
+
+    def _count(self, worker: str, profile: Mapping[int, LayerProfile] | None, speed: float) -> None:
+        was = self._counted.pop(worker, None)
+        if was is not None:
+            for i, p in was[0].items():
+                self._sums[i].add(p, was[1], -1)
+                self._means.pop(i, None)
+        if profile is not None:
+            for i, p in profile.items():
+                self._sums.setdefault(i, _LayerSum()).add(p, speed, 1)
+                self._means.pop(i, None)
+            self._counted[worker] = (profile, speed)

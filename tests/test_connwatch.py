@@ -1,0 +1,189 @@
+"""Peer death without per-worker polling: the daemon's connection watch announces a killed
+worker's process, and a worker whose Redis user may not run CLIENT LIST learns of it in time."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from chameleond.auth import Keyring, signed_json
+from chameleond.daemon.connwatch import RECONNECT_SECONDS, Connections, ConnWatch, listed
+from chameleond.daemon.metrics import Metrics
+from chameleond.protocol import Keys
+from chameleond.redis_server import RedisServer
+from chameleond.worker._link import PlanWatcher, connection_name
+from chameleond.worker._liveness import NOTICE_WAIT_SECONDS, PeerNotices
+
+JOB = "cw"
+RING = Keyring((b"a-job-secret-of-enough-length",))
+PERIOD = 0.25
+
+
+def test_connections_announce_the_gone_and_the_live_again() -> None:
+    c = Connections()
+    a, b = ("w1", "inc-a"), ("w1", "inc-b")
+    assert not c.update({a, ("w2", "x")}, RECONNECT_SECONDS, now=100.0)  # first seen: no news
+    gone = c.update({("w2", "x")}, RECONNECT_SECONDS, now=101.0)
+    assert gone.gone == (a,) and gone.live == ()
+    assert c.current().gone == (a,)
+    # A new process of w1: announced live (the id is alive again); the old one stays gone.
+    back = c.update({("w2", "x"), b}, RECONNECT_SECONDS, now=102.0)
+    assert back.gone == () and back.live == (b,)
+    assert c.current().gone == (a,) and c.current().live == (b,)
+    # A worker never seen gone is not announced when it appears.
+    assert not c.update({("w2", "x"), b, ("w3", "y")}, RECONNECT_SECONDS, now=103.0)
+
+
+def test_a_replaced_process_dying_leaves_its_worker_alive() -> None:
+    """A new process of w1 starts while the old one lives; the old one is then killed: w1's id
+    stays alive for the workers (its new process is announced live with the death)."""
+    c = Connections()
+    a, b = ("w1", "inc-a"), ("w1", "inc-b")
+    c.update({a, b}, RECONNECT_SECONDS, now=1.0)
+    notice = c.update({b}, RECONNECT_SECONDS, now=2.0)
+    assert notice.gone == (a,) and notice.live == (b,)
+    n = PeerNotices(JOB, RING)
+    assert n.take(signed_json(RING, "liveness", JOB, notice.doc(2.0)))
+    assert n.gone({"w1": None}) == [] and n.gone({"w1": "inc-a"}) == ["w1"]
+    late = PeerNotices(JOB, RING)  # from the Keys.gone document
+    assert late.take(signed_json(RING, "liveness", JOB, c.current().doc(2.0)))
+    assert late.gone({"w1": None}) == [] and late.gone({"w1": "inc-a"}) == ["w1"]
+
+
+def test_no_connection_old_enough_is_no_evidence() -> None:
+    """Right after a Redis restart or failover every live worker is reconnecting."""
+    c = Connections()
+    c.update({("w1", "a"), ("w2", "b")}, RECONNECT_SECONDS, now=1.0)
+    assert not c.update(set(), oldest=1, now=2.0)
+    assert c.update({("w2", "b")}, RECONNECT_SECONDS, now=5.0).gone == (("w1", "a"),)
+
+
+def test_gone_incarnations_are_forgotten_after_a_while() -> None:
+    c = Connections()
+    c.update({("w1", "a")}, RECONNECT_SECONDS, now=0.0)
+    c.update(set(), RECONNECT_SECONDS, now=1.0)
+    c.update(set(), RECONNECT_SECONDS, now=2000.0)
+    assert c.current().gone == ()
+
+
+def test_notices_by_incarnation_and_by_id() -> None:
+    n = PeerNotices(JOB, RING)
+    doc = {"gone": [["w1", "a"]], "live": [], "at": 1.0}
+    assert n.take(signed_json(RING, "liveness", JOB, doc))
+    assert n.gone({"w1": "a", "w2": None}) == ["w1"]
+    assert n.gone({"w1": None}) == ["w1"]  # the newest notice about w1 is its death
+    assert n.gone({"w1": "b"}) == []  # another process of w1 was not announced gone
+    assert n.take(signed_json(RING, "liveness", JOB, {"gone": [], "live": [["w1", "b"]]}))
+    assert n.gone({"w1": None}) == [] and n.gone({"w1": "a"}) == ["w1"]
+    # Unsigned, or signed with another job's key: not the job's daemon; ignored.
+    assert not n.take(signed_json(None, "liveness", JOB, {"gone": [["w2", "c"]], "live": []}))
+    other = Keyring((b"not-this-job-secret-at-all!!",))
+    assert not n.take(signed_json(other, "liveness", JOB, {"gone": [["w2", "c"]], "live": []}))
+    assert n.gone({"w2": None}) == []
+
+
+def test_listed_reads_the_jobs_connections(redis_server: RedisServer) -> None:
+    names = [connection_name(JOB, "w1", "i1"), connection_name(JOB, "w:2", "i2"), "other"]
+    clients = [redis.Redis.from_url(redis_server.url, client_name=n) for n in names]
+    try:
+        for c in clients:
+            c.ping()
+        raw = clients[0].execute_command("CLIENT", "LIST", "TYPE", "normal")
+        live, oldest = listed(raw, JOB)
+        assert live == {("w1", "i1"), ("w:2", "i2")} and oldest >= 0
+        assert listed(raw, "another-job")[0] == set()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def peer_process(url: str, worker: str, incarnation: str) -> subprocess.Popen[bytes]:
+    """A process holding a worker's named connection, as a real worker's (killed with -9)."""
+    code = (
+        "import sys, time, redis\n"
+        "c = redis.Redis.from_url(sys.argv[1], client_name=sys.argv[2]); c.ping()\n"
+        "print('up', flush=True); time.sleep(600)\n"
+    )
+    name = connection_name(JOB, worker, incarnation)
+    proc = subprocess.Popen([sys.executable, "-c", code, url, name], stdout=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+    return proc
+
+
+@pytest.fixture
+def connwatch(redis_server: RedisServer) -> Iterator[None]:
+    """The daemon's watch, on its own loop and full-rights client, for the test's duration."""
+    stop: list[asyncio.Event] = []
+    loop = asyncio.new_event_loop()
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_server.url)
+        stop.append(asyncio.Event())
+        try:
+            await ConnWatch(client, Keys(JOB), PERIOD, Metrics(), RING).run(stop[0])
+        finally:
+            await client.aclose()
+
+    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
+    thread.start()
+    yield
+    loop.call_soon_threadsafe(stop[0].set)
+    thread.join(10)
+    loop.close()
+
+
+def test_a_worker_without_client_list_learns_of_a_killed_peer_in_time(
+    redis_server: RedisServer, connwatch: None
+) -> None:
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "job-cw", "on", ">pw", *Keys(JOB).acl_rules())
+    user_url = redis_server.url.replace("redis://", "redis://job-cw:pw@")
+    me = redis.Redis.from_url(user_url, client_name=connection_name(JOB, "w0", "i0"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        me.client_list()  # the worker's user may not list clients, and needs not
+    notices = PeerNotices(JOB, RING)
+    watcher = PlanWatcher(me, JOB, RING, notices=notices)
+    watcher.start()
+    peer = peer_process(redis_server.url, "w1", "i1")
+    try:
+        time.sleep(RECONNECT_SECONDS + 4 * PERIOD)  # connections old enough to be evidence
+        assert notices.gone({"w1": "i1"}) == []
+        killed = time.monotonic()
+        os.kill(peer.pid, signal.SIGKILL)
+        found = notices.wait_gone({"w1": "i1"}, timeout=10)
+        learned = time.monotonic() - killed
+        assert found == ["w1"]
+        # Within the wait a survivor gives the notices before it builds the generation again.
+        assert learned < NOTICE_WAIT_SECONDS, learned
+
+        # A worker that subscribes later reads the gone incarnations from Keys.gone.
+        late = PeerNotices(JOB, RING)
+        late_watcher = PlanWatcher(me, JOB, RING, notices=late)
+        late_watcher.start()
+        assert late.wait_gone({"w1": None}, timeout=10) == ["w1"]
+        late_watcher.stop()
+
+        # w1 restarted (a new process): its id is alive again; the old process stays gone.
+        peer.wait(5)
+        peer = peer_process(redis_server.url, "w1", "i2")
+        deadline = time.monotonic() + 10
+        while notices.gone({"w1": None}) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert notices.gone({"w1": None}) == [] and notices.gone({"w1": "i1"}) == ["w1"]
+    finally:
+        peer.kill()
+        peer.wait(5)
+        watcher.stop()
+        watcher.join(5)
+        me.close()
+        admin.close()

@@ -1,0 +1,66 @@
+"""Redis that fails over: a job trained through `redis+sentinel://` by chameleond and four real
+workers (gloo, CPU), with a real master, a real replica and three real sentinels. The master is
+killed with SIGKILL mid-training and a worker with kill -9 half a second later, before the
+sentinels have even found the master down.
+
+Training must go on on the promoted replica: the dead worker's fault is not lost (a plan without
+it is published and trained on), no worker applies a plan generation twice, no step is committed
+twice (no sample trained twice), and nothing the job's stream held before the failover is missing
+after it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from chameleond.bench.failover import (
+    FailoverRun,
+    duplicate_applications,
+    lost_events,
+    run_failover,
+)
+from chameleond.core.plan import plan_from_dict
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_training_goes_on_through_a_sentinel_failover(tmp_path: Path) -> None:
+    run = run_failover(tmp_path, kill_worker=True)
+    assert run.promoted, "the sentinels never promoted the replica"
+    faults = [f for _, f in run.seen if f.get("type") == "fault"]
+    assert faults and {f["worker"] for f in faults} == {run.victim}, faults
+    # The fault was answered: a plan without the dead worker, trained on.
+    after = [g for g, _ in run.commits if g in run.plans and run.victim not in _members(run, g)]
+    assert after, f"no step committed on a plan without {run.victim}"
+    assert lost_events(run) == []
+    assert duplicate_applications(run) == 0, run.ready
+    # No sample trained twice: every committed step is a new one, and no worker reported a step
+    # again (the steps the dead worker took with it are not committed, and never re-done).
+    steps = [s for _, s in run.commits]
+    assert steps == sorted(set(steps)) and steps[:10] == list(range(10)), steps
+    for w in {f["worker"] for _, f in run.seen if f.get("type") == "step"}:
+        mine = [int(f["step"]) for _, f in run.seen if f.get("type") == "step" and f["worker"] == w]
+        assert mine == sorted(set(mine)), f"{w} reported a step twice: {mine}"
+    assert run.resumed_at - run.killed_at < 30
+    assert _left_running(tmp_path) == []
+    print(f"\nresumed {run.resumed_at - run.killed_at:.2f} s after the master's kill; "
+          f"{len(run.commits)} steps, generations {sorted(run.plans)}")  # fmt: skip
+
+
+def _members(run: FailoverRun, generation: int) -> set[str]:
+    return set(plan_from_dict(run.plans[generation]).workers)
+
+
+def _left_running(where: Path) -> list[str]:
+    """Processes whose command line names `where` (the run's redis-servers, sentinels, daemon and
+    workers all do)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if str(where) in Path(f"/proc/{pid}/cmdline").read_text():
+                out.append(pid)
+        except OSError:
+            continue
+    return out
