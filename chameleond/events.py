@@ -354,3 +354,6 @@ class Checkpoint:
 # daemon's handler table (checked complete in tests/test_handlers.py) all follow it.
 Event: TypeAlias = Fault | Rejoin | Register | Heartbeat | Profile | Step | Ack | Checkpoint
 EVENT_CLASSES = cast("tuple[type[Event], ...]", get_args(Event))
+# The events the daemon hears a worker in (chameleond/handlers: heartbeat, step, ack): a worker
+# that sent one within its heartbeat period needs not heartbeat as well.
+HEARD: tuple[type[Event], ...] = (Heartbeat, Step, Ack)

@@ -36,6 +36,18 @@ MAX_FIELDS = 64
 # it stays out of the process list.
 REDIS_URL_ENV = "CHAMELEON_REDIS_URL"
 JOB_ENV = "CHAMELEON_JOB"  # the job name, for the daemon, the workers and chameleonctl
+# A worker's cadence on Redis at steady state: a heartbeat per HEARTBEAT_SECONDS (skipped beside
+# a step or an ack, events.HEARD), and the committed generation read every PLAN_POLL_SECONDS (the
+# plan itself only when that is newer than the one held).
+HEARTBEAT_SECONDS = 1.0
+PLAN_POLL_SECONDS = 5.0
+PROFILE_EVERY_STEPS = 5  # a training profile per this many steps (chameleond/worker/_profile.py)
+
+
+def worker_connection_name(job: str, worker: str, incarnation: str) -> str:
+    """`chameleon-worker:{job}:{worker}:{incarnation}`: every Redis connection of a worker process
+    carries it (the incarnation tells processes apart); the daemon finds dead workers by it."""
+    return f"chameleon-worker:{job}:{worker}:{incarnation}"
 
 
 @dataclass(frozen=True)

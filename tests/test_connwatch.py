@@ -33,7 +33,9 @@ def test_connections_announce_the_gone_and_the_live_again() -> None:
     c = Connections()
     a, b = ("w1", "inc-a"), ("w1", "inc-b")
     assert not c.update({a, ("w2", "x")}, RECONNECT_SECONDS, now=100.0)  # first seen: no news
-    gone = c.update({("w2", "x")}, RECONNECT_SECONDS, now=101.0)
+    # Missing from one listing: a live worker reopening its connection may be; not yet gone.
+    assert not c.update({("w2", "x")}, RECONNECT_SECONDS, now=101.0)
+    gone = c.update({("w2", "x")}, RECONNECT_SECONDS, now=101.1)
     assert gone.gone == (a,) and gone.live == ()
     assert c.current().gone == (a,)
     # A new process of w1: announced live (the id is alive again); the old one stays gone.
@@ -50,6 +52,7 @@ def test_a_replaced_process_dying_leaves_its_worker_alive() -> None:
     c = Connections()
     a, b = ("w1", "inc-a"), ("w1", "inc-b")
     c.update({a, b}, RECONNECT_SECONDS, now=1.0)
+    c.update({b}, RECONNECT_SECONDS, now=1.9)
     notice = c.update({b}, RECONNECT_SECONDS, now=2.0)
     assert notice.gone == (a,) and notice.live == (b,)
     n = PeerNotices(JOB, RING)
@@ -60,18 +63,29 @@ def test_a_replaced_process_dying_leaves_its_worker_alive() -> None:
     assert late.gone({"w1": None}) == [] and late.gone({"w1": "inc-a"}) == ["w1"]
 
 
+def test_a_connection_reopened_between_two_listings_is_no_death() -> None:
+    c = Connections()
+    c.update({("w1", "a")}, RECONNECT_SECONDS, now=0.0)
+    assert not c.update(set(), RECONNECT_SECONDS, now=0.1)
+    assert not c.update({("w1", "a")}, RECONNECT_SECONDS, now=0.2)
+    assert not c.update(set(), RECONNECT_SECONDS, now=0.3)
+    assert not c.update({("w1", "a")}, RECONNECT_SECONDS, now=0.4)
+
+
 def test_no_connection_old_enough_is_no_evidence() -> None:
     """Right after a Redis restart or failover every live worker is reconnecting."""
     c = Connections()
     c.update({("w1", "a"), ("w2", "b")}, RECONNECT_SECONDS, now=1.0)
     assert not c.update(set(), oldest=1, now=2.0)
-    assert c.update({("w2", "b")}, RECONNECT_SECONDS, now=5.0).gone == (("w1", "a"),)
+    assert not c.update({("w2", "b")}, RECONNECT_SECONDS, now=5.0)
+    assert c.update({("w2", "b")}, RECONNECT_SECONDS, now=5.1).gone == (("w1", "a"),)
 
 
 def test_gone_incarnations_are_forgotten_after_a_while() -> None:
     c = Connections()
     c.update({("w1", "a")}, RECONNECT_SECONDS, now=0.0)
     c.update(set(), RECONNECT_SECONDS, now=1.0)
+    assert c.update(set(), RECONNECT_SECONDS, now=1.1).gone == (("w1", "a"),)
     c.update(set(), RECONNECT_SECONDS, now=2000.0)
     assert c.current().gone == ()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from chameleond.bench.control_plane import run_size
-from chameleond.worker._link import _PLAN_POLL_SECONDS, HEARTBEAT_SECONDS
+from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,6 +37,6 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     assert per_worker["xadd"] <= writes * 1.2
     assert per_worker.get("client", 0.0) * 64 < 10
     # GET: each worker's plan poll, and the daemon's commits (one GET of the lease each)
-    assert per_worker["get"] * 64 < 64 / _PLAN_POLL_SECONDS + 100
+    assert per_worker["get"] * 64 < 64 / PLAN_POLL_SECONDS + 100
     assert steady["redis_commands_per_worker_per_second"] < 15
     assert steady["daemon_backlog_events"] < 200

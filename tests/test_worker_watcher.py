@@ -13,9 +13,9 @@ from worker_harness import tiny_spec
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import plan_to_dict
 from chameleond.core.spec import parse_spec
-from chameleond.protocol import Keys
+from chameleond.protocol import PLAN_POLL_SECONDS, Keys
 from chameleond.redis_server import RedisServer
-from chameleond.worker._link import _PLAN_POLL_SECONDS, PlanWatcher
+from chameleond.worker._link import PlanWatcher
 
 
 def test_the_watcher_sees_plans_once_redis_is_there(tmp_path: Path) -> None:
@@ -95,7 +95,7 @@ def test_the_watcher_reads_the_packed_plan_only_when_a_newer_generation_is_commi
         time.sleep(0.5)
         assert plan_reads() == reads
         commit(3, announce=False)  # the announcement lost
-        seen = watcher.wait_newer(2, timeout=_PLAN_POLL_SECONDS + 5)
+        seen = watcher.wait_newer(2, timeout=PLAN_POLL_SECONDS + 5)
         assert seen is not None and seen.generation == 3
     finally:
         watcher.stop()

@@ -365,8 +365,10 @@ class Controller:
         if self.current is None:
             return set()
         last: dict[str, float] = {}
-        for e in self.record.of("heartbeat"):
-            last[e["worker"]] = float(e["_received"])
+        # As the daemon does: a worker is heard in its heartbeats, steps and acks (a worker that
+        # sent a step within its heartbeat period skips the heartbeat).
+        for e in self.record.of("heartbeat", "step", "ack"):
+            last[e["worker"]] = max(last.get(e["worker"], 0.0), float(e["_received"]))
         # A worker that acked `stopped` left on purpose (fenced or finished): not a failure.
         for e in self.record.of("ack"):
             if e["phase"] == "stopped":

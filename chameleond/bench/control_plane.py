@@ -47,8 +47,7 @@ from chameleond.bench.simworkers import layout_of
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.local.cluster import ClusterError, LocalCluster, tail, wait_for
-from chameleond.protocol import Keys
-from chameleond.worker._link import _PLAN_POLL_SECONDS, HEARTBEAT_SECONDS
+from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORKERS_PER_PROCESS = 1024
@@ -389,7 +388,7 @@ def run(args: argparse.Namespace) -> int:
         "control_plane": figures,
         "peer_death_detect_seconds": max(known) if known and len(known) == len(figures) else None,
         "heartbeat_seconds": HEARTBEAT_SECONDS,
-        "plan_poll_seconds": _PLAN_POLL_SECONDS,
+        "plan_poll_seconds": PLAN_POLL_SECONDS,
         "step_seconds": args.step_seconds,
     }
     if args.json:

@@ -6,7 +6,7 @@ connection, both named `chameleon-worker:{job}:{worker}:{incarnation}` (chameleo
 `connection_name`), a new incarnation per process. It sends `profile` (every layer of the spec, as a
 start-up profile) then `register`; a heartbeat every HEARTBEAT_SECONDS unless a step or an ack went
 out within it (as a real worker's); on every announcement of a newer generation on
-`Keys(job).plans_channel`, and when the committed generation (polled every _PLAN_POLL_SECONDS) is
+`Keys(job).plans_channel`, and when the committed generation (polled every PLAN_POLL_SECONDS) is
 newer than its own, it GETs the packed plan as the real PlanWatcher does, and acks `ready` for each
 new generation it is a member of (at once: no process groups to build). As a member it reports a
 `step` every step period of the shared clock, and a training `profile` of the layers it holds every
@@ -44,10 +44,10 @@ import uvloop
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.core.spec import JobSpec, load_spec
-from chameleond.events import Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
-from chameleond.protocol import Keys
-from chameleond.worker._link import _PLAN_POLL_SECONDS, HEARD, HEARTBEAT_SECONDS, connection_name
-from chameleond.worker._profile import REPORT_STEPS
+from chameleond.events import HEARD, Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
+from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys
+from chameleond.protocol import PROFILE_EVERY_STEPS as REPORT_STEPS
+from chameleond.protocol import worker_connection_name as connection_name
 
 MEMORY_BYTES = 80 * 2**30
 # A process of a thousand simulated workers on a loaded machine may not get back to one of them
@@ -193,7 +193,7 @@ class SimWorker:
 
     async def poll(self) -> None:
         while True:
-            await asyncio.sleep(_PLAN_POLL_SECONDS * random.uniform(0.9, 1.1))  # noqa: S311
+            await asyncio.sleep(PLAN_POLL_SECONDS * random.uniform(0.9, 1.1))  # noqa: S311
             stored: Any = await self.cmd.hget(self.s.keys.state, "generation")
             if int(stored or 0) > self.held:
                 await self.read_plan()

@@ -100,8 +100,8 @@ HELP: dict[str, str] = {
     "socket_timeout_seconds": "Redis client socket timeout",
     "peer_watch_seconds": "how often the daemon lists the workers' Redis connections to announce "
     "the processes gone (one CLIENT LIST, at most once per 20 of its round trips; a worker "
-    "learns of a dead peer within this and a publish); 0 turns it off (dead workers are then "
-    "found by the heartbeat timeout)",
+    "learns of a dead peer within two of these and a publish); 0 turns it off (dead workers "
+    "are then found by the heartbeat timeout)",
     "batch_count": "stream entries read per XREADGROUP (COUNT)",
     "max_deliveries": "an entry delivered this many times without success goes to dead letters",
     "claim_idle_seconds": "pending entries idle this long are claimed again (XAUTOCLAIM)",

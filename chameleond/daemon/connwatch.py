@@ -5,10 +5,10 @@ Every Redis connection of a worker is named `chameleon-worker:{job}:{id}:{incarn
 (chameleond/worker/_link.py); the kernel closes a killed process's sockets, so Redis drops its
 connections at once. One `CLIENT LIST TYPE normal` per `peer_watch_seconds` (about 2 MB and 9 ms
 of Redis at 8,192 workers; at most one per LISTING_SPACING of its round trips) finds the
-incarnations that were listed and are not any more; the daemon publishes them on
-`Keys.liveness_channel` and keeps the recent ones under `Keys.gone` for a worker that subscribes
-later. A worker thus learns of a peer's death within one period and a publish, on every backend,
-without listing clients itself (its ACL user needs no CLIENT LIST).
+incarnations that were listed and are missing from two listings in a row; the daemon publishes
+them on `Keys.liveness_channel` and keeps the recent ones under `Keys.gone` for a worker that
+subscribes later. A worker thus learns of a peer's death within two periods and a publish, on
+every backend, without listing clients itself (its ACL user needs no CLIENT LIST).
 
 The notice is evidence, not a verdict: a survivor names a peer in a fault only when its own
 collective failed and the peer is announced gone (chameleond/worker/_attribution.py), as before.
@@ -90,21 +90,26 @@ class Notice:
 class Connections:
     """The job's worker incarnations as the listings show them (pure: listings in, notices out)."""
 
-    seen: set[Incarnation] = field(default_factory=set)
+    seen: set[Incarnation] = field(default_factory=set)  # listed, or missing from one listing
+    missing: set[Incarnation] = field(default_factory=set)  # missing from the last listing only
     gone: dict[Incarnation, float] = field(default_factory=dict)  # -> when it was seen gone
 
     def update(self, live: set[Incarnation], oldest: int, now: float) -> Notice:
         """One listing at `now` (unix time); nothing changes while no connection is older than
         RECONNECT_SECONDS (Redis restarted or failed over: live workers are reconnecting).
 
-        Announced live: an incarnation listed again after it was announced gone, and the live
-        incarnations of a worker whose other incarnation just went or came (a restarted worker:
-        its id is alive, whichever process of it died)."""
+        Announced gone: an incarnation missing from two listings in a row (a live worker that
+        closes and opens its connection again is missing from one at most). Announced live: an
+        incarnation listed again after it was announced gone, and the live incarnations of a
+        worker whose other incarnation just went or came (a restarted worker: its id is alive,
+        whichever process of it died)."""
         if oldest < RECONNECT_SECONDS:
             return Notice()
-        gone = self.seen - live
+        absent = self.seen - live
+        gone = absent & self.missing
         new = live - self.seen
-        self.seen = live
+        self.missing = absent - gone
+        self.seen = live | self.missing
         back = new & set(self.gone)
         for v in back:
             del self.gone[v]

@@ -5,7 +5,7 @@ Events are typed (chameleond/events.py) and XADDed to `Keys(job).events` as thei
 fields (docs/protocol.md). Plans arrive as the `Keys(job).plan` key (read packed,
 `Keys(job).plan_packed`), announced on `Keys(job).plans_channel`; the watcher reads it on an
 announcement of a newer generation, on every (re)subscription, and when the generation the daemon
-committed (a few bytes, polled every _PLAN_POLL_SECONDS) is newer than the one it holds, so a
+committed (a few bytes, polled every PLAN_POLL_SECONDS) is newer than the one it holds, so a
 missed message or a restart still converges without every worker re-reading the whole plan.
 
 Liveness: every Redis connection of a worker carries the name
@@ -34,26 +34,16 @@ from redis.client import PubSub
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
-from chameleond.events import Ack, Event, Fault, Step
+from chameleond.events import HEARD, Event, Fault
 from chameleond.events import Heartbeat as Beat
-from chameleond.protocol import Keys
+from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys, worker_connection_name
 from chameleond.redisurl import xadd_replicated
 from chameleond.worker._liveness import PeerNotices
 from chameleond.worker._outbox import Outbox
 
 log = logging.getLogger("chameleon.worker")
-# The events the daemon hears a worker in (chameleond/handlers: heartbeat, step, ack).
-HEARD = (Beat, Step, Ack)
 
-HEARTBEAT_SECONDS = 1.0
-# The plan key is read again on every announcement, on every (re)subscription, and this often
-# anyway (a message lost while connected).
-_PLAN_POLL_SECONDS = 5.0
-
-
-def connection_name(job: str, worker: str, incarnation: str) -> str:
-    """`chameleon-worker:{job}:{worker}:{incarnation}`; the incarnation tells processes apart."""
-    return f"chameleon-worker:{job}:{worker}:{incarnation}"
+connection_name = worker_connection_name
 
 
 def new_incarnation() -> str:
@@ -261,7 +251,7 @@ class PlanWatcher(threading.Thread):
                     elif msg is not None:
                         if _generation(msg) > self.newest_generation:
                             self.refresh()
-                    elif time.monotonic() - last > _PLAN_POLL_SECONDS:
+                    elif time.monotonic() - last > PLAN_POLL_SECONDS:
                         if self._stored_generation() > self.newest_generation:
                             self.refresh()  # an announcement lost while subscribed
                         last = time.monotonic()

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from chameleond.protocol import PROFILE_EVERY_STEPS
 from chameleond.worker._activation import Activation, flatten, nbytes, split_aux, unflatten
 from chameleond.worker._layer import LayerState
 from chameleond.worker._trainable import Trainable
@@ -44,7 +45,7 @@ REPEATS = 3
 # enough that a plan of a few steps (one fault to the next) reports how its ops really cost in
 # training: the start-up profile runs each layer alone, in warm caches, and puts them 10 to 25%
 # below that on a shared host; the daemon's next decision then plans from the training figures.
-REPORT_STEPS = 5
+REPORT_STEPS = PROFILE_EVERY_STEPS
 REPORT_SECONDS = 0.5
 
 Clock = Callable[[], float]
