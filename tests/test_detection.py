@@ -43,6 +43,26 @@ def test_a_worker_that_left_is_taken_out_of_the_plans_without_a_fault_counted() 
     assert send(j, "10-0", type="fault", worker="w4", cause="peer gone").duplicate
 
 
+def test_a_worker_stopped_while_a_newer_plan_was_out_still_leaves() -> None:
+    """SIGTERM came while the worker was building generation 2; it says it left generation 1."""
+    j = training_job()
+    send(j, "5-0", now=10.0, type="fault", worker="w3", cause="peer gone")
+    request, _ = j.machine.next_request(11.0)
+    assert request is not None
+    j.machine.decided(request, DecisionResult(2, "reroute", ("w0", "w1", "w2", "w4", "w5")), 11.0)
+    out = send(j, "9-0", type="ack", worker="w4", generation=1, phase="stopped", reason="left")
+    assert out.owed and "w4" in j.machine.pending_faults
+    assert j.worker_state(j.workers["w4"], 1000.0, 3.0) == "left"
+    # An old process's word (from before the worker came back) says nothing of the new one.
+    send(j, "10-0", now=12.0, type="rejoin", worker="w3")
+    request, _ = j.machine.next_request(13.0)
+    assert request is not None and "w3" in request.joined
+    j.machine.decided(request, DecisionResult(3, "reroute", ("w0", "w1", "w2", "w3", "w5")), 13.0)
+    stale = send(j, "11-0", type="ack", worker="w3", generation=1, phase="stopped", reason="left")
+    assert not stale.owed and "w3" not in j.machine.pending_faults
+    assert j.worker_state(j.workers["w3"], 13.5, 3.0) == "active"
+
+
 def test_a_failed_worker_is_fenced_only_when_heard_from_after_it_was_declared() -> None:
     j = training_job()
     send(j, now=10.0, type="heartbeat", worker="w3")  # its last heartbeat before kill -9

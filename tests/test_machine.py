@@ -152,6 +152,33 @@ def test_a_worker_kept_out_stays_on_standby_and_is_offered_to_the_next_decisions
     assert m.standby == set() and "w4" in m.failed and m.next_request(5.1) == (None, [])
 
 
+def test_a_host_back_one_worker_at_a_time_has_both_on_standby_when_the_plan_is_kept() -> None:
+    """w4 and w5 (one host) failed; they come back, w5 while w4's decision runs; both decisions
+    keep the plan: both are on standby, neither is failed, and a fault's decision offers both."""
+    m = training()
+    m.fault("w4", "gone", 2.0)
+    m.fault("w5", "gone", 2.0)
+    request, _ = m.next_request(2.1)
+    assert request is not None
+    m.decided(request, DecisionResult(2, "dynamic", survivors(request.failed)), 2.2)
+    for w in WORKERS[:4]:
+        m.ready(w, 2, 2.5)
+    m.join("w4", 3.0)
+    request, _ = m.next_request(3.1)
+    assert request is not None and request.joined == {"w4"}
+    m.join("w5", 3.2)  # while w4's decision runs
+    m.decided(request, DecisionResult(None, None), 3.3)  # the current plan was kept
+    assert "w5" not in m.failed and "w5" in m.pending_joins
+    request, _ = m.next_request(3.4)
+    assert request is not None and request.joined == {"w4", "w5"}
+    assert not request.failed & request.joined
+    m.decided(request, DecisionResult(None, None), 3.5)
+    assert m.standby == {"w4", "w5"} and not m.failed & {"w4", "w5"}
+    m.fault("w0", "ECC", 4.0)
+    request, _ = m.next_request(4.1)
+    assert request is not None and request.joined == {"w4", "w5"}
+
+
 def test_overdue_acks_and_recovery_time() -> None:
     m = training(ready_timeout=5.0)
     m.fault("w3", "x", 100.0)
@@ -220,9 +247,11 @@ def test_no_initial_plan_is_a_recorded_transition_and_answers_the_faults() -> No
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["fault", "decide", "supersede", "ready"]),
+@given(st.lists(st.tuples(st.sampled_from(["fault", "join", "decide", "keep", "ready"]),
                           st.sampled_from(WORKERS)), max_size=40))  # fmt: skip
 def test_generations_only_increase_whatever_the_interleaving(ops: list[tuple[str, str]]) -> None:
+    """Generations only increase, and a worker is never both failed and back (joining or on
+    standby), whatever the order of faults, joins and decisions."""
     m = training()
     now, published = 2.0, [1]
     request = None
@@ -230,19 +259,23 @@ def test_generations_only_increase_whatever_the_interleaving(ops: list[tuple[str
         now += 0.1
         if op == "fault":
             m.fault(worker, "x", now)
+        elif op == "join":
+            m.join(worker, now)
         elif op == "ready":
             m.ready(worker, m.generation, now)
         if request is None:
             request, _ = m.next_request(now)
-            continue
-        if op in ("decide", "supersede"):
+        elif op in ("decide", "keep"):
             gen = m.generation + 1
-            commit, _ = m.decided(
-                request, DecisionResult(gen, "reroute", survivors(request.failed)), now
-            )
-            if commit:
+            workers = tuple(sorted(set(survivors(request.failed)) | request.joined))
+            result = DecisionResult(gen, "reroute", workers) if op == "decide" else (
+                DecisionResult(None, None)
+            )  # fmt: skip
+            commit, _ = m.decided(request, result, now)
+            if commit and op == "decide":
                 published.append(gen)
             request = None
+        assert not m.failed & (m.pending_joins | m.standby), (op, worker)
     assert published == sorted(set(published))
     assert m.generation == published[-1]
 

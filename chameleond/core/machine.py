@@ -300,7 +300,8 @@ class PolicyMachine:
             self.pending_joins |= request.joined - self.standby
             self.pending_since = min(self.pending_since or now, request.first_event_at)
             return False, self._move(Phase.FAULT_DETECTED, "superseded by later faults", now)
-        self.failed |= request.failed
+        # A worker back while the decision ran (a new process, joining the next) is not failed.
+        self.failed |= request.failed - self.pending_joins
         self.standby |= request.joined - request.failed  # until a plan takes them (_adopt)
         if result.unrecoverable is not None:
             return True, self._move(Phase.UNRECOVERABLE, result.unrecoverable, now)

@@ -47,11 +47,16 @@ def handle_ack(job: Job, event: Ack, entry_id: str, now: float) -> Outcome:
 def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -> Outcome:
     """A worker stopped. Fenced (outside the plan it names): it obeyed. A member of the current
     plan stopping on its own finished its steps, or left (`reason=left`): it is never declared
-    failed, and one that left is taken out of the plans like a fault, without counting one."""
+    failed, and one that left is taken out of the plans like a fault, without counting one. A
+    process leaves from the plan it was in, which a newer plan may since have replaced (the signal
+    came while it was building that one): it still leaves, unless the worker came back after it."""
     rec = job.workers[event.worker]
     m = job.machine
+    left = event.reason == "left"
+    current = generation == m.generation or (left and rec.since_generation <= generation)
     member = (
-        generation == m.generation
+        current
+        and generation <= m.generation
         and event.worker in m.plan_workers
         and not job.declared_failed(event.worker)
     )
@@ -61,7 +66,7 @@ def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -
         rec.stopped_generation = generation
         return HANDLED.having(SNAPSHOT)
     rec.stopped_generation = generation
-    rec.ended = WorkerState.LEFT if event.reason == "left" else WorkerState.FINISHED
+    rec.ended = WorkerState.LEFT if left else WorkerState.FINISHED
     if rec.ended is WorkerState.FINISHED:
         # Its peers finish at the same step: nothing to decide. Once all have, the job is done.
         peers = [job.workers[w] for w in m.plan_workers if w in job.workers]

@@ -66,6 +66,7 @@ class GenerationRunner:
         self.steps = steps
         self.took_part = False  # some generation's rendezvous completed with this process
         self.member_of = 0  # the last generation whose rendezvous completed with this process
+        self.following = 0  # the newest generation this process set out to build
         self._restored = 0  # the last `restore` plan whose checkpoint this process loaded
 
     def run(self, plan: Plan, state: WorkerState, joined: Joined, attempt: int = 1) -> None:
@@ -73,6 +74,7 @@ class GenerationRunner:
         Finished at the configured steps, PlanRejected when this worker cannot run it."""
         cfg, me = self.cfg, self.cfg.worker_id
         t0 = time.perf_counter()
+        self.following = plan.generation
         self.attribution.started()
         try:
             problems = check_batch(plan, joined.spec.training)

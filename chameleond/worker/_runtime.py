@@ -111,10 +111,10 @@ class WorkerRuntime:
                 self.final_checkpoint(state, generations.member_of, unsafe=unsafe)
             raise
         finally:
-            if self.stop.is_set() and generations.took_part:
-                # Stopped: tell the daemon this worker left, so it is taken out of the plans
-                # without being declared failed.
-                left = Ack(cfg.worker_id, generations.member_of, AckPhase.STOPPED, reason="left")
+            if self.stop.is_set() and generations.following:
+                # Stopped: tell the daemon this worker left the plan it was in (or building), so
+                # it is taken out of the plans without being declared failed.
+                left = Ack(cfg.worker_id, generations.following, AckPhase.STOPPED, reason="left")
                 self.reporter.report(left)
             joined.model.close()  # the data prefetch thread
             wait_retired(DRAIN_SECONDS)  # the last generation's groups, torn down
@@ -162,7 +162,7 @@ class WorkerRuntime:
                 self.reporter.report(Ack(me, plan.generation, AckPhase.STOPPED))
                 log.info("fenced by generation %d: stopping", plan.generation)
                 return Ending.FENCED
-            if me not in plan.workers:
+            if me not in plan.workers or me in plan.excluded:
                 log.info("generation %d leaves %s out: waiting on standby", plan.generation, me)
                 continue
             try:
