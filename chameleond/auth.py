@@ -156,7 +156,14 @@ def event_payload(job: str, fields: Mapping[Any, Any]) -> bytes:
 
 
 def doc_payload(kind: str, job: str, body: Mapping[str, Any]) -> bytes:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return _payload_of_text(kind, job, _canonical(body))
+
+
+def _canonical(body: Mapping[str, Any]) -> str:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def _payload_of_text(kind: str, job: str, text: str) -> bytes:
     return b"\0".join([b"chameleon-" + kind.encode(), job.encode(), text.encode()])
 
 
@@ -165,9 +172,15 @@ def _bytes(x: Any) -> bytes:
 
 
 def signed_json(keyring: Keyring | None, kind: str, job: str, doc: Mapping[str, Any]) -> str:
-    """`doc` as the JSON text stored under its key: with its signature when there is a keyring."""
-    body = keyring.sign_doc(kind, job, doc) if keyring is not None else dict(doc)
-    return json.dumps(body, separators=(",", ":"))
+    """`doc` as the JSON text stored under its key: with its signature when there is a keyring.
+    The text signed (sorted keys) is the text stored, the signature added as its last member: a
+    large document (a job's snapshot is megabytes) is serialised once."""
+    body = {k: v for k, v in doc.items() if k != SIG_FIELD}
+    if keyring is None:
+        return json.dumps(body, separators=(",", ":"))
+    text = _canonical(body)
+    sig = json.dumps(keyring.sign(_payload_of_text(kind, job, text)))
+    return f'{text[:-1]}{"," if body else ""}"{SIG_FIELD}":{sig}}}'
 
 
 def new_secret_file(path: Path) -> Path:

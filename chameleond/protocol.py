@@ -36,12 +36,21 @@ MAX_FIELDS = 64
 # it stays out of the process list.
 REDIS_URL_ENV = "CHAMELEON_REDIS_URL"
 JOB_ENV = "CHAMELEON_JOB"  # the job name, for the daemon, the workers and chameleonctl
-# A worker's cadence on Redis at steady state: a heartbeat per HEARTBEAT_SECONDS (skipped beside
+# A worker's cadence on Redis at steady state: a heartbeat per `heartbeat_seconds` (skipped beside
 # a step or an ack, events.HEARD), and the committed generation read every PLAN_POLL_SECONDS (the
 # plan itself only when that is newer than the one held).
-HEARTBEAT_SECONDS = 1.0
+HEARTBEAT_SECONDS = 1.0  # a job of up to HEARTBEATS_PER_SECOND workers
+HEARTBEATS_PER_SECOND = 2048  # a larger job's workers beat less often, sharing this many
 PLAN_POLL_SECONDS = 5.0
 PROFILE_EVERY_STEPS = 5  # a training profile per this many steps (chameleond/worker/_profile.py)
+
+
+def heartbeat_seconds(workers: int) -> float:
+    """A worker's heartbeat period in a job of `workers`: HEARTBEAT_SECONDS, or longer in a job so
+    large that the beats would pass HEARTBEATS_PER_SECOND (a dead process is announced by the
+    connection watch within a fraction of a second whatever the period: the beats find hung
+    ones). The daemon's heartbeat timeout grows by the same factor (Job.heartbeat_timeout)."""
+    return max(HEARTBEAT_SECONDS, workers / HEARTBEATS_PER_SECOND)
 
 
 def worker_connection_name(job: str, worker: str, incarnation: str) -> str:

@@ -121,25 +121,25 @@ def test_listed_reads_the_jobs_connections(redis_server: RedisServer) -> None:
             c.close()
 
 
-def test_the_listers_own_connection_says_redis_did_not_just_restart(
+def test_the_daemons_own_connections_say_redis_did_not_just_restart(
     redis_server: RedisServer,
 ) -> None:
     """A worker killed in the job's first seconds: its peers' connections are all young, the
-    daemon's is not, and that is enough for its absence to be evidence."""
-    lister = redis.Redis.from_url(redis_server.url)
-    lister.ping()
+    daemon's are not, and that is enough for its absence to be evidence."""
+    daemon = redis.Redis.from_url(redis_server.url, client_name="chameleond:d1")
+    daemon.ping()
     time.sleep(1.2)
     worker = redis.Redis.from_url(redis_server.url, client_name=connection_name(JOB, "w1", "i1"))
     try:
         worker.ping()
-        own = int(lister.client_id())
-        raw = lister.execute_command("CLIENT", "LIST", "TYPE", "normal")
+        raw = daemon.execute_command("CLIENT", "LIST", "TYPE", "normal")
         assert listed(raw, JOB)[1] == 0  # the worker's connection alone: just made
-        live, oldest = listed(raw, JOB, own)
+        live, oldest = listed(raw, JOB, "chameleond:d1")
         assert live == {("w1", "i1")} and oldest >= 1
+        assert listed(raw, JOB, "chameleond:other")[1] == 0
     finally:
         worker.close()
-        lister.close()
+        daemon.close()
 
 
 def peer_process(url: str, worker: str, incarnation: str) -> subprocess.Popen[bytes]:

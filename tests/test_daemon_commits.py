@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from chameleond.core.decide import initial_plan
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import PolicyMachine
-from chameleond.daemon.commits import Committer
+from chameleond.daemon.commits import SNAPSHOT_WAIT_MAX_SECONDS, Committer
 from chameleond.daemon.config import Config
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
@@ -24,7 +24,7 @@ from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.change import SNAPSHOT
 from chameleond.jobstate.job import Job
-from chameleond.protocol import Keys
+from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.records import DecisionRecord
 from chameleond.redis_server import RedisServer
 
@@ -129,5 +129,40 @@ def test_a_redis_that_came_back_empty_gets_the_state_written_again(
         assert _snapshot(redis_client)["machine"] == c.job.machine.snapshot()
         assert redis_client.hexists(KEYS.state, "base_spec")
         assert redis_client.get(KEYS.leader) == c.lease.token
+
+    _run(redis_server, body)
+
+
+def test_a_batch_waits_unacknowledged_for_a_snapshot_too_costly_to_make_again_at_once(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A large job's snapshot is made at most every few times its cost: a batch that changed the
+    job meanwhile is acknowledged only by the commit of the snapshot that holds its change."""
+    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
+    first, second = (redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(2))
+    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+
+    def pending() -> set[str]:
+        rows = redis_client.xpending_range(KEYS.events, CONSUMER_GROUP, "-", "+", 10)
+        return {str(r["message_id"]) for r in rows}
+
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        c.note(SNAPSHOT)
+        await c.batch([first], [])
+        assert pending() == {second}
+        c._snapshot_cost = 1.0  # as a snapshot of thousands of workers takes
+        layers = list(range(len(c.job.spec.layers)))
+        assert c.job.checkpoints.add(7, layers, 1)
+        c.note(SNAPSHOT)
+        await c.batch([second], [])
+        assert pending() == {second} and c.held() == {second}
+        assert "7" not in json.dumps(_snapshot(redis_client)["checkpoints"])
+        await c.batch([], [])  # too soon still: nothing is written
+        assert pending() == {second}
+        await asyncio.sleep(SNAPSHOT_WAIT_MAX_SECONDS)
+        await c.batch([], [])  # the housekeeping tick's commit: the snapshot and its entries
+        assert pending() == set() and not c.held()
+        assert _snapshot(redis_client)["checkpoints"] == c.job.checkpoints.to_json()
 
     _run(redis_server, body)

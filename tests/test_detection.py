@@ -14,7 +14,7 @@ from chameleond.jobstate.change import UNCHANGED
 from chameleond.jobstate.jobspec import profile_to_json
 from chameleond.jobstate.records import UNCONFIRMED_MAX
 from chameleond.jobstate.snapshot import restore, snapshot
-from chameleond.protocol import EventError
+from chameleond.protocol import HEARTBEAT_SECONDS, EventError, heartbeat_seconds
 
 PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(SPEC.layers)))})
 
@@ -128,3 +128,13 @@ def test_liveness_names_a_killed_worker_dead_and_a_fenced_one_heartbeating() -> 
     assert j.liveness(j.workers["w0"], 12.0, 3.0) == "silent"  # nothing since 1.0
     send(j, type="ack", worker="w1", generation=1, phase="stopped", reason="finished")
     assert j.liveness(j.workers["w1"], 12.0, 3.0) == "stopped"
+
+
+def test_a_large_jobs_workers_beat_less_often_and_its_heartbeat_timeout_grows_as_much() -> None:
+    assert heartbeat_seconds(6) == heartbeat_seconds(2048) == HEARTBEAT_SECONDS
+    assert heartbeat_seconds(8192) == 4 * HEARTBEAT_SECONDS
+    j = training_job()
+    assert j.heartbeat_timeout(3.0) == 3.0
+    for i in range(8192 - len(j.workers)):
+        j.worker(f"x{i}")
+    assert j.heartbeat_timeout(3.0) == 12.0

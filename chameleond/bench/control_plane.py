@@ -47,7 +47,7 @@ from chameleond.bench.simworkers import layout_of
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.local.cluster import ClusterError, LocalCluster, tail, wait_for
-from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys
+from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 WORKERS_PER_PROCESS = 1024
@@ -387,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "control_plane": figures,
         "peer_death_detect_seconds": max(known) if known and len(known) == len(figures) else None,
-        "heartbeat_seconds": HEARTBEAT_SECONDS,
+        "heartbeat_seconds": {str(n): heartbeat_seconds(n) for n in sizes},
         "plan_poll_seconds": PLAN_POLL_SECONDS,
         "step_seconds": args.step_seconds,
     }

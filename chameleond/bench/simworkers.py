@@ -4,9 +4,9 @@ worker that speaks the real protocol (docs/protocol.md) and trains nothing.
 Each simulated worker has what a real one has on its job's Redis: a command connection and a pub/sub
 connection, both named `chameleon-worker:{job}:{worker}:{incarnation}` (chameleond/worker/_link.py
 `connection_name`), a new incarnation per process. It sends `profile` (every layer of the spec, as a
-start-up profile) then `register`; a heartbeat every HEARTBEAT_SECONDS unless a step or an ack went
-out within it (as a real worker's); on every announcement of a newer generation on
-`Keys(job).plans_channel`, and when the committed generation (polled every PLAN_POLL_SECONDS) is
+start-up profile) then `register`; a heartbeat every `heartbeat_seconds` of the job's size unless a
+step or an ack went out within it (as a real worker's); on every announcement of a newer generation
+on `Keys(job).plans_channel`, and when the committed generation (polled every PLAN_POLL_SECONDS) is
 newer than its own, it GETs the packed plan as the real PlanWatcher does, and acks `ready` for each
 new generation it is a member of (at once: no process groups to build). As a member it reports a
 `step` every step period of the shared clock, and a training `profile` of the layers it holds every
@@ -45,7 +45,7 @@ from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.events import HEARD, Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
-from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys
+from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds
 from chameleond.protocol import PROFILE_EVERY_STEPS as REPORT_STEPS
 from chameleond.protocol import worker_connection_name as connection_name
 
@@ -185,11 +185,12 @@ class SimWorker:
         await asyncio.gather(self.beat(), self.steps(), self.listen(pubsub), self.poll())
 
     async def beat(self) -> None:
-        await asyncio.sleep(random.uniform(0, HEARTBEAT_SECONDS))  # noqa: S311 - a phase, not a secret
+        period = heartbeat_seconds(len(self.s.spec.workers))
+        await asyncio.sleep(random.uniform(0, period))  # noqa: S311 - a phase, not a secret
         while True:  # skipped when a step or an ack went out within the period, as a worker's
-            if time.monotonic() - self.heard_at >= HEARTBEAT_SECONDS * 0.9:
+            if time.monotonic() - self.heard_at >= period * 0.9:
                 await self.send(Heartbeat(self.worker, at=time.time()))
-            await asyncio.sleep(HEARTBEAT_SECONDS)
+            await asyncio.sleep(period)
 
     async def poll(self) -> None:
         while True:

@@ -123,6 +123,16 @@ class PolicyMachine:
     in_flight: DecisionRequest | None = None
     recovery: _RecoveryWatch | None = None
     holdings: Holdings = field(default_factory=Holdings)
+    # plan_workers as a set, made once per plan (`member`: asked for every event of a large job)
+    _members: tuple[tuple[str, ...], frozenset[str]] = field(
+        default=((), frozenset()), repr=False, compare=False
+    )
+
+    def member(self, worker: str) -> bool:
+        """Whether `worker` runs the current plan."""
+        if self._members[0] is not self.plan_workers:
+            self._members = (self.plan_workers, frozenset(self.plan_workers))
+        return worker in self._members[1]
 
     # ---- transitions -------------------------------------------------------------------------
 
@@ -178,7 +188,7 @@ class PolicyMachine:
         any plan (waiting, or no initial plan could be made) there is nothing to take it into."""
         if self.phase is Phase.WAITING or self.generation == 0:
             return False, []
-        in_plan = worker in self.plan_workers and worker not in self.failed
+        in_plan = self.member(worker) and worker not in self.failed
         in_flight = self.in_flight.joined if self.in_flight else frozenset()
         if in_plan or worker in self.pending_joins or worker in in_flight:
             return False, []
@@ -196,7 +206,7 @@ class PolicyMachine:
         in_flight = self.in_flight.unrestorable if self.in_flight else {}
         if self.pending_unrestorable or in_flight:
             return False, []  # one report is enough: the plan is decided again for every worker
-        if worker not in self.plan_workers or worker in self.failed:
+        if not self.member(worker) or worker in self.failed:
             return False, []
         self.pending_unrestorable[worker] = cause
         if self.pending_since is None:

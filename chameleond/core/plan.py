@@ -102,9 +102,13 @@ class Plan:
         return tuple(sorted(ws))
 
     @cached_property
+    def excluded_set(self) -> frozenset[str]:
+        return frozenset(self.excluded)
+
+    @cached_property
     def members(self) -> frozenset[str]:
         """The workers that run this plan: its workers less the excluded."""
-        return frozenset(self.workers) - frozenset(self.excluded)
+        return frozenset(self.workers) - self.excluded_set
 
     def owned_layers(self, worker: str) -> tuple[int, ...]:
         """Layers whose state `worker` holds after this plan's migration."""

@@ -86,7 +86,7 @@ class Commit:
     expected_generation: int
     generation: int
     plan_json: str = ""
-    snapshot: dict[str, Any] | None = None
+    snapshot: str | None = None  # the job's snapshot, as stored (signed JSON)
     progress: dict[str, Any] | None = None
     records: list[Record] = field(default_factory=list)
     dead_letters: list[list[str | bytes]] = field(default_factory=list)
@@ -120,7 +120,7 @@ class Broadcaster:
             c.expected_generation,
             c.generation,
             c.plan_json,
-            json.dumps(c.snapshot, separators=(",", ":")) if c.snapshot is not None else "",
+            c.snapshot if c.snapshot is not None else "",
             json.dumps(c.progress, separators=(",", ":")) if c.progress is not None else "",
             json.dumps([flat(r.to_fields()) for r in c.records]),
             json.dumps(dead),

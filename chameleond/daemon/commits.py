@@ -3,7 +3,11 @@
 Every commit is one atomic script (daemon/broadcast.py). What the job's transitions changed is
 noted here (`note`, a `Change` each) until a commit carries it. A batch commit carries the job's
 snapshot when a change named it, the noted transition records, dead letters, the XACK of the
-batch's entries and, every `persist_interval_seconds`, the progress. A decision commit adds its
+batch's entries and, every `persist_interval_seconds`, the progress (and the snapshot, when only
+measurements moved it: Change.measured). A batch is acknowledged only by a commit whose snapshot
+holds its changes; when the last snapshot was made too recently for its cost (a job of thousands
+of workers), the batch's entries wait unacknowledged and the next snapshot's commit, at most
+SNAPSHOT_WAIT_MAX_SECONDS later, acknowledges them with its own. A decision commit adds its
 decision record and the entries it answers, and a plan commit adds the plan, the generation and
 the PUBLISH. `lock` orders them: the decision flow holds it from the moment it moves the machine's
 generation until the plan is committed, so no snapshot ever gets ahead of the published plan.
@@ -41,6 +45,12 @@ log = logging.getLogger("chameleond")
 # Refusals that end by themselves: a replica until failover completes, memory until freed.
 TRANSIENT = (ReadOnlyError, OutOfMemoryError)
 decisions_log = logging.getLogger("chameleond.decisions")
+# A batch that changed the job waits for its snapshot until this many times the last snapshot's
+# cost has passed since it, and never longer than SNAPSHOT_WAIT_MAX_SECONDS: a large job's
+# snapshot (megabytes at 8,192 workers) takes at most about 1/SNAPSHOT_SPACING of the daemon.
+SNAPSHOT_SPACING = 4
+SNAPSHOT_WAIT_MAX_SECONDS = 2.0
+SNAPSHOT_CHEAP_SECONDS = 0.02
 
 
 class Committer:
@@ -71,6 +81,11 @@ class Committer:
         self._last_progress = 0.0
         self.last_attempt = time.monotonic()  # a commit retrying through an outage is alive
         self.unsaved = UNCHANGED  # what the job's transitions changed that no commit carried yet
+        # Handled entries (and their dead letters) whose changes wait for the next snapshot.
+        self._held_acks: list[str] = []
+        self._held_dead: list[list[str | bytes]] = []
+        self._snapshot_at = 0.0  # time.monotonic() of the last snapshot made
+        self._snapshot_cost = 0.0  # how long it took
 
     def note(self, change: Change) -> None:
         """What a handler or a decision changed: the next commit carries it."""
@@ -83,12 +98,17 @@ class Committer:
         """The job's changes since the last commit, with this batch's dead letters and acks."""
         job = self.job
         now = time.time()
-        progress_doc = None
-        if force_progress or now - self._last_progress >= self.persist_interval_seconds:
-            progress_doc = progress(job)
-            self._last_progress = now
         async with self.lock:
-            await self._job_commit(acks, dead=dead, progress=progress_doc)
+            if not force_progress and self.unsaved.snapshot and not self._snapshot_spaced():
+                # The entries wait, unacknowledged, for the next snapshot (module docstring).
+                self._held_acks += acks
+                self._held_dead += dead
+            else:
+                progress_doc = None
+                if force_progress or now - self._last_progress >= self.persist_interval_seconds:
+                    progress_doc = progress(job)
+                    self._last_progress = now
+                await self._job_commit(acks, dead=dead, progress=progress_doc)
         if job.spec_version != self.spec_written and (
             force_progress or now - self._spec_at >= self.persist_interval_seconds
         ):
@@ -147,7 +167,7 @@ class Committer:
         c = Commit(
             expected_generation=job.machine.generation,
             generation=job.machine.generation,
-            snapshot=self._snapshot() if self.unsaved.snapshot else None,
+            snapshot=self._snapshot() if self._snapshot_due(progress is not None) else None,
             progress=progress,
             records=[*self._take_records(), *records],
             dead_letters=dead or [],
@@ -156,6 +176,23 @@ class Committer:
         if c.empty():
             return
         await self._retry_clean(c)
+
+    def held(self) -> set[str]:
+        """The entries handled and not yet acknowledged: their snapshot is still to come."""
+        return set(self._held_acks)
+
+    def _snapshot_spaced(self) -> bool:
+        """Long enough since the last snapshot: SNAPSHOT_SPACING times what it took to make, at
+        most SNAPSHOT_WAIT_MAX_SECONDS. A snapshot that took under SNAPSHOT_CHEAP_SECONDS (a job
+        of hundreds of workers) never waits: every batch that changed the job carries one."""
+        if self._snapshot_cost < SNAPSHOT_CHEAP_SECONDS:
+            return True
+        wait = min(SNAPSHOT_SPACING * self._snapshot_cost, SNAPSHOT_WAIT_MAX_SECONDS)
+        return time.monotonic() - self._snapshot_at >= wait
+
+    def _snapshot_due(self, progress: bool) -> bool:
+        """A change named the snapshot; or measurements moved it, and the progress is due."""
+        return self.unsaved.snapshot or (self.unsaved.measured and progress)
 
     def _take_records(self) -> tuple[Record, ...]:
         records, self.unsaved = self.unsaved.records, replace(self.unsaved, records=())
@@ -166,14 +203,23 @@ class Committer:
         that runs while the commit waits on Redis notes its change again, so it goes into the
         next commit, never lost behind a flag cleared after the await."""
         taken = c.snapshot is not None
+        held = len(self._held_acks), len(self._held_dead)
         if taken:
-            self.unsaved = replace(self.unsaved, snapshot=False)
+            self.unsaved = replace(self.unsaved, snapshot=False, measured=False)
+            if held != (0, 0):  # entries handled since the last snapshot: this one holds them
+                c = replace(
+                    c,
+                    acks=[*self._held_acks, *c.acks],
+                    dead_letters=[*self._held_dead, *c.dead_letters],
+                )
         try:
             await self._retry(c)
         except BaseException:
             if taken:
                 self.note(SNAPSHOT)
             raise
+        if taken:
+            del self._held_acks[: held[0]], self._held_dead[: held[1]]
 
     async def _retry(self, c: Commit) -> None:
         """Retry, at least once a second, until Redis takes it: what is in memory is ahead of
@@ -235,11 +281,14 @@ class Committer:
         )
         await self.broadcaster.commit(seed)
 
-    def _snapshot(self, plan: Plan | None = None) -> dict[str, Any]:
+    def _snapshot(self, plan: Plan | None = None) -> str:
         """The job's snapshot as persisted (with `plan`, the one about to be published): signed,
         so a restarted daemon trusts only its own."""
-        snap = snapshot(self.job, plan=plan)
-        return self.keyring.sign_doc("state", self.job.name, snap) if self.keyring else snap
+        began = time.perf_counter()
+        text = self._signed("state", snapshot(self.job, plan=plan))
+        self._snapshot_cost = time.perf_counter() - began
+        self._snapshot_at = time.monotonic()
+        return text
 
     def _signed(self, kind: str, doc: dict[str, Any]) -> str:
         return signed_json(self.keyring, kind, self.job.name, doc)

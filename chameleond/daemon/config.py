@@ -91,7 +91,8 @@ HELP: dict[str, str] = {
     "spec": "job description file (TOML/JSON); default: the packaged cpu-small job",
     "policy": "adaptive (the selector decides), or force reroute / dynamic / drop",
     "min_workers": "registered workers needed for the initial plan; 0 = every worker of the spec",
-    "heartbeat_timeout_seconds": "a worker of the plan silent this long is declared failed",
+    "heartbeat_timeout_seconds": "a worker of the plan silent this long is declared failed (a job "
+    "of more than 2,048 workers: longer in proportion, as its workers beat less often)",
     "ready_timeout_seconds": "a worker not acknowledging a plan this long, while others of it "
     "have, is declared failed",
     "registration_ttl_seconds": "a registration from a worker the spec does not list is dropped "

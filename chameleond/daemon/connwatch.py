@@ -17,9 +17,9 @@ of a worker that had one gone (its restart): for the workers, the id is alive ag
 
 `Connections` is the pure part (the listed incarnations in, the notices out); `ConnWatch` is the
 loop around it. After a Redis restart or failover no connection is older than
-RECONNECT_SECONDS: until one is (a worker's, or the watch's own), a missing connection says
-nothing (live workers are reconnecting) and the watch keeps what it saw before. The watch's own
-connection counts so that a worker killed in the job's first seconds is announced too.
+RECONNECT_SECONDS: until one is (a worker's, or the daemon's own), a missing connection says
+nothing (live workers are reconnecting) and the watch keeps what it saw before. The daemon's own
+connections count so that a worker killed in the job's first seconds is announced too.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ _AGE = re.compile(rb" age=(\d+)")  # right after the name, in CLIENT LIST
 Incarnation = tuple[str, str]  # (worker id, incarnation)
 
 
-def listed(raw: bytes, job: str, own: int | None = None) -> tuple[set[Incarnation], int]:
+def listed(raw: bytes, job: str, own: str | None = None) -> tuple[set[Incarnation], int]:
     """The job's worker incarnations in a CLIENT LIST reply, and the oldest age of their
-    connections and of the lister's own (client id `own`): a sentinel's or a tool's old
-    connection says nothing of this Redis's restart."""
-    prefix = f" name=chameleon-worker:{job}:".encode()
+    connections and of the lister's own (named `own`): a sentinel's or a tool's old connection
+    says nothing of this Redis's restart."""
     out: set[Incarnation] = set()
-    oldest = 0 if own is None else _own_age(raw, own)
+    oldest = 0 if own is None else _oldest_named(raw, f" name={own} ".encode())
+    prefix = f" name=chameleon-worker:{job}:".encode()
     start = raw.find(prefix)
     while start >= 0:
         begin = start + len(prefix)
@@ -72,15 +72,15 @@ def listed(raw: bytes, job: str, own: int | None = None) -> tuple[set[Incarnatio
     return out, oldest
 
 
-def _own_age(raw: bytes, own: int) -> int:
-    """The age of connection `own` in a CLIENT LIST reply (0 when it is not there)."""
-    head = f"id={own} ".encode()
-    start = 0 if raw.startswith(head) else raw.find(b"\n" + head)
-    if start < 0:
-        return 0
-    end = raw.find(b"\n", start + 1)
-    age = _AGE.search(raw, start, len(raw) if end < 0 else end)
-    return int(age.group(1)) if age else 0
+def _oldest_named(raw: bytes, field: bytes) -> int:
+    """The oldest age of the connections whose name field is `field` (0: none)."""
+    oldest = 0
+    start = raw.find(field)
+    while start >= 0:
+        if age := _AGE.match(raw, start + len(field) - 1):
+            oldest = max(oldest, int(age.group(1)))
+        start = raw.find(field, start + len(field))
+    return oldest
 
 
 @dataclass(frozen=True)
@@ -158,11 +158,11 @@ def announce(
     job: str,
     keyring: Keyring | None,
     now: float,
-    own: int | None = None,
+    own: str | None = None,
 ) -> tuple[Notice, tuple[str, str] | None]:
-    """One CLIENT LIST reply (made on connection `own`) taken into `connections`: the notice, and
-    when it says anything the two texts to write (the Keys.gone document, the message for
-    Keys.liveness_channel)."""
+    """One CLIENT LIST reply taken into `connections` (`own`: the name of the lister's
+    connections): the notice, and when it says anything the two texts to write (the Keys.gone
+    document, the message for Keys.liveness_channel)."""
     live, oldest = listed(raw if isinstance(raw, bytes) else str(raw).encode(), job, own)
     notice = connections.update(live, oldest, now)
     if not notice:
@@ -184,9 +184,11 @@ class ConnWatch:
         period: float,
         metrics: Metrics,
         keyring: Keyring | None = None,
+        own: str | None = None,
     ) -> None:
         self.client, self.keys, self.period = client, keys, period
         self.metrics, self.keyring = metrics, keyring
+        self.own = own  # the name of the daemon's connections (their age counts too)
         self.connections = Connections()
         self.listing_seconds = 0.0  # the last CLIENT LIST's round trip
 
@@ -221,13 +223,10 @@ class ConnWatch:
 
     async def tick(self) -> Notice:
         began = time.perf_counter()
-        async with self.client.pipeline(transaction=False) as pipe:  # one connection
-            pipe.client_id()
-            pipe.execute_command("CLIENT", "LIST", "TYPE", "normal")
-            own, raw = await pipe.execute()
+        raw = await self.client.execute_command("CLIENT", "LIST", "TYPE", "normal")
         self.listing_seconds = time.perf_counter() - began
         notice, docs = announce(
-            self.connections, raw, self.keys.job, self.keyring, time.time(), int(own)
+            self.connections, raw, self.keys.job, self.keyring, time.time(), self.own
         )
         if docs is not None:
             self.metrics.peer_notices.labels("gone").inc(len(notice.gone))

@@ -21,6 +21,8 @@ from chameleond.daemon.redis_errors import ErrorCode, has_code
 from chameleond.protocol import CONSUMER_GROUP, Keys
 
 log = logging.getLogger("chameleond.consumer")
+# A batch read behind a backlog grows up to this many times the configured COUNT (`read`).
+MAX_BATCH_GROWTH = 8
 
 
 class Entry(NamedTuple):
@@ -52,6 +54,8 @@ class StreamConsumer:
         self.consumer = consumer
         self.block_ms = block_ms
         self.count = count
+        self.read_count = count  # the COUNT of the next read of new entries (`read`)
+        self.last_full = False  # the last read took all it asked for: more may be waiting
         self.claim_idle_ms = claim_idle_ms
         self.maxlen = maxlen
         self._claim_cursor = "0-0"
@@ -66,15 +70,23 @@ class StreamConsumer:
                 raise
 
     async def read(self) -> list[Entry]:
-        """New entries, blocking up to block_ms."""
+        """New entries, blocking up to block_ms: `read_count` of them at most. Behind a backlog
+        (a full batch), the next read takes twice as many, up to MAX_BATCH_GROWTH times `count`:
+        what a batch costs once (its commit, a snapshot of a large job) is shared by more
+        entries, so a burst (8,192 workers registering) is caught up with."""
+        count = self.read_count
         reply: Any = await self.client.xreadgroup(
             CONSUMER_GROUP,
             self.consumer,
             {self.keys.events: ">"},
-            count=self.count,
+            count=count,
             block=self.block_ms,
         )
-        return [Entry(_id(i), f) for _, entries in reply or [] for i, f in entries]
+        entries = [Entry(_id(i), f) for _, entries in reply or [] for i, f in entries]
+        full = len(entries) >= count
+        self.read_count = min(count * 2, self.count * MAX_BATCH_GROWTH) if full else self.count
+        self.last_full = full
+        return entries
 
     async def own_pending(self, after: str = "0") -> list[Entry]:
         """Entries delivered to this consumer and never acknowledged, oldest first, one page."""

@@ -112,11 +112,12 @@ class Decisions:
             note = self.committer.note
             note(recorded(job.machine.initial(generation, plan.workers, now, of_plan(plan))))
             waits = job.act_from(now)
+            workers = frozenset(plan.workers)
             for w in spec.workers:
-                if w.id in plan.workers and not job.workers[w.id].registered:
+                if w.id in workers and not job.workers[w.id].registered:
                     cause = "not registered when the initial plan was made"
                     note(recorded(job.machine.fault(w.id, cause, now)[1]))
-                elif w.id not in plan.workers and job.workers[w.id].registered:
+                elif w.id not in workers and job.workers[w.id].registered:
                     note(recorded(job.machine.join(w.id, now)[1]))
             record = DecisionRecord(generation, Policy.INITIAL, "initial plan", now,
                                     step_seconds=plan.estimates.step_seconds)  # fmt: skip

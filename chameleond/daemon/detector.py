@@ -74,7 +74,8 @@ class Detector:
         m = job.machine
         if m.phase in (Phase.WAITING, Phase.UNRECOVERABLE) or job.plan is None:
             return {}
-        hold = max(2.0, cfg.heartbeat_timeout_seconds)
+        timeout = job.heartbeat_timeout(cfg.heartbeat_timeout_seconds)
+        hold = max(2.0, timeout)
         # While Redis was away no heartbeat or ack could arrive; once it is back every worker
         # gets a whole timeout to be heard from again (their kept events come first).
         redis = self.reachability
@@ -85,7 +86,7 @@ class Detector:
         out: dict[str, str] = {}
         # A worker on standby is offered to every decision, a joining one to the next: one that
         # died must not be planned in.
-        heard_after = through - cfg.heartbeat_timeout_seconds
+        heard_after = through - timeout
         for w in (*m.plan_workers, *sorted(m.standby), *sorted(m.pending_joins)):
             rec = job.workers.get(w)
             if rec is not None and rec.last_heartbeat >= heard_after:
@@ -95,11 +96,8 @@ class Detector:
             if job.ended(w) or (job.pending(w) and w not in m.pending_joins):
                 continue
             age = through - job.worker(w).last_heartbeat
-            if age > cfg.heartbeat_timeout_seconds:
-                out[w] = (
-                    f"heartbeat lapse: none for {age:.1f} s "
-                    f"(timeout {cfg.heartbeat_timeout_seconds:g} s)"
-                )
+            if age > timeout:
+                out[w] = f"heartbeat lapse: none for {age:.1f} s (timeout {timeout:g} s)"
         for w in m.overdue(through):
             if job.ended(w):
                 continue
@@ -114,10 +112,11 @@ class Detector:
         """The state of each worker declared failed or excluded by the plan: only these can be
         fenced or dead (Job.worker_state), so the others are not looked at on every tick."""
         job, m = self.job, self.job.machine
+        timeout = job.heartbeat_timeout(self.cfg.heartbeat_timeout_seconds)
         out = {}
         for w in sorted(m.failed | set(job.plan.excluded if job.plan else ())):
             rec = job.workers.get(w)
-            state = job.worker_state(rec, now, self.cfg.heartbeat_timeout_seconds) if rec else None
+            state = job.worker_state(rec, now, timeout) if rec else None
             if state is not None:
                 out[w] = state
         return out
@@ -130,7 +129,7 @@ class Detector:
             late, self.last_tick = tick - self.last_tick - TICK_SECONDS, tick
             now = time.time()
             if late > STALL_SECONDS:
-                hold = max(2.0, cfg.heartbeat_timeout_seconds)
+                hold = max(2.0, job.heartbeat_timeout(cfg.heartbeat_timeout_seconds))
                 self.quiet_until = now + hold
                 log.warning("the daemon did not run for %.1f s: suspecting nobody for %.0f s",
                             late, hold)  # fmt: skip

@@ -102,7 +102,7 @@ class Ingest:
             self._caught_up = False
             if entries:
                 await self.process(entries)
-            if len(entries) < self.consumer.count:  # it read to the end: all before is handled
+            if not self.consumer.last_full:  # it read to the end: all before is handled
                 self._through, self._caught_up = started, True
 
     def handled_through(self) -> float:
@@ -132,7 +132,8 @@ class Ingest:
 
     async def claim_and_trim(self) -> None:
         """Take over entries left idle by any consumer name, then trim the stream."""
-        owed = {i for ids in self.job.owed.values() for i in ids}
+        # Entries a decision or the next snapshot acknowledges are this daemon's, not stale.
+        owed = {i for ids in self.job.owed.values() for i in ids} | self.committer.held()
         claimed = await self.consumer.claim_stale(keep=owed)
         if claimed:
             log.info("claimed %d stale entries", len(claimed))

@@ -206,8 +206,9 @@ class Service:
             ]
             if cfg.peer_watch_seconds > 0:
                 watch = ConnWatch(
-                    client, self.keys, cfg.peer_watch_seconds, self.metrics, self.keyring
-                )
+                    client, self.keys, cfg.peer_watch_seconds, self.metrics, self.keyring,
+                    own=connection_name(incarnation),
+                )  # fmt: skip
                 tasks.append(asyncio.create_task(watch.run(self._stop), name="connwatch"))
             stop = asyncio.create_task(self._stop.wait(), name="stop")
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -58,14 +58,15 @@ def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
         return {"job": cfg.job, "standby": True, "leader": standby_for}
     now = time.time()
     m = job.machine
-    states = job.worker_states(now, cfg.heartbeat_timeout_seconds)
+    timeout = job.heartbeat_timeout(cfg.heartbeat_timeout_seconds)
+    states = job.worker_states(now, timeout)
     workers = {}
     for wid, state in sorted(states.items()):
         rec = job.workers[wid]
         age = round(now - rec.last_heartbeat, 3) if rec.last_heartbeat else None
         workers[wid] = {
             "state": state,
-            "liveness": job.liveness(rec, now, cfg.heartbeat_timeout_seconds),
+            "liveness": job.liveness(rec, now, timeout),
             "host": rec.host,
             "device": rec.device,
             "memory_bytes": rec.memory_bytes,
@@ -132,7 +133,8 @@ def refresh_gauges(job: Job, metrics: Metrics, cfg: Config) -> None:
     metrics.set_phase(job.machine.phase)
     metrics.generation.set(job.machine.generation)
     metrics.attempt.set(job.attempt())
-    metrics.set_workers(job.worker_states(time.time(), cfg.heartbeat_timeout_seconds))
+    timeout = job.heartbeat_timeout(cfg.heartbeat_timeout_seconds)
+    metrics.set_workers(job.worker_states(time.time(), timeout))
     metrics.training_throughput.set(job.meter.samples_per_second)
     metrics.set_training(training_figures(job))
     metrics.estimated_throughput.set(job.plan.samples_per_second if job.plan else 0.0)

@@ -32,7 +32,7 @@ def handle_ack(job: Job, event: Ack, entry_id: str, now: float) -> Outcome:
     if event.phase is AckPhase.UNRESTORABLE:
         return _unrestorable(job, event, entry_id, generation, now)
     change = UNCHANGED
-    if event.worker in job.machine.plan_workers:  # a member's rebuilds, nobody else's
+    if job.machine.member(event.worker):  # a member's rebuilds, nobody else's
         job.observe_attempt(generation, event.attempt)
         rebuild = event.rebuild_seconds()
         if rebuild is not None and generation == job.machine.generation:
@@ -57,7 +57,7 @@ def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -
     member = (
         current
         and generation <= m.generation
-        and event.worker in m.plan_workers
+        and m.member(event.worker)
         and not job.declared_failed(event.worker)
     )
     if not member or (rec.ended is not None and rec.stopped_generation >= generation):

@@ -84,4 +84,4 @@ def _fold(
     if links is not None:  # a profile without links keeps the worker's newest
         rec.links = links
     job.base_spec = spec
-    return job.spec_changed()
+    return job.measured_changed()

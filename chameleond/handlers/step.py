@@ -11,7 +11,7 @@ from chameleond.jobstate.job import Job
 def handle_step(job: Job, event: Step, entry_id: str, now: float) -> Outcome:
     generation = reported_generation(job, event)
     job.heard(event.worker, now)  # a committed step is as good as a heartbeat
-    if generation == job.machine.generation and event.worker not in job.machine.plan_workers:
+    if generation == job.machine.generation and not job.machine.member(event.worker):
         return DUPLICATE  # a fenced worker's last step: not part of the plan's throughput
     fresh, change = job.observe_step(event, now)
     return (HANDLED if fresh else DUPLICATE).having(change)

@@ -19,6 +19,10 @@ class Change:
     snapshot: bool = False  # the job's durable state changed: the next commit carries a snapshot
     records: tuple[Record, ...] = ()  # transitions for the decisions stream, in order
     recoveries: tuple[Recovery, ...] = ()  # completed recoveries, for the metrics
+    # Measurements (profiles) moved the snapshot: a later snapshot carries them, at the latest
+    # with the next progress (every persist interval). The workers send them again and again, so
+    # a restart that lost the newest has them back within a reporting period.
+    measured: bool = False
 
     def __or__(self, other: Change) -> Change:
         if not other:  # the common case, once per event: nothing new to make
@@ -29,14 +33,16 @@ class Change:
             self.snapshot or other.snapshot,
             self.records + other.records,
             self.recoveries + other.recoveries,
+            self.measured or other.measured,
         )
 
     def __bool__(self) -> bool:
-        return self.snapshot or bool(self.records) or bool(self.recoveries)
+        return self.snapshot or bool(self.records) or bool(self.recoveries) or self.measured
 
 
 UNCHANGED = Change()
 SNAPSHOT = Change(snapshot=True)
+MEASURED = Change(measured=True)
 
 
 def snapshot_if(changed: bool) -> Change:

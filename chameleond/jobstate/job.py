@@ -20,7 +20,7 @@ from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
 from chameleond.core.spec import JobSpec, LayerProfile, LinkSpec, WorkerSpec, backend_of
 from chameleond.events import Step
-from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
+from chameleond.jobstate.change import MEASURED, SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
 from chameleond.jobstate.links import links_view, measured_links
 from chameleond.jobstate.measured import MeasuredLayers
 from chameleond.jobstate.records import (
@@ -34,6 +34,7 @@ from chameleond.jobstate.records import (
     WorkerState,
 )
 from chameleond.jobstate.slowness import Slowness, Transition, measure_of
+from chameleond.protocol import HEARTBEAT_SECONDS, heartbeat_seconds
 
 REPAIRS = 1000  # the workers' repairs kept (and persisted) for the window estimate
 
@@ -214,6 +215,13 @@ class Job:
         self.spec_version += 1
         return SNAPSHOT
 
+    def measured_changed(self) -> Change:
+        """A measurement (a profile) changed the spec: persisted with the next snapshot, or the
+        next progress at the latest (Change.measured)."""
+        self.invalidate_spec()
+        self.spec_version += 1
+        return MEASURED
+
     def invalidate_spec(self) -> None:
         """The spec's parts changed behind `spec`'s back (a restore): derive it again."""
         self._spec_cache = None
@@ -245,6 +253,11 @@ class Job:
         return worker in self.workers
 
     # ---- liveness ------------------------------------------------------------------------------
+
+    def heartbeat_timeout(self, configured: float) -> float:
+        """The heartbeat timeout for this job: `configured` (at the HEARTBEAT_SECONDS cadence),
+        longer by as much as a large job's workers beat less often (protocol.heartbeat_seconds)."""
+        return configured * heartbeat_seconds(len(self.workers)) / HEARTBEAT_SECONDS
 
     def heard(self, worker: str, now: float) -> None:
         """The worker's current process sent something (heartbeat, step, ack)."""
@@ -481,14 +494,14 @@ class Job:
             return rec.ended  # stopped cleanly: finished its steps, or left the job
         if rec.id in m.standby or rec.id in m.pending_joins:
             return WorkerState.WAITING  # back, offered to the next decision (core/machine.py)
-        if rec.id in m.failed or (self.plan and rec.id in self.plan.excluded):
+        if rec.id in m.failed or (self.plan and rec.id in self.plan.excluded_set):
             if rec.stopped_generation >= m.generation and m.generation:
                 return WorkerState.STOPPED
             # Fenced only on evidence: heard from after it was declared failed, recently.
             heard = rec.heard_while_failed
             fenced = heard and now - heard <= heartbeat_timeout
             return WorkerState.FENCED if fenced else WorkerState.FAILED
-        if rec.id in m.plan_workers:
+        if m.member(rec.id):
             return WorkerState.ACTIVE
         return WorkerState.WAITING if rec.registered else None
 
@@ -499,7 +512,7 @@ class Job:
         m = self.machine
         if rec.ended is not None or (rec.stopped_generation >= m.generation and m.generation):
             return Liveness.STOPPED
-        if self.declared_failed(rec.id) or (self.plan and rec.id in self.plan.excluded):
+        if self.declared_failed(rec.id) or (self.plan and rec.id in self.plan.excluded_set):
             heard = rec.heard_while_failed
             alive = heard and now - heard <= heartbeat_timeout
             return Liveness.HEARTBEATING if alive else Liveness.DEAD

@@ -125,14 +125,16 @@ class Reporter:
 
 
 class Heartbeat(threading.Thread):
-    """A heartbeat every HEARTBEAT_SECONDS until stopped; none is kept while Redis is away. The
-    daemon hears a worker in its steps and acks too (HEARD), so a beat is skipped when one of
-    them went out within the period, unless the count of refused messages it carries
-    moved: a training worker that reports its steps sends about half the beats."""
+    """A heartbeat every `period` seconds until stopped (protocol.heartbeat_seconds: set from the
+    job's size before it starts); none is kept while Redis is away. The daemon hears a worker in
+    its steps and acks too (HEARD), so a beat is skipped when one of them went out within the
+    period, unless the count of refused messages it carries moved: a training worker that
+    reports its steps sends about half the beats."""
 
-    def __init__(self, reporter: Reporter) -> None:
+    def __init__(self, reporter: Reporter, period: float = HEARTBEAT_SECONDS) -> None:
         super().__init__(name="heartbeat", daemon=True)
         self._reporter = reporter
+        self.period = period
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -140,7 +142,7 @@ class Heartbeat(threading.Thread):
         while not self._stop_event.is_set():
             try:
                 reporter = self._reporter
-                quiet = time.monotonic() - reporter.last_report >= HEARTBEAT_SECONDS * 0.9
+                quiet = time.monotonic() - reporter.last_report >= self.period * 0.9
                 if quiet or reporter.refused.count != refused:
                     refused = reporter.refused.count
                     beat = Beat(reporter.worker, at=time.time(), refused=refused)
@@ -148,7 +150,7 @@ class Heartbeat(threading.Thread):
             except redis.RedisError as e:  # the outbox's error; the main thread ends with it
                 log.warning("heartbeat not sent: %s", e)
                 return
-            self._stop_event.wait(HEARTBEAT_SECONDS)
+            self._stop_event.wait(self.period)
 
     def stop(self) -> None:
         self._stop_event.set()

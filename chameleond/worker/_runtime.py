@@ -24,7 +24,7 @@ import redis
 
 from chameleond.core.plan import Plan
 from chameleond.events import Ack, AckPhase
-from chameleond.protocol import Keys
+from chameleond.protocol import Keys, heartbeat_seconds
 from chameleond.worker import _checkpoint as checkpoint
 from chameleond.worker._attribution import FAULTS, Attribution
 from chameleond.worker._backend import wait_retired
@@ -80,6 +80,7 @@ class WorkerRuntime:
             self.redis, self.keys, self.reporter, cfg.device, cfg.bind_address,
             cfg.spec_timeout_seconds, self.training,
         )  # fmt: skip
+        self.heartbeat.period = heartbeat_seconds(len(joined.spec.workers))
         self.heartbeat.start()
         self.watcher.start()
         state = WorkerState(joined.model, cfg.device.torch_device)
