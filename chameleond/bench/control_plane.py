@@ -281,7 +281,8 @@ def run_size(n: int, step_seconds: float, steady_seconds: float, timeout: float)
         spec = load_spec(spec_path)
         with LocalCluster(Path(tmp), job=spec.name, workers=[], spec_path=spec_path,
                           daemon_args=["--log-level", "warning"]) as cluster:  # fmt: skip
-            client = redis.Redis.from_url(cluster.redis_url)
+            # The bench's own reads wait for a Redis busy with thousands of clients.
+            client = redis.Redis.from_url(cluster.redis_url, socket_timeout=120)
             client.config_set("maxclients", MAXCLIENTS)
             sims = SimProcesses(cluster, spec_path, step_seconds)
             out: dict[str, Any] = {"workers": len(spec.workers)}
