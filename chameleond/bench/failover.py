@@ -257,7 +257,14 @@ def _watch(
     )
 
 
-def lost_events(run: FailoverRun) -> list[tuple[str, dict[str, str]]]:
+# The entries written with WAIT under Sentinel (redisurl.xadd_replicated): a failover must not
+# lose one. Any other entry the old master took in its last moments may be lost with it
+# (replication is asynchronous; docs/redis.md).
+REPLICATED_TYPES = frozenset({"fault"})
+LAST_MOMENT_SECONDS = 1.0  # how far before the master's kill an entry may still be unreplicated
+
+
+def missing_events(run: FailoverRun) -> list[tuple[str, dict[str, str]]]:
     """Entries the monitor read that the new master does not hold, among those it still would
     (the daemon trims acknowledged entries from the head of the stream)."""
     if not run.final:
@@ -265,6 +272,17 @@ def lost_events(run: FailoverRun) -> list[tuple[str, dict[str, str]]]:
     first = _stamp(run.final[0][0])
     held = {i for i, _ in run.final}
     return [(i, f) for i, f in run.seen if _stamp(i) >= first and i not in held]
+
+
+def lost_events(run: FailoverRun) -> list[tuple[str, dict[str, str]]]:
+    """Missing entries a failover must not lose: those written with WAIT, and any written before
+    the master's last moment (a replica in sync has those whatever they are)."""
+    last_moment = run.killed_at - LAST_MOMENT_SECONDS
+    return [
+        (i, f)
+        for i, f in missing_events(run)
+        if f.get("type") in REPLICATED_TYPES or _stamp(i)[0] / 1000 < last_moment
+    ]
 
 
 def duplicate_applications(run: FailoverRun) -> int:
@@ -291,14 +309,17 @@ def _stamp(entry_id: str) -> tuple[int, int]:
 
 def failover_figures(run_dir: Path | None = None, *, kill_worker: bool = False) -> dict[str, Any]:
     """One run's figures: `lost_events` (entries read before the failover that the new master
-    lacks), `duplicate_applications` (see `duplicate_applications`), `resume_seconds` (master
-    killed -> the first step committed after it seen on the job's stream)."""
+    lacks and had to hold: see `lost_events`), `unreplicated_events` (entries of the master's
+    last moment that it took with it), `duplicate_applications` (see `duplicate_applications`),
+    `resume_seconds` (master killed -> the first step committed after it seen on the job's
+    stream)."""
     with contextlib.ExitStack() as stack:
         if run_dir is None:
             run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="failover-")))
         run = run_failover(run_dir, kill_worker=kill_worker)
     return {
         "lost_events": len(lost_events(run)),
+        "unreplicated_events": len(missing_events(run)) - len(lost_events(run)),
         "duplicate_applications": duplicate_applications(run),
         "resume_seconds": round(run.resumed_at - run.killed_at, 3),
     }
@@ -318,7 +339,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"redis_failover": figures}, indent=2))
     else:
         print(
-            f"redis failover: {figures['lost_events']} events lost, "
+            f"redis failover: {figures['lost_events']} events lost "
+            f"({figures['unreplicated_events']} of the master's last moment unreplicated), "
             f"{figures['duplicate_applications']} plans applied twice, "
             f"training resumed {figures['resume_seconds']:.2f} s after the master's kill"
         )
