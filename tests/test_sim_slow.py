@@ -12,6 +12,7 @@ from test_sim import job
 from chameleond.cli.ctl import main
 from chameleond.core.decide import initial_plan
 from chameleond.core.estimator import Estimator
+from chameleond.jobstate.slowness import detect_seconds
 from chameleond.sim.engine import compare, failure_free_throughput, simulate
 from chameleond.sim.policies import POLICIES, SLOW_AWARE, SimConfig
 from chameleond.sim.trace import (
@@ -63,9 +64,14 @@ def test_a_baseline_trains_at_the_models_pace_with_the_slow_worker() -> None:
     )
     assert rate_at(restart, 1500.0) == rate_at(restart, 50.0)
     assert rate_at(results["redundant"], 500.0) < rate_at(results["redundant"], 50.0)
-    # chameleon decides at the onset and at the recovery, and is ahead of every baseline
+    # chameleon trains at the slow pace until the slowness is detected, decides then and at the
+    # recovery, and is ahead of every baseline
     ours = results["chameleon"]
-    assert [r.seconds for r in ours.records] == [100.0, 1100.0]
+    slow_pace = rate_at(results["reroute"], 500.0)
+    detected = 100.0 + detect_seconds(batch / slow_pace)
+    assert detected > 105.0
+    assert [r.seconds for r in ours.records] == [pytest.approx(detected, rel=1e-12), 1100.0]
+    assert rate_at(ours, 102.0) == pytest.approx(slow_pace, rel=1e-12)
     assert rate_at(ours, 500.0) > rate_at(results["reroute"], 500.0)
     assert rate_at(ours, 1500.0) >= rate_at(results["reroute"], 1500.0) * (1 - 1e-9)
     for name in BASELINES:

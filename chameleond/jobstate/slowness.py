@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from chameleond.core.spec import LayerProfile
+from chameleond.protocol import PROFILE_EVERY_STEPS
 
 # A healthy 6-worker CPU job (2 pipelines of 3 stages, 2,753 training profiles over 249 s) on a
 # 2-core machine loaded by a test suite (load average 4 to 12) measured speeds of 0.73 at the
@@ -248,6 +249,13 @@ def group_speeds(group: Mapping[str, float]) -> dict[str, float]:
             median = (lower + upper) / 2
         out[w] = median / compute
     return out
+
+
+def detect_seconds(step_seconds: float) -> float:
+    """How long after its onset a change of speed is decided on, for a job of `step_seconds`
+    steps: the profile that first shows it (its window is PROFILE_EVERY_STEPS steps, filled by
+    the slow ones), the hold, and the profile of its own that confirms it."""
+    return HOLD_SECONDS + 2 * PROFILE_EVERY_STEPS * step_seconds
 
 
 def expected_episode_seconds(durations: Iterable[float], prior: float) -> float:

@@ -12,7 +12,9 @@ checkpoint load + the work since that checkpoint + rebuild (`core.candidates.res
 Fail-slow (a trace event's `slowed`): the baselines ignore it, training at the pace of their plan
 with the workers' current speeds (`core.estimator` over `JobSpec.with_speeds`); `chameleon` and
 `chameleon-elastic` answer each change of speeds with `core.slowdecide.decide_slow`, as the daemon
-does, over the mean duration of the episodes seen so far.
+does, over the mean duration of the episodes seen so far. The daemon tells a slow worker only
+from its training profiles, held for a while (`jobstate.slowness.detect_seconds`): the job trains
+at its plan's slowed pace that long before the decision takes effect.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ from chameleond.core.plan import Pipeline, Plan
 from chameleond.core.policy import Policy as PlanPolicy
 from chameleond.core.slowdecide import decide_slow
 from chameleond.core.spec import JobSpec
-from chameleond.jobstate.slowness import EPISODE_PRIOR_SECONDS, expected_episode_seconds
+from chameleond.jobstate.slowness import (
+    EPISODE_PRIOR_SECONDS,
+    detect_seconds,
+    expected_episode_seconds,
+)
 from chameleond.sim.timeline import Kind, Phase, Timeline
 from chameleond.sim.trace import JobEvent, after
 
@@ -399,12 +405,17 @@ class Choose(Policy):
             self.note(now, d.selected or "keep", current, 0.0, cause)
             super().slowed(tl, ev, down)  # the current plan at the new pace
             return
+        # Until the change is detected the job trains on at the current plan's new pace.
+        pace = self.rate(current, down)
+        detect = detect_seconds(self.batch / pace if pace > 0 else 0.0)
         if d.plan.policy is PlanPolicy.RESTORE:  # excluding the slow workers lost some state
-            self.apply_restore(tl, now, d.plan, 0.0, "fallback")
+            # Priced as a stop that long (training on through it would only do better).
+            self.apply_restore(tl, now, d.plan, detect, "fallback")
             return
         plan, tr = d.plan, d.plan.estimates.transition_seconds
-        self.note(now, d.selected, plan, tr, cause)
+        self.note(now + detect, d.selected, plan, tr, cause)
         self.switch(tl, now, plan, tr)
+        tl.pending.insert(0, Phase(Kind.TRAINING, detect, pace))
 
 
 class Restart(Policy):
