@@ -99,10 +99,6 @@ class Keyring:
 
     # ---- documents: plans, specs ---------------------------------------------------------------
 
-    def sign_doc(self, kind: str, job: str, doc: Mapping[str, Any]) -> dict[str, Any]:
-        body = {k: v for k, v in doc.items() if k != SIG_FIELD}
-        return {**body, SIG_FIELD: self.sign(doc_payload(kind, job, body))}
-
     def verify_doc(self, kind: str, job: str, doc: Mapping[str, Any]) -> None:
         sig = doc.get(SIG_FIELD)
         body = {k: v for k, v in doc.items() if k != SIG_FIELD}
@@ -175,12 +171,20 @@ def signed_json(keyring: Keyring | None, kind: str, job: str, doc: Mapping[str, 
     """`doc` as the JSON text stored under its key: with its signature when there is a keyring.
     The text signed (sorted keys) is the text stored, the signature added as its last member: a
     large document (a job's snapshot is megabytes) is serialised once."""
+    return signed_document(keyring, kind, job, doc)[0]
+
+
+def signed_document(
+    keyring: Keyring | None, kind: str, job: str, doc: Mapping[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """`doc` as `signed_json` stores it, and as a reader parses that text back."""
     body = {k: v for k, v in doc.items() if k != SIG_FIELD}
     if keyring is None:
-        return json.dumps(body, separators=(",", ":"))
+        return json.dumps(body, separators=(",", ":")), body
     text = _canonical(body)
-    sig = json.dumps(keyring.sign(_payload_of_text(kind, job, text)))
-    return f'{text[:-1]}{"," if body else ""}"{SIG_FIELD}":{sig}}}'
+    sig = keyring.sign(_payload_of_text(kind, job, text))
+    stored = f'{text[:-1]}{"," if body else ""}"{SIG_FIELD}":{json.dumps(sig)}}}'
+    return stored, {**body, SIG_FIELD: sig}
 
 
 def new_secret_file(path: Path) -> Path:

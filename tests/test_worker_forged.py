@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from worker_harness import Controller, Workers, tiny_spec
 
-from chameleond.auth import Keyring
+from chameleond.auth import Keyring, signed_json
 from chameleond.core.plan import plan_to_dict
 from chameleond.redis_server import RedisServer
 
@@ -54,7 +54,7 @@ def test_forged_wrong_key_and_replayed_plans_are_refused_and_training_goes_on(
         controller.wait_for("every worker refusing it", lambda: logged(refusal + "unsigned"), 30)
         # ... and the same signed with a key that is not the job's.
         stranger = Keyring((secrets.token_hex(16).encode(),))
-        write(json.dumps(stranger.sign_doc("plan", "forge", fence)), 8)
+        write(signed_json(stranger, "plan", "forge", fence), 8)
         wrong_key = refusal + "signed with an unknown key"
         controller.wait_for("every worker refusing that", lambda: logged(wrong_key), 30)
         before = steps(1)

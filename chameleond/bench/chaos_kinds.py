@@ -7,12 +7,11 @@ real faults and when the recovery clock starts. `KINDS` names them; chaos.py run
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import time
 
-from chameleond.auth import SIG_FIELD, event_payload
+from chameleond.auth import SIG_FIELD, event_payload, signed_json
 from chameleond.bench.chaos_runner import (
     SETTLE_SECONDS,
     Bench,
@@ -142,9 +141,7 @@ def forged(s: Scene) -> Outcome:
     for n, signer in ((100, None), (200, bench.stranger)):
         doc = {**plan, "generation": generation + n, "excluded": members[1:],
                "cause": "forged"}  # fmt: skip
-        if signer is not None:
-            doc = signer.sign_doc("plan", t.job, doc)
-        bench.client.set(keys.plan, json.dumps(doc))
+        bench.client.set(keys.plan, signed_json(signer, "plan", t.job, doc))
         bench.client.publish(keys.plans_channel, str(generation + n))
         t.forged_sent += 1
         reader = connect(bench.redis.url)

@@ -23,7 +23,8 @@ import os
 import shlex
 import sys
 import time
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import redis
 
@@ -43,6 +44,7 @@ from chameleond.protocol import (
 from chameleond.redis_server import redis_cli_args
 from chameleond.redisurl import connect, xadd_replicated
 
+T = TypeVar("T")
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6380/0"
 
 
@@ -170,24 +172,35 @@ def run_fault(args: argparse.Namespace, worker: str) -> int:
         argv = redis_cli_args(url, args.job, worker, cause, keyring)
         return shlex.join(["redis-cli", *argv[1:]])
 
-    client = redis_client(args.redis_url, "inject")
-    if client is None:
-        return 2
     if args.print_only:
+        client = redis_client(args.redis_url, "inject")  # the URL checked
+        if client is None:
+            return 2
         client.close()
         print(line(args.redis_url))  # asked for: the line to run, credentials included
         return 0
+    rc, ids = _send(args, lambda c: xadd_replicated(c, Keys(args.job).events, [event])[0])
+    if rc or not ids:
+        return rc or 1
+    print(f"fault for {worker} sent as {Keys(args.job).events} entry {ids[0]!s}")
+    print(f"(the same as: {line(redact_url(args.redis_url))})")
+    return 0
+
+
+def _send(args: argparse.Namespace, write: Callable[[redis.Redis], T]) -> tuple[int, T | None]:
+    """`write` on a client of --redis-url: (0, what it returned); (2, None) for a URL that is not
+    one, (1, None) when Redis cannot be reached (said on stderr)."""
+    client = redis_client(args.redis_url, "inject")
+    if client is None:
+        return 2, None
     try:
-        entry = xadd_replicated(client, Keys(args.job).events, [event])[0][0]
+        return 0, write(client)
     except redis.RedisError as e:
         where = redact_url(args.redis_url)
         print(f"chameleonctl inject: cannot reach Redis at {where}: {e}", file=sys.stderr)
-        return 1
+        return 1, None
     finally:
         client.close()
-    print(f"fault for {worker} sent as {Keys(args.job).events} entry {entry!s}")
-    print(f"(the same as: {line(redact_url(args.redis_url))})")
-    return 0
 
 
 def run_slow(args: argparse.Namespace, worker: str) -> int:
@@ -211,22 +224,17 @@ def run_slow(args: argparse.Namespace, worker: str) -> int:
             return 2
     until = None if seconds is None else round(time.time() + seconds, 3)
     request = SlowRequest(worker, factor, until)
-    client = redis_client(args.redis_url, "inject")
-    if client is None:
-        return 2
     key = Keys(args.job).slow
-    had = 0
-    try:
+
+    def write(client: redis.Redis) -> int:
         if factor == 1.0:
-            had = int(cast(Any, client.hdel(key, worker)))
-        else:
-            client.hset(key, worker, signed_json(keyring, SLOW_KIND, args.job, request.document()))
-    except redis.RedisError as e:
-        where = redact_url(args.redis_url)
-        print(f"chameleonctl inject: cannot reach Redis at {where}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()
+            return int(cast(Any, client.hdel(key, worker)))
+        doc = signed_json(keyring, SLOW_KIND, args.job, request.document())
+        return int(cast(Any, client.hset(key, worker, doc)))
+
+    rc, had = _send(args, write)
+    if rc:
+        return rc
     if factor == 1.0:
         was = "deleted" if had else "was not set"
         print(f"{worker} back to full speed ({key} field {worker} {was})")
