@@ -88,6 +88,13 @@ class Keys:
         return self.prefix + "plan.zlib"
 
     @property
+    def plan_delta(self) -> str:
+        """The plan as a delta from the one before it, zlib-compressed (core/plandelta.py),
+        written with it when it is under half the packed plan's size, else deleted: a worker
+        holding the plan before reads a few KB instead of the whole plan."""
+        return self.prefix + "plan.delta"
+
+    @property
     def plans_channel(self) -> str:
         return self.prefix + "plans"
 

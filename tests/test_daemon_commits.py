@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
+import zlib
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 
 import pytest
 import redis
@@ -16,6 +19,7 @@ import redis.asyncio as aioredis
 from chameleond.core.decide import initial_plan
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import PolicyMachine
+from chameleond.core.plandelta import apply_delta
 from chameleond.daemon.commits import SNAPSHOT_WAIT_MAX_SECONDS, Committer
 from chameleond.daemon.config import Config
 from chameleond.daemon.lease import Lease, LeaseLost
@@ -166,3 +170,42 @@ def test_a_batch_waits_unacknowledged_for_a_snapshot_too_costly_to_make_again_at
         assert _snapshot(redis_client)["checkpoints"] == c.job.checkpoints.to_json()
 
     _run(redis_server, body)
+
+
+def test_a_plan_is_published_with_its_delta_from_the_plan_before(
+    redis_server: RedisServer,
+) -> None:
+    """The second plan's commit writes its delta from the first (what a worker holding the first
+    reads); a plan with no plan before it, or one too unlike it, deletes the delta."""
+
+    raw = redis.Redis.from_url(redis_server.url)  # the packed keys are bytes
+
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        await _publish_initial(c)
+        assert raw.get(KEYS.plan_delta) is None  # nothing before the first
+        first = json.loads(raw.get(KEYS.plan) or b"")
+        job = c.job
+        assert job.plan is not None
+        lost = job.plan.workers[-1]
+        async with c.lock:
+            second = replace(job.plan, generation=2, excluded=(lost,), cause=f"{lost} lost")
+            await c.publish(second, DecisionRecord(2, "reroute", "x", time.time()), [])
+        packed = raw.get(KEYS.plan_delta)
+        assert packed is not None
+        delta = json.loads(zlib.decompress(packed))
+        made = apply_delta(first, delta)
+        assert made == json.loads(raw.get(KEYS.plan) or b"")
+        assert made["excluded"] == [lost] and len(packed) * 2 < len(
+            raw.get(KEYS.plan_packed) or b""
+        )
+        # A plan whose changes are most of it (here a long cause) goes whole.
+        async with c.lock:
+            unlike = replace(second, generation=3, excluded=(), cause=secrets.token_hex(4000))
+            await c.publish(unlike, DecisionRecord(3, "dynamic", "x", time.time()), [])
+        assert raw.get(KEYS.plan_delta) is None
+
+    try:
+        _run(redis_server, body)
+    finally:
+        raw.close()

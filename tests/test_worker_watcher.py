@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from dataclasses import replace
 from pathlib import Path
 
 import redis
 from worker_harness import tiny_spec
 
+from chameleond.auth import Keyring, signed_document
 from chameleond.core.decide import initial_plan
 from chameleond.core.plan import plan_to_dict
+from chameleond.core.plandelta import plan_delta
 from chameleond.core.spec import parse_spec
 from chameleond.protocol import PLAN_POLL_SECONDS, Keys
 from chameleond.redis_server import RedisServer
@@ -97,6 +100,68 @@ def test_the_watcher_reads_the_packed_plan_only_when_a_newer_generation_is_commi
         commit(3, announce=False)  # the announcement lost
         seen = watcher.wait_newer(2, timeout=PLAN_POLL_SECONDS + 5)
         assert seen is not None and seen.generation == 3
+    finally:
+        watcher.stop()
+        watcher.join(timeout=5)
+        client.close()
+        admin.close()
+
+
+def test_a_worker_holding_the_plan_before_reads_only_its_delta(redis_server: RedisServer) -> None:
+    """The daemon writes a plan's delta from the one before beside it: a worker holding that one
+    reads the delta alone (here the packed plan is gone, so the delta is all it can read), checks
+    what it makes against the job's signature, and reads the whole plan when it holds another."""
+    keyring = Keyring((b"k" * 32,))
+    keys = Keys("delta")
+    admin = redis.Redis.from_url(redis_server.url)
+    client = redis.Redis.from_url(redis_server.url)
+    watcher = PlanWatcher(client, "delta", keyring)
+    plan = initial_plan(parse_spec(tiny_spec("delta")), generation=1, mtbf_seconds=3600.0)
+    docs: dict[int, dict[str, object]] = {}
+
+    def commit(generation: int, *, excluded: tuple[str, ...] = (), delta_from: int = 0) -> None:
+        body = plan_to_dict(replace(plan, generation=generation, excluded=excluded))
+        text, docs[generation] = signed_document(keyring, "plan", "delta", body)
+        admin.set(keys.plan, text)
+        admin.set(keys.plan_packed, zlib.compress(text.encode()))
+        admin.delete(keys.plan_delta)
+        if delta_from:
+            delta = plan_delta(docs[delta_from], docs[generation])
+            admin.set(keys.plan_delta, zlib.compress(json.dumps(delta).encode()))
+            admin.delete(keys.plan_packed)  # the delta is all there is to read
+        admin.hset(keys.state, "generation", generation)
+        admin.publish(keys.plans_channel, str(generation))
+
+    commit(1)
+    watcher.start()
+    try:
+        assert (seen := watcher.wait_newer(0, timeout=15)) is not None and seen.generation == 1
+        w = plan.workers[-1]
+        commit(2, excluded=(w,), delta_from=1)
+        seen = watcher.wait_newer(1, timeout=15)
+        assert seen is not None and seen.generation == 2 and seen.excluded == (w,)
+        assert (
+            len(admin.get(keys.plan_delta) or b"")
+            < len(zlib.compress(json.dumps(docs[2]).encode())) / 2
+        )
+
+        # A delta made with another key: what it makes is refused, the plan held is kept.
+        stranger = Keyring((b"s" * 32,))
+        forged = signed_document(
+            stranger, "plan", "delta", plan_to_dict(replace(plan, generation=3))
+        )[1]
+        admin.set(keys.plan_delta, zlib.compress(json.dumps(plan_delta(docs[2], forged)).encode()))
+        admin.hset(keys.state, "generation", 3)
+        admin.publish(keys.plans_channel, "3")
+        time.sleep(1.0)
+        assert watcher.newest is not None and watcher.newest.generation == 2
+
+        # A delta from a plan it does not hold (4 from 3): the whole plan is read.
+        commit(3)
+        commit(4, delta_from=3)
+        admin.set(keys.plan_packed, zlib.compress(admin.get(keys.plan) or b""))
+        seen = watcher.wait_newer(2, timeout=15)
+        assert seen is not None and seen.generation == 4
     finally:
         watcher.stop()
         watcher.join(timeout=5)

@@ -7,14 +7,16 @@ connection, both named `chameleon-worker:{job}:{worker}:{incarnation}` (chameleo
 start-up profile) then `register`; a heartbeat every `heartbeat_seconds` of the job's size unless a
 step or an ack went out within it (as a real worker's); on every announcement of a newer generation
 on `Keys(job).plans_channel`, and when the committed generation (polled every PLAN_POLL_SECONDS) is
-newer than its own, it GETs the packed plan as the real PlanWatcher does, and acks `ready` for each
-new generation it is a member of (at once: no process groups to build). As a member it reports a
-`step` every step period of the shared clock, and a training `profile` of the layers it holds every
-REPORT_STEPS steps. It listens on the job's liveness channel; when a peer of its plan (same pipeline
-or same stage) is reported gone, it notes when and names that peer in a `fault`, with the generation
-it saw it fail in, as a survivor of a failed collective does.
+newer than its own, it GETs the plan's delta from the one it holds, else the packed plan, as the
+real PlanWatcher does, and acks `ready` for each new generation it is a member of (at once: no
+process groups to build). As a member it reports a `step` every step period of the shared clock, and
+a training `profile` of the layers it holds every REPORT_STEPS steps. It listens on the job's
+liveness channel; when a peer of its plan (same pipeline or same stage) is reported gone, it notes
+when and names that peer in a `fault`, with the generation it saw it fail in, as a survivor of a
+failed collective does.
 
-The plan bytes each worker reads are parsed once per process (verified, then `plan_from_dict`):
+The plan bytes each worker reads (a delta, or the packed plan) are parsed once per process
+(applied to their base, verified, then `plan_from_dict`):
 the load on Redis is every worker's, the parsing cost one worker's. Every event is signed with the
 job's keyring ($CHAMELEON_SECRET_FILE). Observations go to stdout, one JSON list a line:
 `["up", n]` once every worker has registered, `["ack", worker, generation, at]`,
@@ -43,6 +45,7 @@ import uvloop
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import PlanError, plan_from_dict
+from chameleond.core.plandelta import apply_delta
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.events import HEARD, Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
 from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds
@@ -98,7 +101,9 @@ class Shared:
         self.spec: JobSpec = load_spec(cfg["spec"])
         self.step_seconds = float(cfg["step_seconds"])
         self.epoch = float(cfg["epoch"])
-        self._plans: dict[bytes, Layout | None] = {}
+        self._plans: dict[bytes, Layout | None] = {}  # by the bytes read (packed plan or delta)
+        self._bases: dict[bytes, int] = {}  # a delta's base generation
+        self._docs: dict[int, dict[str, Any]] = {}  # the newest plans' documents: deltas' bases
         self._reports: dict[tuple[int, ...] | None, list[dict[str, Any]]] = {}
         self._out: list[str] = []
         self.registered = 0
@@ -107,17 +112,52 @@ class Shared:
         """The plan in `raw`, verified and parsed once per distinct bytes; None when it is not a
         valid plan of the job's daemon (the worker keeps the plan it holds)."""
         if raw not in self._plans:
-            if len(self._plans) > 8:
-                self._plans.pop(next(iter(self._plans)))
             try:
-                doc = json.loads(zlib.decompress(raw))
-                if self.keyring is not None:
-                    self.keyring.verify_doc("plan", self.keys.job, doc)
-                self._plans[raw] = layout_of(doc)
-            except (ValueError, zlib.error, AuthError, PlanError) as e:
-                self.note("error", f"plan refused: {e}")
-                self._plans[raw] = None
+                self._keep(raw, json.loads(zlib.decompress(raw)))
+            except (ValueError, zlib.error) as e:
+                self._refuse(raw, e)
         return self._plans[raw]
+
+    def delta(self, raw: bytes) -> tuple[int, Layout | None]:
+        """The plan the delta in `raw` makes from the plan of generation `base` (a worker holding
+        that one reads it): (base, the plan), once per distinct bytes; (-1, None) when it is
+        not one of the job's daemon, or this process never held its base."""
+        if raw not in self._plans:
+            self._bases[raw] = -1
+            try:
+                delta = json.loads(zlib.decompress(raw))
+                held = delta.get("base") if isinstance(delta, dict) else None
+                base = self._docs.get(held) if isinstance(held, int) else None
+                if base is None:
+                    self._plans[raw] = None
+                else:
+                    self._keep(raw, apply_delta(base, delta))
+                    self._bases[raw] = int(base["generation"])
+            except (ValueError, zlib.error) as e:  # DeltaError, JSONDecodeError
+                self._refuse(raw, e)
+        return self._bases[raw], self._plans[raw]
+
+    def _keep(self, raw: bytes, doc: object) -> None:
+        if len(self._plans) > 8:
+            gone = next(iter(self._plans))
+            self._plans.pop(gone)
+            self._bases.pop(gone, None)
+        try:
+            if not isinstance(doc, dict):
+                raise PlanError("not a JSON object")
+            if self.keyring is not None:
+                self.keyring.verify_doc("plan", self.keys.job, doc)
+            self._plans[raw] = layout = layout_of(doc)
+        except (AuthError, PlanError) as e:
+            self._refuse(raw, e)
+            return
+        self._docs[layout.generation] = doc
+        while len(self._docs) > 4:
+            self._docs.pop(min(self._docs))
+
+    def _refuse(self, raw: bytes, e: Exception) -> None:
+        self.note("error", f"plan refused: {e}")
+        self._plans[raw] = None
 
     def fields(self, event: Event) -> dict[str, str]:
         entry = event.to_fields()
@@ -214,10 +254,24 @@ class SimWorker:
         return self.plan.generation if self.plan is not None else 0
 
     async def read_plan(self) -> None:
-        raw: Any = await self.cmd.get(self.s.keys.plan_packed)
+        """As the real PlanWatcher: the plan's delta from the one held, else the whole plan."""
+        if self.plan is not None:
+            raw: Any = await self.cmd.get(self.s.keys.plan_delta)
+            if raw is not None:
+                if raw == self.raw:
+                    return
+                base, made = self.s.delta(raw)
+                if made is not None and made.generation <= self.plan.generation:
+                    return
+                if made is not None and base == self.plan.generation:
+                    await self.take(raw, made)
+                    return
+        raw = await self.cmd.get(self.s.keys.plan_packed)
         if raw is None or raw == self.raw:
             return
-        layout = self.s.layout(raw)
+        await self.take(raw, self.s.layout(raw))
+
+    async def take(self, raw: bytes, layout: Layout | None) -> None:
         if layout is None or (self.plan is not None and layout.generation <= self.plan.generation):
             return
         self.plan, self.raw = layout, raw

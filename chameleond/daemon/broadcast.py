@@ -1,8 +1,8 @@
 """Durable commits and plan publication, in one atomic Lua script.
 
 Everything a decision changes lands in Redis at once, or not at all: the plan key (and its
-zlib-packed copy, which the workers read), the generation counter, the job snapshot, the decision
-and transition records, the dead letters, the XACK of the
+zlib-packed copy and its delta from the plan before, which the workers read), the generation
+counter, the job snapshot, the decision and transition records, the dead letters, the XACK of the
 stream entries it answers, and the PUBLISH of the new generation. A daemon killed at any point
 either committed all of it (the entries are acknowledged and never seen again) or nothing (they
 are still pending and a restarted daemon reads them again). The lease check (daemon/lease.py)
@@ -53,6 +53,11 @@ if ARGV[3] ~= '' then
   if gen <= cur then return redis.error_reply('generation must increase') end
   redis.call('SET', KEYS[2], ARGV[3])
   redis.call('SET', KEYS[7], ARGV[13])
+  if ARGV[14] ~= '' then
+    redis.call('SET', KEYS[8], ARGV[14])
+  else
+    redis.call('DEL', KEYS[8])
+  end
   redis.call('HSET', KEYS[1], 'generation', ARGV[2])
 end
 if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'snapshot', ARGV[4]) end
@@ -63,7 +68,7 @@ end
 for _, rec in ipairs(cjson.decode(ARGV[7])) do
   redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[9], '*', unpack(rec))
 end
-for i = 14, #ARGV, 500 do
+for i = 15, #ARGV, 500 do
   redis.call('XACK', KEYS[4], ARGV[10], unpack(ARGV, i, math.min(i + 499, #ARGV)))
 end
 if ARGV[3] ~= '' then redis.call('PUBLISH', ARGV[8], ARGV[2]) end
@@ -86,6 +91,7 @@ class Commit:
     expected_generation: int
     generation: int
     plan_json: str = ""
+    plan_delta: bytes = b""  # zlib-packed core.plandelta delta from the plan before (b"": none)
     snapshot: str | None = None  # the job's snapshot, as stored (signed JSON)
     progress: dict[str, Any] | None = None
     records: list[Record] = field(default_factory=list)
@@ -116,6 +122,7 @@ class Broadcaster:
     async def commit(self, c: Commit) -> None:
         k = self.keys
         dead = [[_text(x) for x in rec] for rec in c.dead_letters]
+        packed = zlib.compress(c.plan_json.encode(), 1) if c.plan_json else b""
         args: list[str | int | bytes] = [
             c.expected_generation,
             c.generation,
@@ -129,10 +136,12 @@ class Broadcaster:
             CONSUMER_GROUP,
             self.lease.token,
             self.lease.ttl_ms,
-            zlib.compress(c.plan_json.encode(), 1) if c.plan_json else b"",
+            packed,
+            c.plan_delta if len(c.plan_delta) * 2 < len(packed) else b"",
             *c.acks,
         ]
-        keys = [k.state, k.plan, k.decisions, k.events, k.dead, k.leader, k.plan_packed]
+        keys = [k.state, k.plan, k.decisions, k.events, k.dead, k.leader, k.plan_packed,
+                k.plan_delta]  # fmt: skip
         await self._script(keys=keys, args=args)
 
     async def nudge(self, generation: int) -> None:

@@ -16,17 +16,20 @@ generation until the plan is committed, so no snapshot ever gets ahead of the pu
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
+import zlib
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 
-from chameleond.auth import Keyring, signed_json
+from chameleond.auth import Keyring, signed_document, signed_json
 from chameleond.core.plan import Plan, plan_to_dict
+from chameleond.core.plandelta import plan_delta
 from chameleond.daemon.broadcast import Broadcaster, Commit
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.lease import lost as lease_lost
@@ -51,6 +54,15 @@ decisions_log = logging.getLogger("chameleond.decisions")
 SNAPSHOT_SPACING = 4
 SNAPSHOT_WAIT_MAX_SECONDS = 2.0
 SNAPSHOT_CHEAP_SECONDS = 0.02
+
+
+@dataclass
+class Held:
+    """Handled entries (their ids, and the dead letters they made) that wait, unacknowledged,
+    for the snapshot that holds their changes."""
+
+    acks: list[str] = field(default_factory=list)
+    dead: list[list[str | bytes]] = field(default_factory=list)
 
 
 class Committer:
@@ -81,11 +93,10 @@ class Committer:
         self._last_progress = 0.0
         self.last_attempt = time.monotonic()  # a commit retrying through an outage is alive
         self.unsaved = UNCHANGED  # what the job's transitions changed that no commit carried yet
-        # Handled entries (and their dead letters) whose changes wait for the next snapshot.
-        self._held_acks: list[str] = []
-        self._held_dead: list[list[str | bytes]] = []
+        self._held = Held()  # handled entries whose changes wait for the next snapshot
         self._snapshot_at = 0.0  # time.monotonic() of the last snapshot made
         self._snapshot_cost = 0.0  # how long it took
+        self._plan_doc: dict[str, Any] | None = None  # the last plan published, as a document
 
     def note(self, change: Change) -> None:
         """What a handler or a decision changed: the next commit carries it."""
@@ -101,8 +112,8 @@ class Committer:
         async with self.lock:
             if not force_progress and self.unsaved.snapshot and not self._snapshot_spaced():
                 # The entries wait, unacknowledged, for the next snapshot (module docstring).
-                self._held_acks += acks
-                self._held_dead += dead
+                self._held.acks += acks
+                self._held.dead += dead
             else:
                 progress_doc = None
                 if force_progress or now - self._last_progress >= self.persist_interval_seconds:
@@ -143,17 +154,29 @@ class Committer:
         assert self.lock.locked()
         job = self.job
         published = job.adopt(plan, job.machine.failed)
+        text, doc = signed_document(self.keyring, "plan", job.name, plan_to_dict(published))
         c = Commit(
             expected_generation=job.plan.generation if job.plan is not None else 0,
             generation=published.generation,
-            plan_json=self._signed("plan", plan_to_dict(published)),
+            plan_json=text,
+            plan_delta=self._delta(doc),
             snapshot=self._snapshot(plan=published),
             records=[*self._take_records(), record],
             acks=acks,
         )
         await self._retry_clean(c)
-        job.plan = published
+        job.plan, self._plan_doc = published, doc
         return published
+
+    def _delta(self, doc: dict[str, Any]) -> bytes:
+        """`doc` as a delta from the plan the workers hold, packed (b"": none known)."""
+        held, current = self._plan_doc, self.job.plan
+        if current is None:
+            return b""
+        if held is None or held.get("generation") != current.generation:  # after a restart
+            held = signed_document(self.keyring, "plan", self.job.name, plan_to_dict(current))[1]
+        delta = json.dumps(plan_delta(held, doc), separators=(",", ":"))
+        return zlib.compress(delta.encode(), 1)
 
     async def _job_commit(
         self,
@@ -179,7 +202,7 @@ class Committer:
 
     def held(self) -> set[str]:
         """The entries handled and not yet acknowledged: their snapshot is still to come."""
-        return set(self._held_acks)
+        return set(self._held.acks)
 
     def _snapshot_spaced(self) -> bool:
         """Long enough since the last snapshot: SNAPSHOT_SPACING times what it took to make, at
@@ -203,23 +226,19 @@ class Committer:
         that runs while the commit waits on Redis notes its change again, so it goes into the
         next commit, never lost behind a flag cleared after the await."""
         taken = c.snapshot is not None
-        held = len(self._held_acks), len(self._held_dead)
+        held = Held(list(self._held.acks), list(self._held.dead)) if taken else Held()
         if taken:
             self.unsaved = replace(self.unsaved, snapshot=False, measured=False)
-            if held != (0, 0):  # entries handled since the last snapshot: this one holds them
-                c = replace(
-                    c,
-                    acks=[*self._held_acks, *c.acks],
-                    dead_letters=[*self._held_dead, *c.dead_letters],
-                )
+            # Entries handled since the last snapshot: this one holds their changes.
+            c = replace(c, acks=[*held.acks, *c.acks], dead_letters=[*held.dead, *c.dead_letters])
         try:
             await self._retry(c)
         except BaseException:
             if taken:
                 self.note(SNAPSHOT)
             raise
-        if taken:
-            del self._held_acks[: held[0]], self._held_dead[: held[1]]
+        if taken:  # those held meanwhile wait for the next
+            del self._held.acks[: len(held.acks)], self._held.dead[: len(held.dead)]
 
     async def _retry(self, c: Commit) -> None:
         """Retry, at least once a second, until Redis takes it: what is in memory is ahead of

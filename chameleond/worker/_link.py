@@ -28,12 +28,14 @@ import secrets
 import threading
 import time
 import zlib
+from typing import Any
 
 import redis
 from redis.client import PubSub
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
+from chameleond.core.plandelta import DeltaError, apply_delta
 from chameleond.events import HEARD, Event, Fault
 from chameleond.events import Heartbeat as Beat
 from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys, worker_connection_name
@@ -178,8 +180,10 @@ class PlanWatcher(threading.Thread):
         self._plan: Plan | None = None
         self._stop_event = threading.Event()
         self._bad_generation = -1
-        # The bytes of the plan held: the once-a-second read skips verifying and parsing them again.
+        # The bytes of the plan held (its packed copy or its delta): the once-a-second read skips
+        # verifying and parsing them again.
         self._accepted_raw: bytes | str | None = None
+        self._doc: dict[str, Any] | None = None  # the plan held, as its document
 
     @property
     def newest(self) -> Plan | None:
@@ -202,7 +206,22 @@ class PlanWatcher(threading.Thread):
             return self._plan
 
     def refresh(self) -> None:
-        """Read the plan: its packed copy (Keys.plan_packed), else the plan key itself."""
+        """Read the plan: as a delta from the plan held (Keys.plan_delta) where the daemon wrote
+        one, else its packed copy (Keys.plan_packed), else the plan key itself."""
+        if self._doc is not None and (raw := self._redis.get(self._keys.plan_delta)) is not None:
+            if raw == self._accepted_raw:
+                return
+            try:
+                delta = json.loads(zlib.decompress(raw))  # type: ignore[arg-type]
+                if not isinstance(delta, dict):
+                    raise DeltaError("not a JSON object")
+                if _number(delta.get("generation")) <= self._doc.get("generation", 0):
+                    return  # the newest plan is the one held
+                if delta.get("base") == self._doc.get("generation"):
+                    self._take(raw, apply_delta(self._doc, delta))
+                    return
+            except (ValueError, zlib.error) as e:  # DeltaError, JSONDecodeError: read it whole
+                log.warning("plan delta under %s not used: %s", self._keys.plan_delta, e)
         raw = self._redis.get(self._keys.plan_packed)
         packed = raw is not None
         if raw is None:
@@ -211,28 +230,42 @@ class PlanWatcher(threading.Thread):
             return  # nothing new: the plan held was read from these very bytes
         try:
             doc = json.loads(zlib.decompress(raw) if packed else raw)  # type: ignore[arg-type]
+        except (json.JSONDecodeError, zlib.error) as e:
+            self._undecodable(raw, e)
+            return
+        self._take(raw, doc)
+
+    def _take(self, raw: bytes | str, doc: object) -> None:
+        """The plan in `doc` (read from `raw`), held if the job's daemon published it and it is
+        newer than the one held."""
+        try:
             if self._keyring is not None:
                 if not isinstance(doc, dict):
                     raise AuthError("not a JSON object")
                 self._keyring.verify_doc("plan", self._keys.job, doc)
+            if not isinstance(doc, dict):
+                raise PlanError("not a JSON object")
             plan = plan_from_dict(doc)
         except AuthError as e:
             # Unsigned or forged: whoever wrote it is not the job's daemon. Training keeps the
             # plan it has; the daemon's next plan replaces the forged one.
             self.refused.note(f"the plan under {self._keys.plan}", raw, str(e))
             return
-        except (json.JSONDecodeError, zlib.error, PlanError) as e:
-            # A bad plan is the daemon's bug; training keeps the plan it has. Logged once.
-            gen = hash(raw) & 0x7FFFFFFF
-            if gen != self._bad_generation:
-                log.error("ignoring an undecodable plan under %s: %s", self._keys.plan, e)
-                self._bad_generation = gen
+        except PlanError as e:
+            self._undecodable(raw, e)
             return
         with self._cond:
             if self._plan is None or plan.generation > self._plan.generation:
-                self._plan = plan
+                self._plan, self._doc = plan, doc
                 self._accepted_raw = raw
                 self._cond.notify_all()
+
+    def _undecodable(self, raw: bytes | str, e: Exception) -> None:
+        """A bad plan is the daemon's bug; training keeps the plan it has. Logged once."""
+        gen = hash(raw) & 0x7FFFFFFF
+        if gen != self._bad_generation:
+            log.error("ignoring an undecodable plan under %s: %s", self._keys.plan, e)
+            self._bad_generation = gen
 
     def run(self) -> None:
         pubsub = None
@@ -313,6 +346,10 @@ def _generation(msg: dict[str, object]) -> float:
         return int(data) if isinstance(data, bytes | str) else math.inf
     except ValueError:
         return math.inf
+
+
+def _number(x: object) -> float:
+    return x if isinstance(x, int | float) and not isinstance(x, bool) else math.inf
 
 
 def _close_quietly(pubsub: PubSub) -> None:
