@@ -17,7 +17,13 @@ import redis
 import redis.asyncio as aioredis
 
 from chameleond.auth import Keyring, signed_json
-from chameleond.daemon.connwatch import RECONNECT_SECONDS, Connections, ConnWatch, listed
+from chameleond.daemon.connwatch import (
+    MAX_LISTING_PAUSE,
+    RECONNECT_SECONDS,
+    Connections,
+    ConnWatch,
+    listed,
+)
 from chameleond.daemon.metrics import Metrics
 from chameleond.protocol import Keys
 from chameleond.redis_server import RedisServer
@@ -104,6 +110,19 @@ def test_notices_by_incarnation_and_by_id() -> None:
     other = Keyring((b"not-this-job-secret-at-all!!",))
     assert not n.take(signed_json(other, "liveness", JOB, {"gone": [["w2", "c"]], "live": []}))
     assert n.gone({"w2": None}) == []
+
+
+def test_listings_are_spaced_by_their_round_trip_up_to_a_bound() -> None:
+    """20 round trips apart (Redis's share), but never further than MAX_LISTING_PAUSE: a round
+    trip measured on a busy event loop says little of Redis, and two pauses bound how soon a
+    worker learns of a peer's death."""
+    watch = ConnWatch(None, Keys("j"), 0.1, Metrics())  # type: ignore[arg-type]
+    assert watch.pause == 0.1
+    watch.listing_seconds = 0.01
+    assert watch.pause == pytest.approx(0.2)
+    watch.listing_seconds = 0.6  # a daemon busy with 8,192 workers' events
+    assert watch.pause == MAX_LISTING_PAUSE
+    assert ConnWatch(None, Keys("j"), 5.0, Metrics()).pause == 5.0  # type: ignore[arg-type]
 
 
 def test_listed_reads_the_jobs_connections(redis_server: RedisServer) -> None:

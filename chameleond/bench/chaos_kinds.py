@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+import zlib
 
 from chameleond.auth import SIG_FIELD, event_payload, signed_json
 from chameleond.bench.chaos_runner import (
@@ -141,7 +142,9 @@ def forged(s: Scene) -> Outcome:
     for n, signer in ((100, None), (200, bench.stranger)):
         doc = {**plan, "generation": generation + n, "excluded": members[1:],
                "cause": "forged"}  # fmt: skip
-        bench.client.set(keys.plan, signed_json(signer, "plan", t.job, doc))
+        text = signed_json(signer, "plan", t.job, doc)
+        bench.client.set(keys.plan, text)
+        bench.client.set(keys.plan_packed, zlib.compress(text.encode()))  # what workers read
         bench.client.publish(keys.plans_channel, str(generation + n))
         t.forged_sent += 1
         reader = connect(bench.redis.url)

@@ -341,6 +341,7 @@ def scenario(
     lag: Any = client.xinfo_groups(Keys(cluster.job).events)
     out["steady"]["daemon_backlog_events"] = int(lag[0].get("lag") or 0) if lag else None
 
+    sent = _output_bytes(client)
     killed_at = time.time()
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -357,8 +358,13 @@ def scenario(
     out["fault_to_all_acked_p50_seconds"] = quantile(delays, 0.5)
     out["fault_to_all_acked_p99_seconds"] = quantile(delays, 0.99)
     out["fault_to_all_acked_max_seconds"] = round(max(delays), 3)
-    out["plan_without_host"] = {"generation": gen2, "workers": len(without),
-                                "survivors": len(survivors)}  # fmt: skip
+    out["redis_output_bytes_loss_to_acked"] = _output_bytes(client) - sent
+    out["plan_without_host"] = {
+        "generation": gen2,
+        "workers": len(without),
+        "survivors": len(survivors),
+        "delta_bytes": _delta_bytes(client, cluster.job),
+    }
     out["decisions_after_loss"] = decisions_since(client, cluster.job, killed_at)
 
     back_at = time.time()
@@ -369,6 +375,17 @@ def scenario(
     out["host_back_to_all_acked_max_seconds"] = round(max(delays), 3)
     out["plan_with_host"] = {"generation": gen3, "workers": len(back)}
     out["decisions_after_return"] = decisions_since(client, cluster.job, back_at)
+
+
+def _output_bytes(client: redis.Redis) -> int:
+    stats: Any = client.info("stats")
+    return int(stats["total_net_output_bytes"])
+
+
+def _delta_bytes(client: redis.Redis, job: str) -> int | None:
+    """The current plan's delta as published (None: it went whole)."""
+    raw: Any = client.get(Keys(job).plan_delta)
+    return len(raw) if raw is not None else None
 
 
 def _checked(sims: SimProcesses, predicate: Callable[[], bool]) -> bool:

@@ -4,10 +4,11 @@ announces the processes that are gone.
 Every Redis connection of a worker is named `chameleon-worker:{job}:{id}:{incarnation}`
 (chameleond/worker/_link.py); the kernel closes a killed process's sockets, so Redis drops its
 connections at once. One `CLIENT LIST TYPE normal` per `peer_watch_seconds` (about 2 MB and 9 ms
-of Redis at 8,192 workers; at most one per LISTING_SPACING of its round trips) finds the
-incarnations that were listed and are missing from two listings in a row; the daemon publishes
-them on `Keys.liveness_channel` and keeps the recent ones under `Keys.gone` for a worker that
-subscribes later. A worker thus learns of a peer's death within two periods and a publish, on
+of Redis at 8,192 workers; at most one per LISTING_SPACING of its round trips, and at least one
+per MAX_LISTING_PAUSE) finds the incarnations that were listed and are missing from two listings
+in a row; the daemon publishes them on `Keys.liveness_channel` and keeps the recent ones under
+`Keys.gone` for a worker that subscribes later. A worker thus learns of a peer's death within two
+pauses (at most 2 x max(peer_watch_seconds, MAX_LISTING_PAUSE)), two listings and a publish, on
 every backend, without listing clients itself (its ACL user needs no CLIENT LIST).
 
 The notice is evidence, not a verdict: a survivor names a peer in a fault only when its own
@@ -45,8 +46,13 @@ log = logging.getLogger("chameleond.connwatch")
 RECONNECT_SECONDS = 3
 GONE_KEEP_SECONDS = 600.0  # how long a gone incarnation stays listed under Keys.gone
 # The watch waits at least this many times its last listing's round trip between listings, so
-# that listing a large job's connections takes at most 1/20 of Redis's time.
+# that listing a large job's connections takes at most 1/20 of Redis's time; but never longer
+# than MAX_LISTING_PAUSE: the round trip also counts the daemon's own event loop, busy with a
+# large job's events (at 8,192 workers, round trips of 0.6 s on a loaded machine spaced the
+# listings 12 s apart, and the heartbeat timeout found a dead host first), while Redis lists
+# 8,192 workers' connections in about 9 ms.
 LISTING_SPACING = 20
+MAX_LISTING_PAUSE = 1.0
 _AGE = re.compile(rb" age=(\d+)")  # right after the name, in CLIENT LIST
 
 Incarnation = tuple[str, str]  # (worker id, incarnation)
@@ -194,7 +200,8 @@ class ConnWatch:
 
     @property
     def pause(self) -> float:
-        return max(self.period, LISTING_SPACING * self.listing_seconds)
+        """Between two listings: a worker learns of a peer's death within two of them."""
+        return max(self.period, min(LISTING_SPACING * self.listing_seconds, MAX_LISTING_PAUSE))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until `stop`. Denied CLIENT LIST (an ACL without it): said once, and peers are then

@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -310,13 +311,22 @@ class Service:
         except PlanError as e:
             raise RuntimeError(f"{k.state} snapshot: its plan does not decode: {e}") from e
         why = self._plan_key_differs(raw, committed)
+        if not why:
+            packed = await client.get(k.plan_packed)
+            if packed is not None and _unpacked(_bytes(packed)) != _bytes(raw):
+                why = f"its packed copy under {k.plan_packed} differs"
         if why:
             log.error(
                 "the plan under %s is not the one this job published (%s): writing generation "
                 "%d again", k.plan, why, plan.generation,
             )  # fmt: skip
-            await client.set(k.plan, signed_json(self.keyring, "plan", self.cfg.job, committed))
-            await client.publish(k.plans_channel, str(plan.generation))
+            text = signed_json(self.keyring, "plan", self.cfg.job, committed)
+            async with client.pipeline(transaction=True) as tx:
+                tx.set(k.plan, text)
+                tx.set(k.plan_packed, zlib.compress(text.encode(), 1))
+                tx.delete(k.plan_delta)  # what the workers read, as the daemon's commits write it
+                tx.publish(k.plans_channel, str(plan.generation))
+                await tx.execute()
         return plan
 
     def _plan_key_differs(self, raw: bytes | str | None, committed: dict[str, Any]) -> str:
@@ -406,3 +416,16 @@ def own_event_writer(
         await lease.xadd(keys.events, keyring.sign_event(keys.job, fields) if keyring else fields)
 
     return write
+
+
+def _unpacked(packed: bytes | None) -> bytes | None:
+    if packed is None:
+        return None
+    try:
+        return zlib.decompress(packed)
+    except zlib.error:
+        return None
+
+
+def _bytes(raw: bytes | str | None) -> bytes | None:
+    return raw.encode() if isinstance(raw, str) else raw

@@ -217,9 +217,9 @@ class PlanWatcher(threading.Thread):
                     raise DeltaError("not a JSON object")
                 if _number(delta.get("generation")) <= self._doc.get("generation", 0):
                     return  # the newest plan is the one held
-                if delta.get("base") == self._doc.get("generation"):
-                    self._take(raw, apply_delta(self._doc, delta))
-                    return
+                base = delta.get("base") == self._doc.get("generation")
+                if base and self._take(raw, apply_delta(self._doc, delta)):
+                    return  # else from another plan, or refused: the whole plan is read
             except (ValueError, zlib.error) as e:  # DeltaError, JSONDecodeError: read it whole
                 log.warning("plan delta under %s not used: %s", self._keys.plan_delta, e)
         raw = self._redis.get(self._keys.plan_packed)
@@ -235,9 +235,9 @@ class PlanWatcher(threading.Thread):
             return
         self._take(raw, doc)
 
-    def _take(self, raw: bytes | str, doc: object) -> None:
+    def _take(self, raw: bytes | str, doc: object) -> bool:
         """The plan in `doc` (read from `raw`), held if the job's daemon published it and it is
-        newer than the one held."""
+        newer than the one held; whether the job's daemon published it."""
         try:
             if self._keyring is not None:
                 if not isinstance(doc, dict):
@@ -250,15 +250,16 @@ class PlanWatcher(threading.Thread):
             # Unsigned or forged: whoever wrote it is not the job's daemon. Training keeps the
             # plan it has; the daemon's next plan replaces the forged one.
             self.refused.note(f"the plan under {self._keys.plan}", raw, str(e))
-            return
+            return False
         except PlanError as e:
             self._undecodable(raw, e)
-            return
+            return False
         with self._cond:
             if self._plan is None or plan.generation > self._plan.generation:
                 self._plan, self._doc = plan, doc
                 self._accepted_raw = raw
                 self._cond.notify_all()
+        return True
 
     def _undecodable(self, raw: bytes | str, e: Exception) -> None:
         """A bad plan is the daemon's bug; training keeps the plan it has. Logged once."""
