@@ -275,6 +275,19 @@ def decisions_since(client: redis.Redis, job: str, since: float) -> list[dict[st
     return out
 
 
+def transitions_since(client: redis.Redis, job: str, since: float) -> list[list[Any]]:
+    """The state machine's moves stored after unix time `since`: [seconds after it, the phase
+    moved to, the cause's first 60 characters]."""
+    entries: Any = client.xrange(Keys(job).decisions, min=f"{int(since * 1000)}-0")
+    out = []
+    for _, f in entries:
+        f = {k.decode(): v.decode() for k, v in f.items()}
+        if f.get("kind") == "transition":
+            at = round(float(f.get("at", since)) - since, 3)
+            out.append([at, f.get("to", ""), f.get("cause", "")[:60]])
+    return out
+
+
 def run_size(n: int, step_seconds: float, steady_seconds: float, timeout: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="chameleon-control-") as tmp:
         spec_path = spec_for(n, Path(tmp))
@@ -366,6 +379,7 @@ def scenario(
         "delta_bytes": _delta_bytes(client, cluster.job),
     }
     out["decisions_after_loss"] = decisions_since(client, cluster.job, killed_at)
+    out["transitions_after_loss"] = transitions_since(client, cluster.job, killed_at)
 
     back_at = time.time()
     sims.start(lost)

@@ -45,6 +45,7 @@ log = logging.getLogger("chameleond.connwatch")
 # back off to 1 s); until then a missing connection says nothing.
 RECONNECT_SECONDS = 3
 GONE_KEEP_SECONDS = 600.0  # how long a gone incarnation stays listed under Keys.gone
+RECENT_SECONDS = 10.0  # an announcement this recent makes a fault decision wait for its faults
 # The watch waits at least this many times its last listing's round trip between listings, so
 # that listing a large job's connections takes at most 1/20 of Redis's time; but never longer
 # than MAX_LISTING_PAUSE: the round trip also counts the daemon's own event loop, busy with a
@@ -142,6 +143,13 @@ class Connections:
         also = {v for v in live if v[0] in touched and v[0] in with_gone}
         return Notice(tuple(sorted(gone)), tuple(sorted(back | also)))
 
+    def recently_gone(self, now: float, within: float) -> frozenset[str]:
+        """The workers with an incarnation announced gone in the last `within` seconds and none
+        listed since (a restarted worker is alive)."""
+        listed = {w for w, _ in self.seen}
+        return frozenset(w for (w, _), at in self.gone.items()
+                         if now - at <= within and w not in listed)  # fmt: skip
+
     def current(self) -> Notice:
         """What a worker that subscribes now needs (the Keys.gone document): the incarnations
         gone within GONE_KEEP_SECONDS, and the live ones of the same workers."""
@@ -197,6 +205,10 @@ class ConnWatch:
         self.own = own  # the name of the daemon's connections (their age counts too)
         self.connections = Connections()
         self.listing_seconds = 0.0  # the last CLIENT LIST's round trip
+
+    def recently_gone(self, now: float) -> frozenset[str]:
+        """The workers announced gone in the last RECENT_SECONDS (none listed since)."""
+        return self.connections.recently_gone(now, RECENT_SECONDS)
 
     @property
     def pause(self) -> float:

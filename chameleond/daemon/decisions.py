@@ -7,6 +7,13 @@ it follows trains), or a decision on a worker that became slow or recovered (whi
 The planner runs in a thread; everything that moves the machine's generation
 happens under the commit lock together with the commit that publishes it, so no other commit
 ever sees a generation Redis does not hold yet.
+
+A fault decision waits, up to GATHER_SECONDS after its first fault, for the faults naming the
+other workers of the plan that the connection watch announced gone (`gathering`): a host's
+workers die together, their survivors name them one report after another, and a decision
+started on the first would be superseded by each next one (at 8,192 workers each decision takes
+seconds). A worker announced gone that nobody names delays the decision by GATHER_SECONDS at
+most; the announcement alone never fails anybody.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +34,7 @@ from chameleond.core.decision import (
     same_layout,
 )
 from chameleond.core.holdings import of_plan
-from chameleond.core.machine import DecisionRequest, DecisionResult
+from chameleond.core.machine import DecisionRequest, DecisionResult, PolicyMachine
 from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy
 from chameleond.daemon.commits import Committer
@@ -40,16 +48,43 @@ from chameleond.records import DecisionRecord
 
 log = logging.getLogger("chameleond")
 decisions_log = logging.getLogger("chameleond.decisions")
+GATHER_SECONDS = 2.0
+
+
+def gathering(machine: PolicyMachine, announced: frozenset[str], now: float) -> bool:
+    """Whether the pending faults wait for more: some worker of the plan was announced gone
+    (`announced`), is named by no pending fault and not failed yet, and the first pending fault
+    is under GATHER_SECONDS old. Pure."""
+    since = machine.pending_since
+    if machine.in_flight is not None or not machine.pending_faults or since is None:
+        return False
+    if now - since >= GATHER_SECONDS:
+        return False
+    named = machine.pending_faults.keys() | machine.failed
+    return any(machine.member(w) and w not in named for w in announced)
+
+
+def nobody_announced(now: float) -> frozenset[str]:
+    return frozenset()
 
 
 class Decisions:
-    def __init__(self, job: Job, cfg: Config, committer: Committer, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        job: Job,
+        cfg: Config,
+        committer: Committer,
+        metrics: Metrics,
+        announced: Callable[[float], frozenset[str]] = nobody_announced,
+    ) -> None:
         self.job = job
         self.cfg = cfg
         self.committer = committer
         self.metrics = metrics
+        self.announced = announced  # the workers the connection watch announced gone lately
         self.task: asyncio.Task[None] | None = None
         self.closed = False  # draining: no new decision starts
+        self._wake: asyncio.TimerHandle | None = None  # the end of a gathering
 
     def maybe_decide(self) -> None:
         """Start the decision that is due, unless one is running. Raises if the last one failed
@@ -63,7 +98,11 @@ class Decisions:
         if job.initial_due(self.cfg.min_workers):
             self.task = asyncio.create_task(self._initial(), name="initial")
             return
-        request, transitions = job.machine.next_request(time.time())
+        now = time.time()
+        if gathering(job.machine, self.announced(now), now):
+            self._wake_at(job.machine.pending_since or now)
+            return
+        request, transitions = job.machine.next_request(now)
         self.committer.note(recorded(transitions))
         if request is not None:
             self.task = asyncio.create_task(self._decide(request), name="decide")
@@ -87,6 +126,13 @@ class Decisions:
                 self.task.cancel()
             except Exception as e:  # its entries stay pending: the next leader answers them
                 log.warning("the running decision failed: %r", e)
+
+    def _wake_at(self, since: float) -> None:
+        """Decide once the gathering that began at `since` ends, if no event decides first."""
+        loop = asyncio.get_running_loop()
+        if self._wake is None or self._wake.when() <= loop.time():  # none pending
+            delay = max(0.0, since + GATHER_SECONDS - time.time())
+            self._wake = loop.call_later(delay, self.maybe_decide)
 
     def _soon(self) -> None:
         # Runs once the current task has ended, so maybe_decide sees it done.

@@ -37,7 +37,7 @@ from chameleond.daemon.commits import Committer
 from chameleond.daemon.config import Config
 from chameleond.daemon.connwatch import ConnWatch
 from chameleond.daemon.consumer import StreamConsumer
-from chameleond.daemon.decisions import Decisions
+from chameleond.daemon.decisions import Decisions, nobody_announced
 from chameleond.daemon.detector import Detector
 from chameleond.daemon.health import Health
 from chameleond.daemon.http import HttpServer
@@ -176,7 +176,14 @@ class Service:
                 client, self.keys, job, self.metrics, reachability, lease,
                 persist_interval_seconds=cfg.persist_interval_seconds, keyring=self.keyring,
             )  # fmt: skip
-            decisions = Decisions(job, cfg, committer, self.metrics)
+            watch = None
+            if cfg.peer_watch_seconds > 0:
+                watch = ConnWatch(
+                    client, self.keys, cfg.peer_watch_seconds, self.metrics, self.keyring,
+                    own=connection_name(incarnation),
+                )  # fmt: skip
+            announced = watch.recently_gone if watch is not None else nobody_announced
+            decisions = Decisions(job, cfg, committer, self.metrics, announced)
             ingest = Ingest(
                 job, consumer, committer, decisions, self.metrics, reachability,
                 max_deliveries=cfg.max_deliveries, observer=self.observer, keyring=self.keyring,
@@ -205,11 +212,7 @@ class Service:
                 ),
                 asyncio.create_task(lease.keep(self._stop), name="lease"),
             ]
-            if cfg.peer_watch_seconds > 0:
-                watch = ConnWatch(
-                    client, self.keys, cfg.peer_watch_seconds, self.metrics, self.keyring,
-                    own=connection_name(incarnation),
-                )  # fmt: skip
+            if watch is not None:
                 tasks.append(asyncio.create_task(watch.run(self._stop), name="connwatch"))
             stop = asyncio.create_task(self._stop.wait(), name="stop")
             done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
