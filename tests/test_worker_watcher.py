@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,6 +21,16 @@ from chameleond.core.spec import parse_spec
 from chameleond.protocol import PLAN_POLL_SECONDS, Keys
 from chameleond.redis_server import RedisServer
 from chameleond.worker._link import PlanWatcher
+
+
+@contextlib.contextmanager
+def running(watcher: PlanWatcher) -> Iterator[PlanWatcher]:
+    watcher.start()
+    try:
+        yield watcher
+    finally:
+        watcher.stop()
+        watcher.join(timeout=5)
 
 
 def test_the_watcher_sees_plans_once_redis_is_there(tmp_path: Path) -> None:
@@ -38,23 +50,21 @@ def test_the_watcher_sees_plans_once_redis_is_there(tmp_path: Path) -> None:
         finally:
             admin.close()
 
-    watcher.start()
     try:
-        time.sleep(0.6)  # several subscriptions refused
-        assert watcher.is_alive() and watcher.newest is None
-        server.start()
-        publish(1)
-        seen = watcher.wait_newer(0, timeout=15)
-        assert seen is not None and seen.generation == 1
-        server.stop()  # lost while watching, then back (the same port)
-        time.sleep(0.6)
-        server.start()
-        publish(2)
-        seen = watcher.wait_newer(1, timeout=15)
-        assert seen is not None and seen.generation == 2
+        with running(watcher):
+            time.sleep(0.6)  # several subscriptions refused
+            assert watcher.is_alive() and watcher.newest is None
+            server.start()
+            publish(1)
+            seen = watcher.wait_newer(0, timeout=15)
+            assert seen is not None and seen.generation == 1
+            server.stop()  # lost while watching, then back (the same port)
+            time.sleep(0.6)
+            server.start()
+            publish(2)
+            seen = watcher.wait_newer(1, timeout=15)
+            assert seen is not None and seen.generation == 2
     finally:
-        watcher.stop()
-        watcher.join(timeout=5)
         client.close()
         server.stop()
     assert not watcher.is_alive()
@@ -85,24 +95,22 @@ def test_the_watcher_reads_the_packed_plan_only_when_a_newer_generation_is_commi
 
     commit(1, announce=False)
     admin.set(keys.plan, "not what the workers read: they read the packed copy")
-    watcher.start()
     try:
-        seen = watcher.wait_newer(0, timeout=15)
-        assert seen is not None and seen.generation == 1
-        commit(2)
-        seen = watcher.wait_newer(1, timeout=15)
-        assert seen is not None and seen.generation == 2
-        reads = plan_reads()
-        for _ in range(20):  # repeats (a fenced worker's nudge): nothing newer to read
-            admin.publish(keys.plans_channel, "2")
-        time.sleep(0.5)
-        assert plan_reads() == reads
-        commit(3, announce=False)  # the announcement lost
-        seen = watcher.wait_newer(2, timeout=PLAN_POLL_SECONDS + 5)
-        assert seen is not None and seen.generation == 3
+        with running(watcher):
+            seen = watcher.wait_newer(0, timeout=15)
+            assert seen is not None and seen.generation == 1
+            commit(2)
+            seen = watcher.wait_newer(1, timeout=15)
+            assert seen is not None and seen.generation == 2
+            reads = plan_reads()
+            for _ in range(20):  # repeats (a fenced worker's nudge): nothing newer to read
+                admin.publish(keys.plans_channel, "2")
+            time.sleep(0.5)
+            assert plan_reads() == reads
+            commit(3, announce=False)  # the announcement lost
+            seen = watcher.wait_newer(2, timeout=PLAN_POLL_SECONDS + 5)
+            assert seen is not None and seen.generation == 3
     finally:
-        watcher.stop()
-        watcher.join(timeout=5)
         client.close()
         admin.close()
 
@@ -133,37 +141,37 @@ def test_a_worker_holding_the_plan_before_reads_only_its_delta(redis_server: Red
         admin.publish(keys.plans_channel, str(generation))
 
     commit(1)
-    watcher.start()
     try:
-        assert (seen := watcher.wait_newer(0, timeout=15)) is not None and seen.generation == 1
-        w = plan.workers[-1]
-        commit(2, excluded=(w,), delta_from=1)
-        seen = watcher.wait_newer(1, timeout=15)
-        assert seen is not None and seen.generation == 2 and seen.excluded == (w,)
-        assert (
-            len(admin.get(keys.plan_delta) or b"")
-            < len(zlib.compress(json.dumps(docs[2]).encode())) / 2
-        )
+        with running(watcher):
+            assert (seen := watcher.wait_newer(0, timeout=15)) is not None and seen.generation == 1
+            w = plan.workers[-1]
+            commit(2, excluded=(w,), delta_from=1)
+            seen = watcher.wait_newer(1, timeout=15)
+            assert seen is not None and seen.generation == 2 and seen.excluded == (w,)
+            assert (
+                len(admin.get(keys.plan_delta) or b"")
+                < len(zlib.compress(json.dumps(docs[2]).encode())) / 2
+            )
 
-        # A delta made with another key: what it makes is refused, the plan held is kept.
-        stranger = Keyring((b"s" * 32,))
-        forged = signed_document(
-            stranger, "plan", "delta", plan_to_dict(replace(plan, generation=3))
-        )[1]
-        admin.set(keys.plan_delta, zlib.compress(json.dumps(plan_delta(docs[2], forged)).encode()))
-        admin.hset(keys.state, "generation", 3)
-        admin.publish(keys.plans_channel, "3")
-        time.sleep(1.0)
-        assert watcher.newest is not None and watcher.newest.generation == 2
+            # A delta made with another key: what it makes is refused, the plan held is kept.
+            stranger = Keyring((b"s" * 32,))
+            forged = signed_document(
+                stranger, "plan", "delta", plan_to_dict(replace(plan, generation=3))
+            )[1]
+            admin.set(
+                keys.plan_delta, zlib.compress(json.dumps(plan_delta(docs[2], forged)).encode())
+            )
+            admin.hset(keys.state, "generation", 3)
+            admin.publish(keys.plans_channel, "3")
+            time.sleep(1.0)
+            assert watcher.newest is not None and watcher.newest.generation == 2
 
-        # A delta from a plan it does not hold (4 from 3): the whole plan is read.
-        commit(3)
-        commit(4, delta_from=3)
-        admin.set(keys.plan_packed, zlib.compress(admin.get(keys.plan) or b""))
-        seen = watcher.wait_newer(2, timeout=15)
-        assert seen is not None and seen.generation == 4
+            # A delta from a plan it does not hold (4 from 3): the whole plan is read.
+            commit(3)
+            commit(4, delta_from=3)
+            admin.set(keys.plan_packed, zlib.compress(admin.get(keys.plan) or b""))
+            seen = watcher.wait_newer(2, timeout=15)
+            assert seen is not None and seen.generation == 4
     finally:
-        watcher.stop()
-        watcher.join(timeout=5)
         client.close()
         admin.close()
