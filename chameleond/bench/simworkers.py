@@ -45,7 +45,7 @@ import uvloop
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import PlanError, plan_from_dict
-from chameleond.core.plandelta import apply_delta
+from chameleond.core.plandelta import DeltaError, apply_delta, parse_delta
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.events import HEARD, Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
 from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds
@@ -125,15 +125,15 @@ class Shared:
         if raw not in self._plans:
             self._bases[raw] = -1
             try:
-                delta = json.loads(zlib.decompress(raw))
-                held = delta.get("base") if isinstance(delta, dict) else None
+                delta = parse_delta(zlib.decompress(raw))
+                held = delta.get("base")
                 base = self._docs.get(held) if isinstance(held, int) else None
                 if base is None:
                     self._plans[raw] = None
                 else:
                     self._keep(raw, apply_delta(base, delta))
                     self._bases[raw] = int(base["generation"])
-            except (ValueError, zlib.error) as e:  # DeltaError, JSONDecodeError
+            except (DeltaError, zlib.error) as e:
                 self._refuse(raw, e)
         return self._bases[raw], self._plans[raw]
 

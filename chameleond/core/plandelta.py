@@ -67,6 +67,17 @@ def _diff(a: Any, b: Any, path: Path, sets: list[list[Any]], dels: list[Path]) -
         sets.append([path, b])
 
 
+def parse_delta(text: bytes | str) -> dict[str, Any]:
+    """A delta's JSON text as read back; DeltaError when it is not a JSON object."""
+    try:
+        delta = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise DeltaError(f"a delta that does not decode: {e}") from None
+    if not isinstance(delta, dict):
+        raise DeltaError("a delta that is not a JSON object")
+    return delta
+
+
 def apply_delta(base: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, Any]:
     """The document `delta` makes from `base`; DeltaError unless it is the one the daemon
     published (its digest), and `base` the plan it was made from."""

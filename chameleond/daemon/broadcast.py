@@ -14,7 +14,6 @@ daemon fail loudly instead of publishing a generation twice, or finds that Redis
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +22,7 @@ import redis.asyncio as aioredis
 
 from chameleond.daemon.lease import Lease, hold_lua
 from chameleond.daemon.redis_errors import ErrorCode, lua_error
-from chameleond.protocol import CONSUMER_GROUP, Keys
+from chameleond.protocol import CONSUMER_GROUP, Keys, packed
 from chameleond.records import Record
 
 STATE_LOST = lua_error(
@@ -122,7 +121,7 @@ class Broadcaster:
     async def commit(self, c: Commit) -> None:
         k = self.keys
         dead = [[_text(x) for x in rec] for rec in c.dead_letters]
-        packed = zlib.compress(c.plan_json.encode(), 1) if c.plan_json else b""
+        plan = packed(c.plan_json) if c.plan_json else b""
         args: list[str | int | bytes] = [
             c.expected_generation,
             c.generation,
@@ -136,8 +135,8 @@ class Broadcaster:
             CONSUMER_GROUP,
             self.lease.token,
             self.lease.ttl_ms,
-            packed,
-            c.plan_delta if len(c.plan_delta) * 2 < len(packed) else b"",
+            plan,
+            c.plan_delta if len(c.plan_delta) * 2 < len(plan) else b"",
             *c.acks,
         ]
         keys = [k.state, k.plan, k.decisions, k.events, k.dead, k.leader, k.plan_packed,

@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import time
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,7 +40,7 @@ from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.jobstate.snapshot import snapshot
-from chameleond.protocol import Keys
+from chameleond.protocol import Keys, packed
 from chameleond.records import Record
 
 log = logging.getLogger("chameleond")
@@ -175,8 +174,7 @@ class Committer:
             return b""
         if held is None or held.get("generation") != current.generation:  # after a restart
             held = signed_document(self.keyring, "plan", self.job.name, plan_to_dict(current))[1]
-        delta = json.dumps(plan_delta(held, doc), separators=(",", ":"))
-        return zlib.compress(delta.encode(), 1)
+        return packed(json.dumps(plan_delta(held, doc), separators=(",", ":")))
 
     async def _job_commit(
         self,

@@ -49,7 +49,7 @@ from chameleond.events import Event
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.jobstate.snapshot import restore
-from chameleond.protocol import Keys, redact_url
+from chameleond.protocol import Keys, packed, redact_url
 from chameleond.redisurl import connect_async
 from chameleond.sdnotify import Notifier
 
@@ -315,8 +315,8 @@ class Service:
             raise RuntimeError(f"{k.state} snapshot: its plan does not decode: {e}") from e
         why = self._plan_key_differs(raw, committed)
         if not why:
-            packed = await client.get(k.plan_packed)
-            if packed is not None and _unpacked(_bytes(packed)) != _bytes(raw):
+            stored = await client.get(k.plan_packed)
+            if stored is not None and _unpacked(_bytes(stored)) != _bytes(raw):
                 why = f"its packed copy under {k.plan_packed} differs"
         if why:
             log.error(
@@ -326,7 +326,7 @@ class Service:
             text = signed_json(self.keyring, "plan", self.cfg.job, committed)
             async with client.pipeline(transaction=True) as tx:
                 tx.set(k.plan, text)
-                tx.set(k.plan_packed, zlib.compress(text.encode(), 1))
+                tx.set(k.plan_packed, packed(text))
                 tx.delete(k.plan_delta)  # what the workers read, as the daemon's commits write it
                 tx.publish(k.plans_channel, str(plan.generation))
                 await tx.execute()
@@ -421,11 +421,11 @@ def own_event_writer(
     return write
 
 
-def _unpacked(packed: bytes | None) -> bytes | None:
-    if packed is None:
+def _unpacked(raw: bytes | None) -> bytes | None:
+    if raw is None:
         return None
     try:
-        return zlib.decompress(packed)
+        return zlib.decompress(raw)
     except zlib.error:
         return None
 

@@ -35,7 +35,7 @@ from redis.client import PubSub
 
 from chameleond.auth import AuthError, Keyring
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
-from chameleond.core.plandelta import DeltaError, apply_delta
+from chameleond.core.plandelta import DeltaError, apply_delta, parse_delta
 from chameleond.events import HEARD, Event, Fault
 from chameleond.events import Heartbeat as Beat
 from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys, worker_connection_name
@@ -212,15 +212,13 @@ class PlanWatcher(threading.Thread):
             if raw == self._accepted_raw:
                 return
             try:
-                delta = json.loads(zlib.decompress(raw))  # type: ignore[arg-type]
-                if not isinstance(delta, dict):
-                    raise DeltaError("not a JSON object")
+                delta = parse_delta(zlib.decompress(raw))  # type: ignore[arg-type]
                 if _number(delta.get("generation")) <= self._doc.get("generation", 0):
                     return  # the newest plan is the one held
                 base = delta.get("base") == self._doc.get("generation")
                 if base and self._take(raw, apply_delta(self._doc, delta)):
                     return  # else from another plan, or refused: the whole plan is read
-            except (ValueError, zlib.error) as e:  # DeltaError, JSONDecodeError: read it whole
+            except (DeltaError, zlib.error) as e:  # read it whole
                 log.warning("plan delta under %s not used: %s", self._keys.plan_delta, e)
         raw = self._redis.get(self._keys.plan_packed)
         packed = raw is not None
