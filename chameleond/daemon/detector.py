@@ -20,8 +20,9 @@ the lease (`Lease.xadd`), so one that stalled past its lease and wakes up writes
 
 The detector is given what it reads and the two things it may do, nothing else of the daemon:
 the job (it reads the workers and the plan; it changes nothing in it), the configuration,
-the daemon's view of Redis, how far the daemon has read its stream, a function that writes an
-event to the job's stream, and one that publishes a generation again.
+the daemon's view of Redis, how far the daemon has read its stream, a function that writes
+events to the job's stream (a host's thousands of suspicions go in a few round trips, not one
+each), and one that publishes a generation again.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from redis.exceptions import RedisError
 
@@ -52,14 +53,14 @@ class Detector:
         job: Job,
         cfg: Config,
         reachability: Reachability,
-        write_event: Callable[[Event], Awaitable[None]],
+        write_events: Callable[[Sequence[Event]], Awaitable[None]],
         nudge: Callable[[int], Awaitable[None]],
         handled_through: Callable[[], float] | None = None,
     ) -> None:
         self.job, self.cfg, self.reachability = job, cfg, reachability
         # The time up to which every event in the stream has been handled (None: the clock's).
         self.handled_through = handled_through
-        self.write_event = write_event  # to the job's event stream, signed, while leading
+        self.write_events = write_events  # to the job's event stream, signed, while leading
         self.nudge = nudge  # publish this generation again (the fenced learn they are out)
         self.reported: dict[str, float] = {}  # worker -> when a suspicion was written
         self.last_nudge = 0.0
@@ -125,8 +126,9 @@ class Detector:
         job, cfg = self.job, self.cfg
         while True:
             await asyncio.sleep(TICK_SECONDS)
-            tick = time.monotonic()
-            late, self.last_tick = tick - self.last_tick - TICK_SECONDS, tick
+            # Late against the end of the tick before: the time its own writes took is not the
+            # daemon not running.
+            late = time.monotonic() - self.last_tick - TICK_SECONDS
             now = time.time()
             if late > STALL_SECONDS:
                 hold = max(2.0, job.heartbeat_timeout(cfg.heartbeat_timeout_seconds))
@@ -134,10 +136,14 @@ class Detector:
                 log.warning("the daemon did not run for %.1f s: suspecting nobody for %.0f s",
                             late, hold)  # fmt: skip
             try:
-                for worker, cause in self.suspects(now).items():
+                suspected = self.suspects(now)
+                for worker, cause in suspected.items():
                     self.reported[worker] = now
                     log.warning("suspect %s: %s", worker, cause)
-                    await self.write_event(Fault(worker, cause, source="detector"))
+                if suspected:
+                    await self.write_events(
+                        [Fault(w, cause, source="detector") for w, cause in suspected.items()]
+                    )
                 states = self.out_of_plans(now)
                 fenced = sorted(w for w, s in states.items() if s is WorkerState.FENCED)
                 for w in set(fenced) - self.fenced_logged:
@@ -152,3 +158,4 @@ class Detector:
                     await self.nudge(job.machine.generation)
             except (RedisError, OSError) as e:
                 log.warning("detector: %s", e)
+            self.last_tick = time.monotonic()

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -191,7 +191,7 @@ class Service:
             self.health.last_activity = lambda: max(ingest.last_loop, committer.last_attempt)
             detector = Detector(
                 job, cfg, reachability,
-                write_event=own_event_writer(lease, self.keys, self.keyring),
+                write_events=own_event_writer(lease, self.keys, self.keyring),
                 nudge=committer.broadcaster.nudge, handled_through=ingest.handled_through,
             )  # fmt: skip
             self.health.ready = True
@@ -410,13 +410,16 @@ class Service:
 
 def own_event_writer(
     lease: Lease, keys: Keys, keyring: Keyring | None
-) -> Callable[[Event], Awaitable[None]]:
-    """How the daemon writes an event to its own stream (the detector's faults): signed as the
-    workers sign theirs, so that it passes the same check, and only while it holds the lease."""
+) -> Callable[[Sequence[Event]], Awaitable[None]]:
+    """How the daemon writes events to its own stream (the detector's faults): signed as the
+    workers sign theirs, so that they pass the same check, in order, batched, and only while it
+    holds the lease."""
 
-    async def write(event: Event) -> None:
-        fields = event.to_fields()
-        await lease.xadd(keys.events, keyring.sign_event(keys.job, fields) if keyring else fields)
+    async def write(events: Sequence[Event]) -> None:
+        entries = [e.to_fields() for e in events]
+        if keyring:
+            entries = [keyring.sign_event(keys.job, fields) for fields in entries]
+        await lease.xadd(keys.events, entries)
 
     return write
 
