@@ -18,7 +18,9 @@ from chameleond.jobstate.jobspec import measured_layers, parse_profile
 from chameleond.jobstate.slowness import (
     HOLD_SECONDS,
     MARGIN,
+    MIN_SAMPLES,
     RECOVER_MARGIN,
+    WINDOW_SECONDS,
     Measure,
     Slowness,
     expected_episode_seconds,
@@ -64,29 +66,40 @@ def feed(det: Slowness, slow: float, t0: float, t1: float, step: float = 1.0) ->
     return causes
 
 
-def test_slow_after_the_hold_recovered_after_the_hold_with_hysteresis() -> None:
+def test_the_windows_median_held_below_is_slow_held_above_recovered_with_hysteresis() -> None:
     det = Slowness()
-    assert feed(det, 1.0, 0, 20) == []
-    # Just under the slow threshold: detected once it held HOLD_SECONDS, not before.
+    assert feed(det, 1.0, 0, 40) == []
+    # Just under the slow threshold from t=41, a profile a second: the window's median is under
+    # once most of the window is (half of it later), and slow once that held HOLD_SECONDS.
     below = 0.95 / MARGIN
-    assert feed(det, below, 21, 21 + HOLD_SECONDS - 1) == []
-    assert feed(det, below, 21 + HOLD_SECONDS, 21 + HOLD_SECONDS) == [
+    crossed = 41 + int(WINDOW_SECONDS // 2)
+    assert feed(det, below, 41, crossed + HOLD_SECONDS - 1) == []
+    assert feed(det, below, crossed + HOLD_SECONDS, crossed + HOLD_SECONDS) == [
         f"a0 slow: speed {below:.2f} for {HOLD_SECONDS:.0f} s"
     ]
     assert det.speeds() == {"a0": pytest.approx(below)}
     # Between the two thresholds it stays slow however long (hysteresis).
     between = (1 / MARGIN + 1 / RECOVER_MARGIN) / 2
-    assert feed(det, between, 30, 90) == []
+    assert feed(det, between, 60, 120) == []
     assert det.speeds() == {"a0": pytest.approx(between)}
-    # Back over the recovery threshold: one dip restarts the hold.
-    assert feed(det, 1.0, 91, 93) == []
-    assert feed(det, between, 94, 94) == []
-    assert feed(det, 1.0, 95, 95 + HOLD_SECONDS - 1) == []
-    assert feed(det, 1.0, 95 + HOLD_SECONDS, 95 + HOLD_SECONDS) == ["a0 recovered"]
+    # Back over the recovery threshold, the same way round.
+    back = 121 + int(WINDOW_SECONDS // 2)
+    assert feed(det, 1.0, 121, back + HOLD_SECONDS - 1) == []
+    assert feed(det, 1.0, back + HOLD_SECONDS, back + HOLD_SECONDS) == ["a0 recovered"]
     assert det.speeds() == {}
     # The episode: from the first slow observation to the recovery.
-    assert det.episodes == [(21.0, 95 + HOLD_SECONDS - 21)]
+    assert det.episodes == [(crossed, back + HOLD_SECONDS - crossed)]
     assert (det.detected, det.recovered) == (1, 1)
+
+
+def test_single_slow_profiles_in_a_healthy_window_change_nothing() -> None:
+    det = Slowness()
+    t = 0.0
+    for _ in range(12):  # every third profile of a0 at a fifth of its speed, for a minute
+        assert feed(det, 1.0, t, t + 3) == []
+        assert feed(det, 0.2, t + 4, t + 4) == []
+        t += 5
+    assert det.speeds() == {} and det.workers["a0"].speed == 1.0
 
 
 def test_a_short_dip_is_not_an_episode() -> None:
@@ -99,7 +112,7 @@ def test_a_short_dip_is_not_an_episode() -> None:
 
 def test_a_dead_slow_worker_leaves_the_speeds() -> None:
     det = Slowness()
-    feed(det, 0.5, 0, 10)
+    feed(det, 0.5, 0, 15)
     assert set(det.speeds()) == {"a0"}
     assert det.forget("a0") is True
     assert det.speeds() == {} and det.forget("b0") is False
@@ -110,8 +123,8 @@ def test_the_expected_duration_is_the_mean_of_past_episodes_else_the_prior() -> 
     assert expected_episode_seconds([100.0, 300.0], 600.0) == 200.0
     det = Slowness()
     assert det.expected_seconds(450.0) == 450.0
-    feed(det, 0.5, 0, 10)
-    feed(det, 1.0, 11, 40)
+    feed(det, 0.5, 0, 15)
+    feed(det, 1.0, 16, 60)
     assert det.expected_seconds() == pytest.approx(det.episodes[0][1])
 
 
@@ -157,7 +170,7 @@ def test_the_job_spec_carries_the_slow_speed_and_healthy_layer_figures() -> None
             for w, layers in stages.items()}  # fmt: skip
     halved = [{**x, "forward_seconds": 2 * x["forward_seconds"],
                "backward_seconds": 2 * x["backward_seconds"]} for x in mine["w0"]]  # fmt: skip
-    for t in range(12):
+    for t in range(MIN_SAMPLES + int(HOLD_SECONDS) + 1):
         for w in stages:
             send(j, w, halved if w == "w0" else mine[w], float(t))
     assert j.slow_due["w0"].slow and set(j.slow_due) == {"w0"}

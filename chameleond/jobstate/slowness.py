@@ -9,10 +9,13 @@ is the median of its peers' compute over its own: 1 for a worker as fast as its 
 one that takes twice as long. A worker without peers (one pipeline) has no speed: nothing to
 compare it with, so no detection.
 
-A worker is slow once its speed stays below 1/MARGIN for HOLD_SECONDS (every observation in
-between below, confirmed by a profile of its own), and recovered once it stays above
-1/RECOVER_MARGIN for HOLD_SECONDS. The margins sit above the noise of a healthy run
-(docs/daemon.md, "Slow workers").
+A worker's observed speed is the median of the speeds its own profiles showed over its window: the
+last WINDOW_SECONDS, and at least its newest MIN_SAMPLES (a job of long steps profiles seldom),
+observed once it has MIN_SAMPLES. One profile's speed swings with whatever the machine did during
+its few steps; the window's median with what the worker is. A worker is slow
+once that stays below 1/MARGIN for HOLD_SECONDS (every observation in between below), and
+recovered once it stays above 1/RECOVER_MARGIN for HOLD_SECONDS. The window, the margins and the
+hold sit above the noise of a healthy run (docs/daemon.md, "Slow workers").
 """
 
 from __future__ import annotations
@@ -21,18 +24,22 @@ import math
 from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 from chameleond.core.spec import LayerProfile
 from chameleond.protocol import PROFILE_EVERY_STEPS
 
-# A healthy 6-worker CPU job (2 pipelines of 3 stages, 2,753 training profiles over 249 s) on a
-# 2-core machine loaded by a test suite (load average 4 to 12) measured speeds of 0.73 at the
-# lowest, 0.91 at the 1st percentile, 0.95 at the 5th, and no spell under 0.9 longer than 0.6 s
-# (docs/daemon.md, "Slow workers"): slow under 1/1.5 = 0.67, recovered over 1/1.2 = 0.83.
-MARGIN = 1.5
-RECOVER_MARGIN = 1.2
+# A healthy 6-worker CPU job (2 pipelines of 3 stages) sharing a 2-core machine, 1,630 training
+# profiles over 150 s: one profile's speed as low as 0.47 (0.61 at the 1st percentile), the 20 s
+# median of a worker's own as low as 0.84. A worker paused to half speed on the same machine (its
+# peers take the cores it leaves) showed 20 s medians of 0.77 (0.83 at most): slow under
+# 1/1.25 = 0.8, recovered over 1/1.1 = 0.91 (docs/daemon.md, "Slow workers").
+MARGIN = 1.25
+RECOVER_MARGIN = 1.1
 HOLD_SECONDS = 5.0
+WINDOW_SECONDS = 20.0
+MIN_SAMPLES = 8
 EPISODE_PRIOR_SECONDS = 600.0  # an episode's expected duration before the job has seen one
 EPISODES_KEPT = 1000
 
@@ -64,19 +71,25 @@ class Transition:
 
 @dataclass
 class WorkerSlowness:
-    """One worker's state: slow or not, since when, and the run of observations on the other
-    side of its threshold (None: the last one was not)."""
+    """One worker's state: slow or not, since when, its speed as observed (the window's median),
+    the run of observations on the other side of its threshold (None: the last one was not), and
+    the speeds its own profiles showed over the window (soft: they come again)."""
 
     slow: bool = False
     since: float = 0.0  # when its current episode began (the first slow observation)
     speed: float = 1.0  # the newest observed
     crossing_since: float | None = None
+    samples: list[tuple[float, float]] = field(default_factory=list, compare=False)
 
-    def observe(self, worker: str, speed: float, now: float, own: bool) -> Transition | None:
-        """One speed observation: the hold and the hysteresis. Only the worker's own newer
-        profile (`own`) completes a hold: a peer's report alone changes nothing it measured."""
-        self.speed = speed
-        crossing = speed > 1 / RECOVER_MARGIN if self.slow else speed < 1 / MARGIN
+    def observe(self, worker: str, speed: float, now: float) -> Transition | None:
+        """A speed its own profile showed: the window, the hold and the hysteresis."""
+        self.samples.append((now, speed))
+        while len(self.samples) > MIN_SAMPLES and self.samples[0][0] < now - WINDOW_SECONDS:
+            self.samples.pop(0)
+        if len(self.samples) < MIN_SAMPLES:
+            return None
+        self.speed = median(s for _, s in self.samples)
+        crossing = self.speed > 1 / RECOVER_MARGIN if self.slow else self.speed < 1 / MARGIN
         if not crossing:
             self.crossing_since = None
             return None
@@ -85,11 +98,11 @@ class WorkerSlowness:
             if not self.slow:
                 self.since = now
         held = now - self.crossing_since
-        if held < HOLD_SECONDS or not own:
+        if held < HOLD_SECONDS:
             return None
         self.crossing_since = None
         self.slow = not self.slow
-        return Transition(worker, self.slow, speed, held if self.slow else now - self.since)
+        return Transition(worker, self.slow, self.speed, held if self.slow else now - self.since)
 
     def to_json(self) -> dict[str, Any]:
         return {"slow": self.slow, "since": self.since, "speed": self.speed,
@@ -113,12 +126,11 @@ class Slowness:
     detected: int = 0  # soft: transitions since this daemon started (metrics)
     recovered: int = 0
     # Derived from `measures` and the members last observed: the members' computes by the layers
-    # they ran, and each worker's speed as last observed.
+    # they ran.
     _members: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
     _groups: dict[frozenset[int], dict[str, float]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _observed: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def speeds(self) -> dict[str, float]:
         """Every slow worker's speed (the others are 1.0): what the planner is told."""
@@ -127,13 +139,8 @@ class Slowness:
     def observe(
         self, worker: str, measure: Measure, members: Collection[str], now: float
     ) -> list[Transition]:
-        """A training profile from `worker`: the members' speeds computed again and each
-        observed at `now`. Returns the workers that became slow or recovered.
-
-        Only the speeds this profile can move are computed again (the worker's peers before
-        and after it, while the members stay the same), and a speed observed again unchanged
-        is observed only for the worker that reported: for any other worker that changes
-        nothing (WorkerSlowness.observe: only its own profile completes a hold)."""
+        """A training profile from `worker`: its speed against its peers' newest, a sample of
+        its window at `now`. Returns the transition it makes (slow, recovered), if any."""
         old = self.measures.get(worker)
         self.measures[worker] = measure
         if self._members is not members and self._members != frozenset(members):
@@ -142,29 +149,16 @@ class Slowness:
             for w, m in self.measures.items():
                 if w in self._members:
                     self._groups.setdefault(m.layers, {})[w] = m.compute_seconds
-            self._observed = {}
-            dirty = set(self._groups)
         else:
-            dirty = {measure.layers}
             if old is not None:
                 self._groups.get(old.layers, {}).pop(worker, None)
-                dirty.add(old.layers)
             if worker in self._members:
                 self._groups.setdefault(measure.layers, {})[worker] = measure.compute_seconds
-        out = []
-        for layers in dirty:
-            group = self._groups.get(layers, {})
-            speeds = group_speeds(group)
-            for w in [w for w in group if w not in speeds]:
-                self._observed.pop(w, None)  # no peers now: observed afresh once it has some
-            for w, speed in speeds.items():
-                if w != worker and self._observed.get(w) == speed:
-                    continue
-                self._observed[w] = speed
-                t = self.workers.setdefault(w, WorkerSlowness()).observe(w, speed, now, w == worker)
-                if t is not None:
-                    out.append(self._moved(t, now))
-        return out
+        speed = own_speed(self._groups.get(measure.layers, {}), worker)
+        if speed is None:
+            return []
+        t = self.workers.setdefault(worker, WorkerSlowness()).observe(worker, speed, now)
+        return [] if t is None else [self._moved(t, now)]
 
     def _moved(self, t: Transition, now: float) -> Transition:
         self.detected += t.slow
@@ -179,8 +173,7 @@ class Slowness:
         measure = self.measures.pop(worker, None)
         if measure is not None:
             self._groups.get(measure.layers, {}).pop(worker, None)
-            self._members = None  # its peers' speeds change: all observed again
-        self._observed.pop(worker, None)
+            self._members = None  # the groups are built again
         state = self.workers.pop(worker, None)
         return state is not None and state.slow
 
@@ -229,6 +222,14 @@ def peer_speeds(measures: Mapping[str, Measure]) -> dict[str, float]:
     return out
 
 
+def own_speed(group: Mapping[str, float], worker: str) -> float | None:
+    """`worker`'s speed in its group of peers: the median of the others' compute over its own;
+    None without peers."""
+    compute = group.get(worker)
+    others = [c for w, c in group.items() if w != worker]
+    return None if compute is None or not others else median(others) / compute
+
+
 def group_speeds(group: Mapping[str, float]) -> dict[str, float]:
     """Each worker's speed in a group of peers (worker -> compute seconds): the median of the
     others' compute over its own. The computes are sorted once; each worker's median is read
@@ -254,8 +255,11 @@ def group_speeds(group: Mapping[str, float]) -> dict[str, float]:
 def detect_seconds(step_seconds: float) -> float:
     """How long after its onset a change of speed is decided on, for a job of `step_seconds`
     steps: the profile that first shows it (its window is PROFILE_EVERY_STEPS steps, filled by
-    the slow ones), the hold, and the profile of its own that confirms it."""
-    return HOLD_SECONDS + 2 * PROFILE_EVERY_STEPS * step_seconds
+    the slow ones), half the worker's window (its median moves once most of it is slow), the
+    hold, and the profile of its own that confirms it."""
+    profiles = PROFILE_EVERY_STEPS * step_seconds
+    window = max(WINDOW_SECONDS, MIN_SAMPLES * profiles)
+    return window / 2 + HOLD_SECONDS + 2 * profiles
 
 
 def expected_episode_seconds(durations: Iterable[float], prior: float) -> float:
