@@ -2,7 +2,8 @@
 worker that speaks the real protocol (docs/protocol.md) and trains nothing.
 
 Each simulated worker has what a real one has on its job's Redis: a command connection and a pub/sub
-connection, both named `chameleon-worker:{job}:{worker}:{incarnation}` (chameleond/worker/_link.py
+connection (chameleond/bench/resp.py: the same commands as redis-py's, at a fraction of its CPU),
+both named `chameleon-worker:{job}:{worker}:{incarnation}` (chameleond/worker/_link.py
 `connection_name`), a new incarnation per process. It sends `profile` (every layer of the spec, as a
 start-up profile) then `register`; a heartbeat every `heartbeat_seconds` of the job's size unless a
 step or an ack went out within it (as a real worker's); on every announcement of a newer generation
@@ -37,13 +38,14 @@ import secrets
 import sys
 import time
 import zlib
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
 import uvloop
 
 from chameleond.auth import AuthError, Keyring
+from chameleond.bench.resp import Connection
 from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.core.plandelta import DeltaError, apply_delta, parse_delta
 from chameleond.core.spec import JobSpec, load_spec
@@ -53,10 +55,6 @@ from chameleond.protocol import PROFILE_EVERY_STEPS as REPORT_STEPS
 from chameleond.protocol import worker_connection_name as connection_name
 
 MEMORY_BYTES = 80 * 2**30
-# A process of a thousand simulated workers on a loaded machine may not get back to one of them
-# for seconds (at start-up above all): its reply is not late, its reader is. The client's 5 s
-# default would end the worker for the load generator's own slowness.
-SOCKET_TIMEOUT_SECONDS = 60.0
 LIVENESS = "liveness"  # the kind a liveness notice is signed as (chameleond/daemon/connwatch.py)
 
 
@@ -194,15 +192,8 @@ class SimWorker:
         self.worker = worker
         self.host = host
         self.incarnation = f"{os.getpid()}-{secrets.token_hex(4)}"
-        name = connection_name(shared.keys.job, worker, self.incarnation)
-        self.cmd = aioredis.Redis.from_url(
-            shared.url, client_name=name, single_connection_client=True,
-            socket_timeout=SOCKET_TIMEOUT_SECONDS, socket_connect_timeout=SOCKET_TIMEOUT_SECONDS,
-        )  # fmt: skip
-        self.sub = aioredis.Redis.from_url(
-            shared.url, client_name=name, socket_timeout=SOCKET_TIMEOUT_SECONDS,
-            socket_connect_timeout=SOCKET_TIMEOUT_SECONDS,
-        )  # fmt: skip
+        self.name = connection_name(shared.keys.job, worker, self.incarnation)
+        self.cmd: Connection  # opened by run()
         self.plan: Layout | None = None
         self.acked = 0  # the newest generation acked ready
         self.heard_at = 0.0  # time.monotonic() of the last heartbeat, step or ack sent
@@ -210,19 +201,21 @@ class SimWorker:
         self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) already named
 
     async def send(self, event: Event) -> None:
-        await self.cmd.xadd(self.s.keys.events, self.s.fields(event))  # type: ignore[arg-type]
+        fields = [x for kv in self.s.fields(event).items() for x in kv]
+        await self.cmd.call("XADD", self.s.keys.events, "*", *fields)
         if isinstance(event, HEARD):
             self.heard_at = time.monotonic()
 
     async def run(self) -> None:
-        pubsub = self.sub.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(self.s.keys.plans_channel, self.s.keys.liveness_channel)
+        self.cmd = await Connection.open(self.s.url, self.name)
+        sub = await Connection.open(self.s.url, self.name)
+        messages = sub.subscribe(self.s.keys.plans_channel, self.s.keys.liveness_channel)
         await self.send(Profile(self.worker, {"layers": self.s.layer_report(None)}))
         reg = Register(self.worker, self.host, MEMORY_BYTES, "cuda:0", os.getpid())
         await self.send(reg)
         await self.read_plan()
         self.s.registered += 1
-        await asyncio.gather(self.beat(), self.steps(), self.listen(pubsub), self.poll())
+        await asyncio.gather(self.beat(), self.steps(), self.listen(messages), self.poll())
 
     async def beat(self) -> None:
         period = heartbeat_seconds(len(self.s.spec.workers))
@@ -235,18 +228,16 @@ class SimWorker:
     async def poll(self) -> None:
         while True:
             await asyncio.sleep(PLAN_POLL_SECONDS * random.uniform(0.9, 1.1))  # noqa: S311
-            stored: Any = await self.cmd.hget(self.s.keys.state, "generation")
+            stored = await self.cmd.call("HGET", self.s.keys.state, "generation")
             if int(stored or 0) > self.held:
                 await self.read_plan()
 
-    async def listen(self, pubsub: Any) -> None:
+    async def listen(self, messages: AsyncIterator[tuple[bytes, bytes]]) -> None:
         liveness = self.s.keys.liveness_channel.encode()
-        async for msg in pubsub.listen():
-            if msg.get("type") != "message":
-                continue
-            if msg["channel"] == liveness:
-                await self.on_liveness(msg["data"])
-            elif int(msg["data"]) > self.held:
+        async for channel, data in messages:
+            if channel == liveness:
+                await self.on_liveness(data)
+            elif int(data) > self.held:
                 await self.read_plan()
 
     @property
@@ -256,7 +247,7 @@ class SimWorker:
     async def read_plan(self) -> None:
         """As the real PlanWatcher: the plan's delta from the one held, else the whole plan."""
         if self.plan is not None:
-            raw: Any = await self.cmd.get(self.s.keys.plan_delta)
+            raw = await self.cmd.call("GET", self.s.keys.plan_delta)
             if raw is not None:
                 if raw == self.raw:
                     return
@@ -266,7 +257,7 @@ class SimWorker:
                 if made is not None and base == self.plan.generation:
                     await self.take(raw, made)
                     return
-        raw = await self.cmd.get(self.s.keys.plan_packed)
+        raw = await self.cmd.call("GET", self.s.keys.plan_packed)
         if raw is None or raw == self.raw:
             return
         await self.take(raw, self.s.layout(raw))

@@ -1,6 +1,7 @@
 """The decision flow: state machine -> planner -> plan -> one atomic commit.
 
-`Decisions.maybe_decide()` is called after every batch of events and every housekeeping tick; it
+`Decisions.maybe_decide()` is called after every batch of events is handled (before its commit: the
+planner searches while the batch commits) and every housekeeping tick; it
 starts at most one task at a time: the initial plan (every worker registered), a decision (the
 machine has faults or joins to answer), or the switch to a prepared follow-up (the reroute plan
 it follows trains), or a decision on a worker that became slow or recovered (while the job trains).

@@ -141,6 +141,14 @@ class Ingest:
         await self.consumer.trim()
 
     async def process(self, entries: list[Entry]) -> None:
+        """Handle what was read, a batch of at most the configured COUNT at a time: a read behind
+        a backlog takes up to MAX_BATCH_GROWTH times as many, and a fault among them must not
+        wait for all of them to be handled before its decision starts."""
+        size = max(1, self.consumer.count)
+        for start in range(0, len(entries), size):
+            await self._batch(entries[start : start + size])
+
+    async def _batch(self, entries: list[Entry]) -> None:
         """Handle one batch, then commit its durable effects and acknowledgements at once."""
         job, m = self.job, self.metrics
         now = time.time()
@@ -192,10 +200,12 @@ class Ingest:
                 handled.append((e, event, time.time()))
         for (kind, label), n in counts.items():
             m.event_counters[kind, label].inc(n)
+        # The decision a fault of this batch asks for starts now, searching while the batch
+        # commits: its plan is published under the commit lock, after this batch's commit.
+        self.decisions.maybe_decide()
         await self.committer.batch(acks, dead)
         if handled and self.observer is not None:
             self.observer(handled, time.time())
-        self.decisions.maybe_decide()
 
     def _log_forged(self, entry: str, kind: str, why: str) -> None:
         now = time.monotonic()
