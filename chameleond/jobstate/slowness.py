@@ -21,7 +21,6 @@ hold sit above the noise of a healthy run (docs/daemon.md, "Slow workers").
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from statistics import median
@@ -216,10 +215,8 @@ def peer_speeds(measures: Mapping[str, Measure]) -> dict[str, float]:
     by_layers: dict[frozenset[int], dict[str, float]] = {}
     for w, m in measures.items():
         by_layers.setdefault(m.layers, {})[w] = m.compute_seconds
-    out = {}
-    for group in by_layers.values():
-        out.update(group_speeds(group))
-    return out
+    speeds = {w: own_speed(group, w) for group in by_layers.values() for w in group}
+    return {w: speed for w, speed in speeds.items() if speed is not None}
 
 
 def own_speed(group: Mapping[str, float], worker: str) -> float | None:
@@ -228,28 +225,6 @@ def own_speed(group: Mapping[str, float], worker: str) -> float | None:
     compute = group.get(worker)
     others = [c for w, c in group.items() if w != worker]
     return None if compute is None or not others else median(others) / compute
-
-
-def group_speeds(group: Mapping[str, float]) -> dict[str, float]:
-    """Each worker's speed in a group of peers (worker -> compute seconds): the median of the
-    others' compute over its own. The computes are sorted once; each worker's median is read
-    from them with its own left out (statistics.median of the others, the same float)."""
-    if len(group) < 2:
-        return {}
-    ordered = sorted(group.values())
-    n = len(ordered) - 1  # each worker's peers
-    mid = n // 2
-    out = {}
-    for w, compute in group.items():
-        k = bisect_left(ordered, compute)  # its own place: the others skip it
-        upper = ordered[mid if mid < k else mid + 1]
-        if n % 2:
-            median = upper
-        else:
-            lower = ordered[mid - 1 if mid - 1 < k else mid]
-            median = (lower + upper) / 2
-        out[w] = median / compute
-    return out
 
 
 def detect_seconds(step_seconds: float) -> float:
