@@ -38,7 +38,9 @@ def test_a_stage_without_replicas_is_unrecoverable_and_the_daemon_keeps_serving(
     assert plan is not None and plan["generation"] == 1
     first_stage = [p["stages"][0]["worker"] for p in plan["pipelines"]]
 
-    pipe = redis_client.pipeline(transaction=False)
+    # One MULTI/EXEC: the daemon's blocked read sees every fault at once, never the first alone
+    # (which would be answered by a reroute before the others arrive).
+    pipe = redis_client.pipeline(transaction=True)
     for w in first_stage:  # every replica of stage 0 at once
         pipe.xadd(EVENTS, signed({"type": "fault", "worker": w, "cause": "rack power"}))
     pipe.execute()
