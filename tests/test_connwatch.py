@@ -123,6 +123,12 @@ def test_listings_are_spaced_by_their_round_trip_up_to_a_bound() -> None:
     watch.listing_seconds = 0.6  # a daemon busy with 8,192 workers' events
     assert watch.pause == MAX_LISTING_PAUSE
     assert ConnWatch(None, Keys("j"), 5.0, Metrics()).pause == 5.0  # type: ignore[arg-type]
+    # A connection missing from the last listing is confirmed (or not) after the base period.
+    watch.connections.update({("w1", "a"), ("w2", "b")}, RECONNECT_SECONDS, 0.0)
+    watch.connections.update({("w1", "a")}, RECONNECT_SECONDS, 1.0)
+    assert watch.pause == 0.1
+    gone = watch.connections.update({("w1", "a")}, RECONNECT_SECONDS, 1.1)
+    assert gone.gone == (("w2", "b"),) and watch.pause == MAX_LISTING_PAUSE
 
 
 def test_listed_reads_the_jobs_connections(redis_server: RedisServer) -> None:

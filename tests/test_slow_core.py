@@ -3,6 +3,8 @@ and decide_slow's four candidates (keep, weighted reroute, re-partition, exclude
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from chameleond.core.decide import initial_plan
@@ -14,7 +16,7 @@ from chameleond.core.reroute import reroute
 from chameleond.core.schedule import FORWARD, build_schedule
 from chameleond.core.slowdecide import decide_slow
 from chameleond.core.slowroute import weighted_reroute
-from chameleond.core.spec import JobSpec, SpecError, parse_spec
+from chameleond.core.spec import JobSpec, SpecError, WorkerSpec, parse_spec
 from chameleond.jobstate.jobspec import spec_document
 
 F, B = 0.01, 0.02  # one layer's forward and backward seconds per micro-batch
@@ -79,6 +81,7 @@ def test_full_speed_gives_the_same_numbers_and_document() -> None:
     slow = spec.with_speeds({"w1": 0.5})
     slow_doc = spec_document(slow)
     assert [w.get("speed") for w in slow_doc["workers"]][:3] == [None, 0.5, None]
+    assert list(slow_doc["workers"][1]) == [f.name for f in dataclasses.fields(WorkerSpec)]
     assert parse_spec(slow_doc) == slow and parse_spec(doc) == spec
     for bad in (0, -1, 1e3 + 1):
         workers = [{**w, "speed": bad} if w["id"] == "w0" else w for w in doc["workers"]]

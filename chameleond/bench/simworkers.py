@@ -78,14 +78,15 @@ class Layout:
 def layout_of(doc: dict[str, Any]) -> Layout:
     plan = plan_from_dict(doc)
     place: dict[str, tuple[int, int]] = {}
-    layers: dict[str, set[int]] = {}
+    owned: dict[str, tuple[int, ...]] = {}
     for p, pipe in enumerate(plan.pipelines):
         for s, stage in enumerate(pipe.stages):
-            place.setdefault(stage.worker, (p, s))
-            layers.setdefault(stage.worker, set()).update(stage.layers)
-    members = frozenset(plan.workers) - frozenset(plan.excluded)
-    owned = {w: tuple(sorted(ls)) for w, ls in layers.items()}
-    return Layout(plan.generation, plan.global_batch, members, place, owned)
+            w = stage.worker
+            if w not in place:  # most workers own one stage
+                place[w], owned[w] = (p, s), tuple(stage.layers)
+            else:
+                owned[w] = tuple(sorted({*owned[w], *stage.layers}))
+    return Layout(plan.generation, plan.global_batch, plan.members, place, owned)
 
 
 class Shared:

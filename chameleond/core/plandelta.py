@@ -6,19 +6,21 @@ and the cause of a plan whose document is 1.2 MB at 8,192 devices (145 KB packed
 reading it whole would take 1.2 GB out of Redis. The delta is a few KB.
 
 A delta is {"base": g-1, "generation": g, "digest": D, "set": [[path, value], ...],
-"del": [path, ...]}: a path is the list of keys and indices from the document's root to the
-member that changed. Lists (or tuples, in a document made in memory) of the same length are
-compared member by member, others are set whole. `digest` is the SHA-256 of the new document's
-canonical JSON (sorted keys, no spaces: the text a plan's signature is made over): a delta
-applied to anything but its base gives another digest and is refused, so a worker never holds a
-plan the daemon did not publish.
+"del": [path, ...], "splice": [[path, start, stop, items], ...]}: a path is the list of keys and
+indices from the document's root to the member that changed. Lists (or tuples, in a document
+made in memory) of the same length are compared member by member; a list that grew or shrank is
+spliced, its members from `start` to `stop` replaced by `items` (a worker out of a sync group of
+512: its place, not the 511 others), and a splice is applied after the sets. `digest` is the
+SHA-256 of the new document's canonical JSON (sorted keys, no spaces: the text a plan's
+signature is made over): a delta applied to anything but its base gives another digest and is
+refused, so a worker never holds a plan the daemon did not publish.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 Path = list[str | int]
@@ -35,36 +37,73 @@ def digest(doc: Mapping[str, Any]) -> str:
 
 def plan_delta(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """The delta that makes `new` (generation g) from `old` (the plan before it)."""
-    sets: list[list[Any]] = []
-    dels: list[Path] = []
-    _diff(old, new, [], sets, dels)
+    ops = _Ops()
+    _diff(old, new, [], ops)
     return {
         "base": old.get("generation"),
         "generation": new.get("generation"),
         "digest": digest(new),
-        "set": sets,
-        "del": dels,
+        "set": ops.sets,
+        "del": ops.dels,
+        "splice": ops.splices,
     }
 
 
-def _diff(a: Any, b: Any, path: Path, sets: list[list[Any]], dels: list[Path]) -> None:
-    if type(a) is type(b) and a == b:  # compared in C; only what differs is walked
+class _Ops:
+    def __init__(self) -> None:
+        self.sets: list[list[Any]] = []
+        self.dels: list[Path] = []
+        self.splices: list[list[Any]] = []
+
+
+def _diff(a: Any, b: Any, path: Path, ops: _Ops) -> None:
+    # Compared in C, only what differs is walked; so 1 and 1.0 pass for the same, as they never
+    # are in a plan (its fields are typed), and the digest would refuse the delta if they were.
+    if type(a) is type(b) and a == b:
         return
     if isinstance(a, tuple) and isinstance(b, tuple | list) and list(a) == list(b):
         return  # a document made in memory (tuples) against one read back (lists)
     if isinstance(a, dict) and isinstance(b, dict):
         for k in a.keys() - b.keys():
-            dels.append([*path, k])
+            ops.dels.append([*path, k])
         for k, v in b.items():
             if k in a:
-                _diff(a[k], v, [*path, k], sets, dels)
+                _diff(a[k], v, [*path, k], ops)
             else:
-                sets.append([[*path, k], v])
-    elif isinstance(a, list | tuple) and isinstance(b, list | tuple) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _diff(x, y, [*path, i], sets, dels)
+                ops.sets.append([[*path, k], v])
+    elif isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        if len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b, strict=True)):
+                _diff(x, y, [*path, i], ops)
+            return
+        head = _common(a, b, range(min(len(a), len(b))))
+        most = min(len(a), len(b)) - head
+        tail = _common(a, b, range(-1, -most - 1, -1))
+        if head or tail:
+            ops.splices.append([path, head, len(a) - tail, list(b[head : len(b) - tail])])
+        else:
+            ops.sets.append([path, b])
     else:
-        sets.append([path, b])
+        ops.sets.append([path, b])
+
+
+def _common(a: Sequence[Any], b: Sequence[Any], at: range) -> int:
+    """How many of `at`'s positions, taken in order, hold the same member in `a` and `b`."""
+    n = 0
+    for i in at:
+        if not _same(a[i], b[i]):
+            break
+        n += 1
+    return n
+
+
+def _same(x: Any, y: Any) -> bool:
+    """Equal as JSON: of one type (a tuple as a list), so 1 and 1.0 or True are not the same."""
+    if isinstance(x, list | tuple) and isinstance(y, list | tuple):
+        return len(x) == len(y) and all(map(_same, x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_same(v, y[k]) for k, v in x.items())
+    return type(x) is type(y) and x == y
 
 
 def parse_delta(text: bytes | str) -> dict[str, Any]:
@@ -83,8 +122,8 @@ def apply_delta(base: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, 
     published (its digest), and `base` the plan it was made from."""
     if not isinstance(delta, Mapping) or delta.get("base") != base.get("generation"):
         raise DeltaError("a delta from another plan")
-    sets, dels = delta.get("set"), delta.get("del")
-    if not isinstance(sets, list) or not isinstance(dels, list):
+    sets, dels, splices = delta.get("set"), delta.get("del"), delta.get("splice", [])
+    if not isinstance(sets, list) or not isinstance(dels, list) or not isinstance(splices, list):
         raise DeltaError("a delta without its 'set' and 'del' lists")
     doc: Any = dict(base)  # the base is left as it is: what a path changes is copied first
     copied = {id(doc)}
@@ -99,6 +138,9 @@ def apply_delta(base: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, 
                 continue
             parent, key = _parent(doc, path, copied)
             parent[key] = value
+        for item in splices:
+            path, start, stop, items = item
+            _spliced(doc, path, copied)[_index(start) : _index(stop)] = _items(items)
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise DeltaError(f"a delta that does not apply: {e!r}") from None
     if not isinstance(doc, dict) or digest(doc) != delta.get("digest"):
@@ -127,3 +169,32 @@ def _key(node: Any, key: Any) -> Any:
     if isinstance(node, list) and (not isinstance(key, int) or isinstance(key, bool)):
         raise ValueError(f"bad index {key!r}")
     return key
+
+
+def _spliced(doc: Any, path: Any, copied: set[int]) -> list[Any]:
+    """The list at `path`, a copy of it in `doc`, that a splice changes."""
+    if not isinstance(path, list):
+        raise ValueError(f"bad path {path!r}")
+    if not path:
+        raise TypeError("a document is no list")
+    parent, key = _parent(doc, path, copied)
+    node = parent[key]
+    if id(node) in copied and isinstance(node, list):
+        return node
+    if not isinstance(node, list | tuple):
+        raise TypeError(f"{path!r} is no list")
+    node = parent[key] = list(node)
+    copied.add(id(node))
+    return node
+
+
+def _index(i: Any) -> int:
+    if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+        raise ValueError(f"bad index {i!r}")
+    return i
+
+
+def _items(items: Any) -> list[Any]:
+    if not isinstance(items, list):
+        raise ValueError(f"splice items are no list: {items!r}")
+    return items

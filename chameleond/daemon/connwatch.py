@@ -8,8 +8,9 @@ of Redis at 8,192 workers; at most one per LISTING_SPACING of its round trips, a
 per MAX_LISTING_PAUSE) finds the incarnations that were listed and are missing from two listings
 in a row; the daemon publishes them on `Keys.liveness_channel` and keeps the recent ones under
 `Keys.gone` for a worker that subscribes later. A worker thus learns of a peer's death within two
-pauses (at most 2 x max(peer_watch_seconds, MAX_LISTING_PAUSE)), two listings and a publish, on
-every backend, without listing clients itself (its ACL user needs no CLIENT LIST).
+pauses (one of at most max(peer_watch_seconds, MAX_LISTING_PAUSE), then one of
+peer_watch_seconds to confirm), two listings and a publish, on every backend, without listing
+clients itself (its ACL user needs no CLIENT LIST).
 
 The notice is evidence, not a verdict: a survivor names a peer in a fault only when its own
 collective failed and the peer is announced gone (chameleond/worker/_attribution.py), as before.
@@ -212,7 +213,11 @@ class ConnWatch:
 
     @property
     def pause(self) -> float:
-        """Between two listings: a worker learns of a peer's death within two of them."""
+        """Between two listings: a worker learns of a peer's death within two of them. The one
+        that confirms a missing connection comes after `period`, as in a small job, however
+        long the listings take: a large job's lost host costs one spaced pause, not two."""
+        if self.connections.missing:
+            return self.period
         return max(self.period, min(LISTING_SPACING * self.listing_seconds, MAX_LISTING_PAUSE))
 
     async def run(self, stop: asyncio.Event) -> None:
