@@ -153,15 +153,16 @@ def test_the_daemons_own_connections_say_redis_did_not_just_restart(
     daemon's are not, and that is enough for its absence to be evidence."""
     daemon = redis.Redis.from_url(redis_server.url, client_name="chameleond:d1")
     daemon.ping()
-    time.sleep(1.2)
+    time.sleep(2.2)
     worker = redis.Redis.from_url(redis_server.url, client_name=connection_name(JOB, "w1", "i1"))
     try:
         worker.ping()
         raw = daemon.execute_command("CLIENT", "LIST", "TYPE", "normal")
-        assert listed(raw, JOB)[1] == 0  # the worker's connection alone: just made
+        # Ages are whole seconds of Redis's cached clock: one just made may read 1.
+        assert listed(raw, JOB)[1] <= 1  # the worker's connection alone: just made
         live, oldest = listed(raw, JOB, "chameleond:d1")
-        assert live == {("w1", "i1")} and oldest >= 1
-        assert listed(raw, JOB, "chameleond:other")[1] == 0
+        assert live == {("w1", "i1")} and oldest >= 2
+        assert listed(raw, JOB, "chameleond:other")[1] <= 1
     finally:
         worker.close()
         daemon.close()
