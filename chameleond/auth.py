@@ -26,6 +26,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -62,28 +63,32 @@ class Keyring:
     def __repr__(self) -> str:  # never the secrets themselves
         return f"Keyring(ids={self.ids})"
 
-    @property
+    @cached_property
     def ids(self) -> tuple[str, ...]:
         return tuple(key_id(s) for s in self.secrets)
 
-    def _mac(self, secret: bytes, payload: bytes) -> str:
-        return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+    @cached_property
+    def _by_id(self) -> dict[str, bytes]:
+        """The secrets by key id (the first of two with one id)."""
+        return dict(reversed(list(zip(self.ids, self.secrets, strict=True))))
+
+    @staticmethod
+    def _mac(secret: bytes, payload: bytes) -> str:
+        return hmac.digest(secret, payload, "sha256").hex()
 
     def sign(self, payload: bytes) -> str:
-        secret = self.secrets[0]
-        return f"{key_id(secret)}.{self._mac(secret, payload)}"
+        return f"{self.ids[0]}.{self._mac(self.secrets[0], payload)}"
 
     def verify(self, payload: bytes, sig: str) -> None:
         """Raises AuthError(reason) unless `sig` is a signature of `payload` by one of the keys."""
         if not sig:
             raise AuthError("unsigned")
         kid, _, mac = sig.partition(".")
-        for secret in self.secrets:
-            if key_id(secret) == kid:
-                if hmac.compare_digest(self._mac(secret, payload), mac):
-                    return
-                raise AuthError(f"bad signature (key {kid[:8]})")
-        raise AuthError(f"signed with an unknown key ({kid[:8]!r}; this one holds {self.ids})")
+        secret = self._by_id.get(kid)
+        if secret is None:
+            raise AuthError(f"signed with an unknown key ({kid[:8]!r}; this one holds {self.ids})")
+        if not hmac.compare_digest(self._mac(secret, payload), mac):
+            raise AuthError(f"bad signature (key {kid[:8]})")
 
     # ---- events: flat fields -------------------------------------------------------------------
 
@@ -143,12 +148,16 @@ class Keyring:
 
 
 def event_payload(job: str, fields: Mapping[Any, Any]) -> bytes:
-    sig = SIG_FIELD.encode()
-    items = sorted((_bytes(k), _bytes(v)) for k, v in fields.items() if _bytes(k) != sig)
-    parts = [b"chameleon-event", job.encode()]
-    for k, v in items:
-        parts += [b"%d:" % len(k) + k, b"%d:" % len(v) + v]
-    return b"\0".join(parts)
+    items = [
+        (k if isinstance(k, bytes) else _bytes(k), v if isinstance(v, bytes) else _bytes(v))
+        for k, v in fields.items()
+    ]
+    items.sort()
+    fields_text = [b"%d:%b\0%d:%b" % (len(k), k, len(v), v) for k, v in items if k != _SIG]
+    return b"\0".join([b"chameleon-event", job.encode(), *fields_text])
+
+
+_SIG = SIG_FIELD.encode()
 
 
 def doc_payload(kind: str, job: str, body: Mapping[str, Any]) -> bytes:

@@ -4,9 +4,14 @@ one host's process killed with -9 under load, then started again."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
-from chameleond.bench.control_plane import run_size
+from chameleond.bench.control_plane import pin, run_size, split_cpus
 from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS
 
 pytestmark = pytest.mark.timeout(180)
@@ -25,6 +30,7 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     assert back["generation"] > without["generation"] > 1
     assert f["peer_death_detect_seconds"] is not None and f["peer_death_detect_seconds"] <= 2.0
     assert f["fault_to_all_acked_max_seconds"] < 3.0
+    assert 0 < f["fault_to_plan_published_seconds"] <= f["fault_to_all_acked_max_seconds"]
     assert all("peer process gone" in d["cause"] for d in f["decisions_after_loss"])
     assert f["host_back_to_all_acked_max_seconds"] < 10.0
 
@@ -40,3 +46,27 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     assert per_worker["get"] * 64 < 64 / PLAN_POLL_SECONDS + 100
     assert steady["redis_commands_per_worker_per_second"] < 15
     assert steady["daemon_backlog_events"] < 200
+
+
+def test_the_control_plane_and_the_simulated_workers_can_have_cpus_of_their_own() -> None:
+    """--control-plane-cpus N: Redis and the daemon on the first N CPUs, the simulated workers
+    on the others, every thread of each process."""
+    assert split_cpus(0) is None
+    cpus = sorted(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="this process has"):
+        split_cpus(len(cpus))
+    if len(cpus) > 1:
+        assert split_cpus(1) == ({cpus[0]}, set(cpus[1:]))
+    code = "import threading, time; threading.Thread(target=time.sleep, args=(30,)).start()"
+    child = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 10
+        while len(os.listdir(f"/proc/{child.pid}/task")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pin(child.pid, {cpus[-1]})
+        tasks = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tasks) == 2
+        assert all(os.sched_getaffinity(int(t)) == {cpus[-1]} for t in tasks)
+    finally:
+        child.kill()
+        child.wait()

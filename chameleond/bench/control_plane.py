@@ -36,6 +36,8 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -46,7 +48,7 @@ import redis
 from chameleond.bench.simworkers import layout_of
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.jobstate.jobspec import spec_document
-from chameleond.local.cluster import ClusterError, LocalCluster, tail, wait_for
+from chameleond.local.cluster import Child, ClusterError, LocalCluster, tail, wait_for
 from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -62,6 +64,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-seconds", type=float, default=2.0, help="simulated step time")
     parser.add_argument("--steady-seconds", type=float, default=30.0, help="steady-state window")
     parser.add_argument("--timeout", type=float, default=600.0, help="limit of each phase (s)")
+    parser.add_argument(
+        "--control-plane-cpus", type=int, default=0,
+        help="run Redis and the daemon on the first N CPUs and the simulated workers on the "
+        "others, as on a cluster where the workers have hosts of their own (0: all share all)",
+    )  # fmt: skip
 
 
 def spec_for(n: int, tmp: Path) -> Path:
@@ -133,9 +140,16 @@ class Observations:
 class SimProcesses:
     """The simulated workers' processes: one per host to lose, the others by WORKERS_PER_PROCESS."""
 
-    def __init__(self, cluster: LocalCluster, spec_path: Path, step_seconds: float) -> None:
+    def __init__(
+        self,
+        cluster: LocalCluster,
+        spec_path: Path,
+        step_seconds: float,
+        cpus: set[int] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.step_seconds = step_seconds
+        self.cpus = cpus  # where the processes run (None: anywhere)
         self.obs = Observations()
         self.base = {"url": cluster.redis_url, "job": cluster.job, "spec": str(spec_path),
                      "step_seconds": step_seconds, "epoch": time.time()}  # fmt: skip
@@ -151,6 +165,8 @@ class SimProcesses:
             stdout=subprocess.PIPE, stderr=log, env=self.cluster.env, start_new_session=True,
         )  # fmt: skip
         log.close()
+        if self.cpus is not None:
+            pin(proc.pid, self.cpus)
         assert proc.stdout is not None
         reader = threading.Thread(target=self.obs.read, args=(proc.stdout,), daemon=True)
         reader.start()
@@ -288,7 +304,30 @@ def transitions_since(client: redis.Redis, job: str, since: float) -> list[list[
     return out
 
 
-def run_size(n: int, step_seconds: float, steady_seconds: float, timeout: float) -> dict[str, Any]:
+def split_cpus(control_plane: int) -> tuple[set[int], set[int]] | None:
+    """The CPUs of Redis and the daemon, and those of the simulated workers (None: no split)."""
+    if control_plane <= 0:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if control_plane >= len(cpus):
+        raise ValueError(f"--control-plane-cpus {control_plane}: this process has {len(cpus)}")
+    return set(cpus[:control_plane]), set(cpus[control_plane:])
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (threads it starts later inherit them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def run_size(
+    n: int,
+    step_seconds: float,
+    steady_seconds: float,
+    timeout: float,
+    split: tuple[set[int], set[int]] | None = None,
+) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="chameleon-control-") as tmp:
         spec_path = spec_for(n, Path(tmp))
         spec = load_spec(spec_path)
@@ -297,10 +336,15 @@ def run_size(n: int, step_seconds: float, steady_seconds: float, timeout: float)
             # The bench's own reads wait for a Redis busy with thousands of clients.
             client = redis.Redis.from_url(cluster.redis_url, socket_timeout=120)
             client.config_set("maxclients", MAXCLIENTS)
-            sims = SimProcesses(cluster, spec_path, step_seconds)
+            sims = SimProcesses(cluster, spec_path, step_seconds, split[1] if split else None)
             out: dict[str, Any] = {"workers": len(spec.workers)}
+            if split is not None:
+                assert cluster.redis is not None and cluster.redis.proc is not None
+                pin(cluster.redis.proc.pid, split[0])
+                out["cpus"] = {"control_plane": sorted(split[0]), "simulated": sorted(split[1])}
             try:
-                scenario(out, client, cluster, sims, spec, steady_seconds, timeout)
+                control = split[0] if split else None
+                scenario(out, client, cluster, sims, spec, steady_seconds, timeout, control)
             except ClusterError as e:  # a phase that did not complete: the figures so far
                 out["error"] = str(e)[:500]
                 out["daemon_log_tail"] = (
@@ -320,8 +364,10 @@ def scenario(
     spec: JobSpec,
     steady_seconds: float,
     timeout: float,
+    control_cpus: set[int] | None = None,
 ) -> None:
-    """The phases, each adding its figures to `out` as it completes."""
+    """The phases, each adding its figures to `out` as it completes (the daemon on
+    `control_cpus`, None: anywhere)."""
     n = len(spec.workers)
     hosts: dict[str, list[tuple[str, str]]] = {}
     for w in spec.workers:
@@ -332,7 +378,12 @@ def scenario(
     everyone = frozenset(w.id for w in spec.workers)
     out["lost_host"] = lost_host
 
-    cluster.start_daemon()
+    daemon = cluster.start_daemon()
+    if control_cpus is not None and daemon.pid is not None:  # the daemon beside Redis
+        pin(daemon.pid, control_cpus)
+    # Serving before the simulated workers connect: their 2 N connections take ports of the
+    # ephemeral range, where the HTTP port was found free.
+    wait_for(lambda: _serves(cluster.http_url, daemon), timeout, "the daemon serving HTTP", 0.1)
     t0 = time.time()
     victim = sims.start(lost)
     for i in range(0, len(others), WORKERS_PER_PROCESS):
@@ -379,7 +430,12 @@ def scenario(
         "delta_bytes": _delta_bytes(client, cluster.job),
     }
     out["decisions_after_loss"] = decisions_since(client, cluster.job, killed_at)
-    out["transitions_after_loss"] = transitions_since(client, cluster.job, killed_at)
+    moves = out["transitions_after_loss"] = transitions_since(client, cluster.job, killed_at)
+    # The control plane's part: the kill -> the plan without the host committed and published
+    # (the daemon's own record); the rest is each worker reading it and acking.
+    out["fault_to_plan_published_seconds"] = next(
+        (at for at, phase, _ in moves if phase == "transitioning"), None
+    )
 
     back_at = time.time()
     sims.start(lost)
@@ -402,6 +458,18 @@ def _delta_bytes(client: redis.Redis, job: str) -> int | None:
     return len(raw) if raw is not None else None
 
 
+def _serves(url: str, daemon: Child) -> bool:
+    if not daemon.alive:
+        raise ClusterError(f"chameleond exited with {daemon.proc and daemon.proc.poll()}")
+    try:
+        with urllib.request.urlopen(f"{url}/healthz", timeout=1):  # noqa: S310 - our http:// URL
+            return True
+    except urllib.error.HTTPError:  # answered: it serves
+        return True
+    except OSError:
+        return False
+
+
 def _checked(sims: SimProcesses, predicate: Callable[[], bool]) -> bool:
     sims.check()
     return predicate()
@@ -409,8 +477,10 @@ def _checked(sims: SimProcesses, predicate: Callable[[], bool]) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in str(args.workers).split(",") if x.strip()]
+    split = split_cpus(args.control_plane_cpus)
     figures = {
-        str(n): run_size(n, args.step_seconds, args.steady_seconds, args.timeout) for n in sizes
+        str(n): run_size(n, args.step_seconds, args.steady_seconds, args.timeout, split)
+        for n in sizes
     }
     detect = [
         f["peer_death_detect_seconds"] for f in figures.values() if "peer_death_detect_seconds" in f

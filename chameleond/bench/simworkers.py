@@ -17,8 +17,8 @@ when and names that peer in a `fault`, with the generation it saw it fail in, as
 failed collective does.
 
 The plan bytes each worker reads (a delta, or the packed plan) are parsed once per process
-(applied to their base, verified, then `plan_from_dict`):
-the load on Redis is every worker's, the parsing cost one worker's. Every event is signed with the
+(applied to their base, verified, then `plan_from_dict`), and so is each liveness notice: the
+load on Redis is every worker's, the parsing cost one worker's. Every event is signed with the
 job's keyring ($CHAMELEON_SECRET_FILE). Observations go to stdout, one JSON list a line:
 `["up", n]` once every worker has registered, `["ack", worker, generation, at]`,
 `["learned", worker, peer, incarnation, at]`, `["error", text]`.
@@ -89,6 +89,15 @@ def layout_of(doc: dict[str, Any]) -> Layout:
     return Layout(plan.generation, plan.global_batch, plan.members, place, owned)
 
 
+def gone_of(raw: bytes, keyring: Keyring | None, job: str) -> list[tuple[str, str]]:
+    """The gone incarnations a liveness notice names; ValueError, TypeError or AuthError when it
+    is not one of the job's daemon."""
+    doc = json.loads(raw)
+    if keyring is not None:
+        keyring.verify_doc(LIVENESS, job, doc)
+    return [(str(w), str(i)) for w, i in doc.get("gone", [])]
+
+
 class Shared:
     """What a process's simulated workers share: the connection settings, the keyring, the spec's
     layer figures, parsed plans by their bytes, and the observation output."""
@@ -103,6 +112,7 @@ class Shared:
         self._plans: dict[bytes, Layout | None] = {}  # by the bytes read (packed plan or delta)
         self._bases: dict[bytes, int] = {}  # a delta's base generation
         self._docs: dict[int, dict[str, Any]] = {}  # the newest plans' documents: deltas' bases
+        self._notice: tuple[bytes, list[tuple[str, str]]] | None = None  # the last liveness
         self._reports: dict[tuple[int, ...] | None, list[dict[str, Any]]] = {}
         self._out: list[str] = []
         self.registered = 0
@@ -135,6 +145,12 @@ class Shared:
             except (DeltaError, zlib.error) as e:
                 self._refuse(raw, e)
         return self._bases[raw], self._plans[raw]
+
+    def gone(self, raw: bytes) -> list[tuple[str, str]]:
+        """A liveness notice's gone incarnations, verified once per process (the newest)."""
+        if self._notice is None or self._notice[0] != raw:
+            self._notice = (raw, gone_of(raw, self.keyring, self.keys.job))
+        return self._notice[1]
 
     def _keep(self, raw: bytes, doc: object) -> None:
         if len(self._plans) > 8:
@@ -301,10 +317,7 @@ class SimWorker:
         fault with the generation it was lost in."""
         now = time.time()
         try:
-            doc = json.loads(raw)
-            if self.s.keyring is not None:
-                self.s.keyring.verify_doc(LIVENESS, self.s.keys.job, doc)
-            gone = [(str(w), str(i)) for w, i in doc.get("gone", [])]
+            gone = self.s.gone(raw)
         except (ValueError, TypeError, AuthError) as e:
             self.s.note("error", f"liveness refused: {e}")
             return
