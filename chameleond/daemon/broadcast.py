@@ -35,7 +35,7 @@ GENERATION_CONFLICT = lua_error(
     " .. ' (is a second chameleond running for this job?)'",
 )
 COMMIT_LUA = (
-    hold_lua("KEYS[6]", "ARGV[11]", "ARGV[12]")
+    hold_lua("KEYS[6]", "ARGV[11]", "ARGV[12]", extend=False)
     + f"""
 local cur = tonumber(redis.call('HGET', KEYS[1], 'generation') or '0')
 local expected = tonumber(ARGV[1])
