@@ -147,7 +147,7 @@ class FailoverRun:
     killed_at: float
     resumed_at: float  # when the monitor first saw a step committed after the master's kill
     victim: str = ""
-    promoted: bool = False  # the sentinels named another master
+    promoted: bool = False  # the sentinels named another master after the kill
     ready: list[tuple[str, int, int]] = field(default_factory=list)  # worker, generation, attempt
 
 
@@ -225,8 +225,14 @@ def _watch(
         time.sleep(0.5)  # the sentinels have not even found the master down yet
         victim = ids[-1]
         cluster.kill_worker(victim)
-    wait_for(lambda: sentinels.master_port() not in (None, old_master), 30, "a new master")
-    sentinels.revive_old_master()
+    named: list[int | None] = []
+
+    def new_master() -> bool:
+        named.append(sentinels.master_port())
+        return named[-1] not in (None, old_master)
+
+    wait_for(new_master, 30, "a new master")
+    sentinels.revive_old_master()  # a replica of the new one (a busy machine may fail back to it)
 
     def resumed_on_new_plan() -> bool:
         poll()
@@ -252,7 +258,7 @@ def _watch(
         killed_at=killed[0],
         resumed_at=resumed[0] if resumed else float("nan"),
         victim=victim,
-        promoted=sentinels.master_port() != old_master,
+        promoted=named[-1] not in (None, old_master),
         ready=ready,
     )
 

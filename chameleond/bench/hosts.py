@@ -137,7 +137,7 @@ def _slow_link(scene: Scene, args: argparse.Namespace, extra: dict[str, Any]) ->
     try:
         since, gen = scene.kill_worker("h2-1")  # a new plan: its groups are built and probed
         took = scene.wait_resumed(since, gen, args.timeout)
-        seen = scene.wait_link_measured(before, args.timeout)
+        seen = scene.wait_link_measured(before, args.timeout, host="h0")
         scene.wait_rejoined(["h2-1"], args.timeout)
     finally:
         scene.hosts.restore_link("h0")

@@ -207,14 +207,19 @@ class Scene:
 
         wait_for(back, timeout, f"{', '.join(workers)} back in the job", 0.1)
 
-    def wait_link_measured(self, below: float | None, timeout: float) -> float:
+    def wait_link_measured(
+        self, below: float | None, timeout: float, host: str | None = None
+    ) -> float:
         """The inter-host bandwidth the workers measured and the daemon plans with, once there is
-        one (below half of `below`, when given)."""
+        one (below half of `below`, when given, and measured on a link of `host`'s: a busy
+        machine's probe between two other hosts can read half the last too)."""
 
         def measured() -> bool:
             self._poll()
             now = self.inter_host_bandwidth()
-            return now is not None and (below is None or now < below / 2)
+            if now is None or (below is not None and now >= below / 2):
+                return False
+            return host is None or host in self.slowest_link_hosts()
 
         what = "a measured inter-host link" + ("" if below is None else " below half the last")
         wait_for(measured, timeout, what, 0.2)
@@ -248,6 +253,14 @@ class Scene:
         if not link.get("measured"):
             return None
         return float(link["bandwidth_bytes_per_second"])
+
+    def slowest_link_hosts(self) -> set[str]:
+        """The hosts at either end of the slowest measured inter-host link (empty: none)."""
+        pairs = [p for p in (self.status().get("links") or {}).get("pairs", []) if p["inter_host"]]
+        if not pairs:
+            return set()
+        slowest = min(pairs, key=lambda p: p["bandwidth_bytes_per_second"])
+        return {host_of(slowest["worker"]), host_of(slowest["peer"])}
 
     def agents_status(self) -> dict[str, dict[str, Any]]:
         assert self.client is not None
