@@ -12,6 +12,7 @@ from test_sim import job
 from chameleond.cli.ctl import main
 from chameleond.core.decide import initial_plan
 from chameleond.core.estimator import Estimator
+from chameleond.core.policy import Policy
 from chameleond.jobstate.slowness import detect_seconds
 from chameleond.sim.engine import compare, failure_free_throughput, simulate
 from chameleond.sim.policies import POLICIES, SLOW_AWARE, SimConfig
@@ -70,7 +71,13 @@ def test_a_baseline_trains_at_the_models_pace_with_the_slow_worker() -> None:
     slow_pace = rate_at(results["reroute"], 500.0)
     detected = 100.0 + detect_seconds(batch / slow_pace)
     assert detected > 105.0
-    assert [r.seconds for r in ours.records] == [pytest.approx(detected, rel=1e-12), 1100.0]
+    # w3's stage re-split to fewer layers and its pipeline given fewer micro-batches: w3 stays
+    # in the plan, so its recovery is detected as its slowness was, then balanced back
+    slow, back = ours.records
+    assert slow.seconds == pytest.approx(detected, rel=1e-12)
+    assert slow.selected is Policy.DYNAMIC and back.selected is Policy.DYNAMIC
+    recovered = 1100.0 + detect_seconds(batch / rate_at(ours, 1102.0))
+    assert back.seconds == pytest.approx(recovered, rel=1e-12) and back.note == "w3 recovered"
     assert rate_at(ours, 102.0) == pytest.approx(slow_pace, rel=1e-12)
     assert rate_at(ours, 500.0) > rate_at(results["reroute"], 500.0)
     assert rate_at(ours, 1500.0) >= rate_at(results["reroute"], 1500.0) * (1 - 1e-9)

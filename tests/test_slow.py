@@ -6,8 +6,10 @@ In one job, one after another: a burst of CPU noise from another process raises 
 slowed worker is detected and the daemon publishes a plan that gives it less to run; restored (its
 supervisor starting it again where the plan fenced it) it is back in the job, its share back
 where the plan only moved part of its work; slowed again and
-then killed, it is an ordinary fault, out of the speeds. Every committed step's loss equals the
-failure-free single-process oracle's, each step committed once."""
+then killed, it is an ordinary fault, out of the speeds. In a job of two single-stage pipelines,
+a worker at half speed gives part of its micro-batches to its peer and takes them back once
+restored. Every committed step's loss equals the failure-free single-process oracle's, each step
+committed once."""
 
 from __future__ import annotations
 
@@ -47,8 +49,13 @@ LOSS_RTOL = 1e-2
 
 
 def share(plan: Plan, worker: str) -> int:
-    """Micro-batch slots `worker` executes under `plan`."""
-    return sum(stage.count(worker) for pipe in plan.routing for stage in pipe)
+    """The work `worker` executes under `plan`: layers x micro-batches, over the slots it runs (a
+    weighted reroute moves micro-batches away, a re-partition layers and micro-batches)."""
+    return sum(
+        row.count(worker) * (st.end_layer - st.first_layer)
+        for pipe, rows in zip(plan.pipelines, plan.routing, strict=True)
+        for st, row in zip(pipe.stages, rows, strict=True)
+    )
 
 
 class Watch:
@@ -142,11 +149,11 @@ def test_a_slow_worker_is_detected_mitigated_and_given_its_share_back(tmp_path: 
         def rejoined() -> bool:
             watch.poll()
             state = watch.status()["workers"].get(VICTIM, {}).get("state")
+            if back == ("active",):  # it kept part of its work: the rest comes back to it
+                return state == "active" and share(watch.plan(), VICTIM) == healthy_share
             return state in back and (state != "active" or share(watch.plan(), VICTIM) > 0)
 
         wait_for(rejoined, 180, f"{VICTIM} back in the job", 0.2)
-        if back == ("active",):
-            assert share(watch.plan(), VICTIM) == healthy_share
 
         # Another worker slow, then dead before the detector's hold is over: an ordinary fault,
         # never a slow decision, and out of the speeds.
@@ -167,8 +174,60 @@ def test_a_slow_worker_is_detected_mitigated_and_given_its_share_back(tmp_path: 
 
         mon = watch.poll()
         mon.read_all()
-    # Each step committed once (one generation reports it, with one loss), none missing, each
-    # loss the failure-free oracle's.
+    losses_match_the_oracle(mon, doc)
+
+
+def test_a_half_speed_worker_gives_part_of_its_work_away_then_takes_it_back(
+    tmp_path: Path,
+) -> None:
+    """Two pipelines of one stage, a worker on each core: the one at half speed is detected, a
+    plan moves part of its micro-batches to its peer (the weighted reroute; excluding it would
+    leave one worker all of the work), and once restored its share comes back to it (through
+    a change of speed or its recovery: jobstate/slowness.py)."""
+    spec = slow_job(tmp_path, pipelines=2, stages=1)
+    doc = json.loads(spec.read_text())
+    victim = "w1"
+    cluster = LocalCluster(
+        tmp_path, job=JOB, workers=worker_ids(spec), spec_path=spec,
+        daemon_args=["--slow-mitigation"],
+    )  # fmt: skip
+    with cluster:
+        cluster.start_daemon()
+        cluster.start_workers()
+        watch = Watch(cluster)
+        watch.commits(5, 180)
+        healthy_share = share(watch.plan(), victim)
+        pid = cluster.workers[victim].pid
+        assert pid is not None
+        slowdown = Slowdown(pid, 0.5).start()
+        onset = time.time()
+        try:
+            slow = watch.decision(f"{victim} slow", onset, 180)
+            assert slow.selected == "reroute", slow.candidates
+            watch.commits(3, 120)
+            mitigated = watch.plan()
+            assert 0 < share(mitigated, victim) < healthy_share
+            assert victim not in mitigated.excluded
+        finally:
+            slowdown.stop()
+        restored = time.time()
+
+        def back() -> bool:
+            watch.poll()
+            return share(watch.plan(), victim) == healthy_share
+
+        wait_for(back, 180, f"{victim}'s share back", 0.2)
+        given_back = [r for r in decisions(watch) if r.at >= restored and victim in r.cause]
+        assert given_back, "no decision gave the share back"
+        watch.commits(3, 120)
+        mon = watch.poll()
+        mon.read_all()
+    losses_match_the_oracle(mon, doc)
+
+
+def losses_match_the_oracle(mon: StreamMonitor, doc: dict[str, Any]) -> None:
+    """Each step committed once (one generation reports it, with one loss), none missing, each
+    loss the failure-free oracle's."""
     reports: dict[int, set[tuple[int, float]]] = {}
     for _, f in mon.events:
         if f.get("type") == "step":

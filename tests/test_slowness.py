@@ -92,6 +92,31 @@ def test_the_windows_median_held_below_is_slow_held_above_recovered_with_hystere
     assert (det.detected, det.recovered) == (1, 1)
 
 
+def test_a_slow_workers_change_of_speed_is_decided_on_again_either_way() -> None:
+    """Slow at 0.4; then at 0.6 (over MARGIN faster than decided, still under the recovery
+    threshold): a change of speed, held as a transition is; at 0.45 (MARGIN slower than 0.6):
+    another; within MARGIN of the speed decided on: nothing. One episode throughout."""
+    det = Slowness()
+    feed(det, 1.0, 0, 20)
+    causes = feed(det, 0.4, 21, 50)
+    assert causes == [f"a0 slow: speed 0.40 for {HOLD_SECONDS:.0f} s"]
+    faster = feed(det, 0.6, 51, 90)
+    assert faster == ["a0 slow: speed 0.60 (was 0.40)"]
+    assert det.speeds() == {"a0": pytest.approx(0.6)} and det.workers["a0"].decided == 0.6
+    assert feed(det, 0.6 * 0.9, 91, 130) == []  # within MARGIN of 0.6
+    assert feed(det, 0.45, 131, 170) == ["a0 slow: speed 0.45 (was 0.60)"]
+    assert feed(det, 1.0, 171, 210) == ["a0 recovered"]
+    assert (det.detected, det.recovered) == (1, 1) and len(det.episodes) == 1
+    assert det.workers["a0"].decided == 1.0
+    # The speed decided on survives a restart of the daemon (the job's snapshot).
+    feed(det, 0.4, 211, 250)
+    again = Slowness.from_json(json.loads(json.dumps(det.to_json())))
+    assert again.workers["a0"].decided == pytest.approx(0.4)
+    old = {**det.to_json()["workers"]["a0"]}
+    del old["decided"]  # a snapshot written before it was kept: the speed observed stands in
+    assert Slowness.from_json({"workers": {"a0": old}}).workers["a0"].decided == old["speed"]
+
+
 def test_single_slow_profiles_in_a_healthy_window_change_nothing() -> None:
     det = Slowness()
     t = 0.0

@@ -1,22 +1,32 @@
 """Fail-slow on CPU: one worker at half speed in a 2-pipeline job, with and without mitigation.
 
-Two runs of the packaged job (six workers, two pipelines of three stages, each worker priced as a
-device of its own: `slow_job`), one after the other in one invocation. Each trains healthy for
---healthy-seconds, then one worker (--victim) is slowed to --factor of its speed for real: every
-CPU second its process spends costs it 1/factor seconds of wall time, as pauses
-(chameleond/local/slowdown.py), its compute and its communication alike.
+Two runs of the packaged job (--pipelines pipelines of --stages stages, each worker priced as a
+device of its own: `slow_job`), one after the other in one invocation. The default, two
+pipelines of one stage, puts one worker on each core of a 2-core machine: a process throttled
+there is slowed as a throttled device is. With more workers than cores its peers take the cores
+it leaves, and the job hardly slows (two pipelines of three stages on 2 cores: unmitigated 0.99
+of healthy in one run, 0.66 and 0.74 in others), which measures the machine, not the decision.
+Each trains healthy for --healthy-seconds, then one worker (--victim) is slowed to --factor of its
+speed for real: every CPU second its process spends costs it 1/factor seconds of wall time, as
+pauses (chameleond/local/slowdown.py), its compute and its communication alike.
 
 * unmitigated: `slow_mitigation` off, its default (detection and metrics on, no decision):
   the job runs at the slow worker's pace. `throughput_slow_unmitigated` is measured over
   --measure-steps committed steps once the slowness has settled.
 * mitigated: the daemon with `--slow-mitigation`. `detect_seconds` is the onset to the daemon's
   decision about the slow worker; `throughput_mitigated` the plan it chose, over --measure-steps
-  steps; `throughput_model_best` the model's best candidate for the slow cluster (the global
-  batch over the shortest estimated step among the decision's feasible candidates). Then the
-  worker is restored: `recover_detect_seconds` is the restore to the decision that gives its
-  share back (`recovered_by` "recovered"), or, where the plan excluded it (fenced, exit 9), its
-  restart by the bench as its supervisor would to the decision on its rejoin (`recovered_by`
-  "rejoined").
+  steps; `throughput_model_best_raw` the model's best candidate for the slow cluster (the global
+  batch over the shortest estimated step among the decision's feasible candidates), and
+  `throughput_model_best` the same in this machine's units: the healthy throughput measured,
+  times the model's best over its own estimate of the healthy plan
+  (`throughput_model_healthy_raw`). The model's step times are the start-up profile's, which on
+  a shared CPU are off from the steps measured in training by a factor of their own; the ratio
+  is what the decision rests on. Then the
+  worker is restored: `recover_detect_seconds` is the restore to the first decision about it
+  (`recovered_by`, its cause): its recovery, or first a change of speed (a worker left part of
+  its work reads slower than it is on a shared CPU: jobstate/slowness.py), whose plan gives its
+  share back; or, where the plan excluded it (fenced, exit 9), its restart by the bench as its
+  supervisor would to the decision on its rejoin.
 
 `throughput_healthy` is the mitigated run's healthy phase, and `false_alarms` the slow episodes the
 daemon detected in the healthy phases of both runs (no worker was slowed then; the machine's own
@@ -36,22 +46,21 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from chameleond.bench.cluster import JOB, spec_file, warmed_up, worker_ids
+from chameleond.core.plan import plan_from_dict
 from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
 from chameleond.records import DecisionRecord, read_record
 
-VICTIM = "w4"  # the middle stage of the second pipeline
 
-
-def slow_job(tmp: Path) -> Path:
-    """The packaged job as two pipelines of three stages, without its shared-host table: each
-    worker is priced as a device of its own (as on accelerators), so a worker back to full speed
-    adds capacity the planner takes back."""
-    path = spec_file(tmp, workers=6, pp=3)
+def slow_job(tmp: Path, pipelines: int = 2, stages: int = 3) -> Path:
+    """The packaged job as `pipelines` pipelines of `stages` stages, without its shared-host
+    table: each worker is priced as a device of its own (as on accelerators), so a worker back
+    to full speed adds capacity the planner takes back."""
+    path = spec_file(tmp, workers=pipelines * stages, pp=stages)
     doc = json.loads(path.read_text())
     doc["hosts"] = {}
     path.write_text(json.dumps(doc))
@@ -59,7 +68,11 @@ def slow_job(tmp: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--victim", default=VICTIM, help="the worker slowed (default %(default)s)")
+    parser.add_argument("--pipelines", type=int, default=2, help="pipelines (default 2)")
+    parser.add_argument("--stages", type=int, default=1, help="stages per pipeline (default 1)")
+    parser.add_argument(
+        "--victim", help="the worker slowed (default: the middle stage of the last pipeline)"
+    )
     parser.add_argument("--factor", type=float, default=0.5, help="its speed (default 0.5)")
     parser.add_argument(
         "--healthy-seconds",
@@ -74,13 +87,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     require("worker", "bench slow (it runs CPU workers)")
-    if not 0 < args.factor < 1 or args.healthy_seconds < 0 or args.measure_steps < 3:
+    if (
+        not 0 < args.factor < 1
+        or args.healthy_seconds < 0
+        or args.measure_steps < 3
+        or args.pipelines < 2
+        or args.stages < 1
+    ):
         print(
-            "chameleonctl bench slow: --factor in (0, 1), --healthy-seconds >= 0 and "
-            "--measure-steps >= 3 are required",
+            "chameleonctl bench slow: --factor in (0, 1), --healthy-seconds >= 0, "
+            "--measure-steps >= 3, --pipelines >= 2 and --stages >= 1 are required",
             file=sys.stderr,
         )
         return 2
+    if args.victim is None:
+        args.victim = f"w{(args.pipelines - 1) * args.stages + args.stages // 2}"
     try:
         with tempfile.TemporaryDirectory(prefix="chameleon-slow-") as tmp:
             figures = measure(Path(tmp), args)
@@ -95,15 +116,24 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     off = _run(tmp / "unmitigated", args, mitigate=False, healthy=min(args.healthy_seconds, 30.0))
     on = _run(tmp / "mitigated", args, mitigate=True, healthy=args.healthy_seconds)
     healthy, slow, mitigated = on["healthy"], off["slow"], on["slow"]
+    # The model's best in this machine's units: what it expects of the slow cluster against what
+    # it expects of the healthy one, times the healthy throughput measured.
+    calibrated = _ratio(on["model_best"], on["model_healthy"])
+    calibrated = None if calibrated is None else calibrated * healthy
     figures: dict[str, Any] = {
         "victim": args.victim,
         "factor": args.factor,
+        "pipelines": args.pipelines,
+        "stages": args.stages,
         "throughput_healthy": healthy,
         "throughput_slow_unmitigated": slow,
         "throughput_mitigated": mitigated,
-        "throughput_model_best": on["model_best"],
+        "throughput_model_best": calibrated,
+        "throughput_model_best_raw": on["model_best"],
+        "throughput_model_healthy_raw": on["model_healthy"],
         "mitigated_over_unmitigated": _ratio(mitigated, slow),
-        "mitigated_over_model_best": _ratio(mitigated, on["model_best"]),
+        "mitigated_over_model_best": _ratio(mitigated, calibrated),
+        "mitigated_over_model_best_raw": _ratio(mitigated, on["model_best"]),
         "selected": on["selected"],
         "detect_seconds": on["detect_seconds"],
         "recover_detect_seconds": on["recover_detect_seconds"],
@@ -128,7 +158,7 @@ def _run(
     from chameleond.local.slowdown import Slowdown
 
     run_dir.mkdir(parents=True)
-    spec = slow_job(run_dir)
+    spec = slow_job(run_dir, args.pipelines, args.stages)
     batch = json.loads(spec.read_text())["training"]["global_batch"]
     cluster = LocalCluster(
         run_dir, job=JOB, workers=worker_ids(spec), spec_path=spec,
@@ -141,6 +171,8 @@ def _run(
             mon.poll(block_ms=200)
             cluster.check_daemon()
         out["healthy"] = _throughput(mon, cluster, batch, args.measure_steps, args.timeout)
+        plan = plan_from_dict(json.loads(cast(str, mon.client.get(mon.keys.plan))))
+        out["model_healthy"] = batch / plan.estimates.step_seconds
         out["healthy_seconds"] = time.monotonic() - start
         out["false_alarms"] = _episodes(cluster)
         victim = cluster.workers[args.victim].pid
@@ -151,7 +183,7 @@ def _run(
         onset = time.time()
         try:
             if mitigate:
-                decision = _decision(mon, cluster, args.victim, "slow", onset, args.timeout)
+                decision = _decision(mon, cluster, args.victim, ("slow",), onset, args.timeout)
                 out["detect_seconds"] = decision.at - onset
                 out["selected"] = _candidate(decision)
                 out["model_best"] = _model_best(decision, batch)
@@ -163,7 +195,9 @@ def _run(
             slowdown.stop()
         if mitigate:
             restored = time.time()
-            word = "recovered"
+            # Back to speed: its recovery, or first a change of speed (a worker left part of its
+            # work reads slower than it is on a shared CPU: jobstate/slowness.py).
+            words: tuple[str, ...] = ("recovered", "slow: speed")
             if out["selected"] == "exclude":
                 # The plan fenced it (exit 9): its supervisor starts it again, as chameleon-agent
                 # or systemd would, and the new process rejoins.
@@ -171,10 +205,10 @@ def _run(
                 if child.proc is not None:
                     child.proc.wait(timeout=args.timeout)
                 cluster.start_worker(args.victim)
-                word = "rejoined"
-            back = _decision(mon, cluster, args.victim, word, restored, args.timeout)
+                words = ("rejoined",)
+            back = _decision(mon, cluster, args.victim, words, restored, args.timeout)
             out["recover_detect_seconds"] = back.at - restored
-            out["recovered_by"] = word
+            out["recovered_by"] = back.cause
         mon.read_all()
         steps = [c.step for c in mon.commits]
         out["repeated"] = len(steps) - len(set(steps))
@@ -199,9 +233,15 @@ def _throughput(
 
 
 def _decision(
-    mon: StreamMonitor, cluster: LocalCluster, worker: str, word: str, since: float, timeout: float
+    mon: StreamMonitor,
+    cluster: LocalCluster,
+    worker: str,
+    words: tuple[str, ...],
+    since: float,
+    timeout: float,
 ) -> DecisionRecord:
-    """The first decision after `since` whose cause says `worker` is `word` (slow, recovered)."""
+    """The first decision after `since` whose cause says `worker` is one of `words` (slow,
+    recovered, rejoined)."""
     found: list[DecisionRecord] = []
 
     def decided() -> bool:
@@ -209,12 +249,16 @@ def _decision(
         cluster.check_daemon()
         for entry_id, fields in mon.decisions:
             r = read_record(entry_id, fields)
-            if isinstance(r, DecisionRecord) and r.at >= since and f"{worker} {word}" in r.cause:
+            if (
+                isinstance(r, DecisionRecord)
+                and r.at >= since
+                and any(f"{worker} {word}" in r.cause for word in words)
+            ):
                 found.append(r)
                 return True
         return False
 
-    wait_for(decided, timeout, f"a decision about {worker} ({word})", 0)
+    wait_for(decided, timeout, f"a decision about {worker} ({', '.join(words)})", 0)
     return found[0]
 
 

@@ -8,14 +8,17 @@ speeds (core.estimator divides each op's compute by its executor's speed), four 
 * keep: the current plan as it is, at the slow pace; no transition.
 * weighted reroute (a `reroute` plan): the current layout with a share of each slow slot's
   micro-batches executed by its same-range peers (core.slowroute); transition = rebuild only.
-* re-partition (a `dynamic` plan): Algorithm 1 over every worker the plan runs, priced with the
-  speeds; the search itself assumes equal devices, so it cannot give a slow worker a smaller
-  stage, only a layout whose step the estimator then times with the slow worker in it.
+* re-partition (a `dynamic` plan): the fastest of Algorithm 1 over every worker the plan runs
+  (the search assumes equal devices), that layout re-split by the workers' speeds, and the
+  current layout re-split alike (core.speedsplit: a slow worker's stage gets fewer layers, its
+  pipeline fewer micro-batches; the layers that change owner move as a migration).
 * exclude: the decision core.decide makes as if the slow workers had failed (its plan: reroute,
   dynamic or drop), with its transition.
 
 Each is scored by core.selector over `duration_seconds`, the expected duration of the slowness
-(the caller estimates it from the job's history), with the samples its plan trains per step. The
+(the caller estimates it from the job's history), with the samples its plan trains per step; a
+decision on recoveries alone (no worker slow any more) over `mtbf_seconds`, the window to the
+next fault, as a rejoin is: what it gives back lasts that long, not an episode. The
 higher score wins; ties go to keep, then the weighted reroute, re-partition, exclude. A worker back
 to speed 1.0 is a recovery: the weighted reroute then gives its share back (every slot of the
 current layout executed by its owner), at a rebuild. The plan of keep is the current plan at
@@ -24,10 +27,10 @@ current layout executed by its owner), at a rebuild. The plan of keep is the cur
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
-from chameleond.core import selector
+from chameleond.core import restorer, selector
 from chameleond.core.candidates import (
     Candidate,
     candidate_of,
@@ -41,10 +44,13 @@ from chameleond.core.decide import DecisionError, decide
 from chameleond.core.decision import Decision, select
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Held, of_plan
-from chameleond.core.plan import Plan
+from chameleond.core.layout import own_routing
+from chameleond.core.plan import Pipeline, Plan
 from chameleond.core.policy import SLOW_CANDIDATES, Policy
+from chameleond.core.reroute import RoutingTable
 from chameleond.core.slowroute import weighted_reroute
 from chameleond.core.spec import MAX_SPEED, JobSpec
+from chameleond.core.speedsplit import speed_split
 
 
 def decide_slow(
@@ -82,15 +88,28 @@ def decide_slow(
     fenced = set(current.excluded)
     every = of_plan(current) if holdings is None else holdings
     held = {w: list(ivs) for w, ivs in every.items() if w not in fenced}
-    window = float(duration_seconds)
+    # Recoveries only (nobody slow any more): what the decision restores lasts to the next fault,
+    # not an episode.
+    slowed = any(w.speed < 1.0 for w in slow_spec.workers)
+    window = float(duration_seconds) if slowed else float(mtbf_seconds)
 
     keep = _keep(slow_spec, est, current, generation, window, cause)
     weighted = _weighted(slow_spec, est, current, fenced, held, generation, window, cause)
     owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
     survivors = sorted(owners - fenced, key=order.__getitem__)
-    dyn, _, search_seconds, considered = dynamic_candidate(
+    searched, _, search_seconds, considered = dynamic_candidate(
         slow_spec, est, current, survivors, held, generation, window, cause, fenced
     )
+    bases = [(current.pipelines, current.routing, current.excluded, 0.0)]
+    if searched.plan is not None:
+        p = searched.plan
+        bases.append((p.pipelines, p.routing, p.excluded, search_seconds))
+    resplit = [
+        _resplit(slow_spec, est, pipes, routing, excluded, set(speeds), held, generation,
+                 window, cause, searching)
+        for pipes, routing, excluded, searching in bases
+    ]  # fmt: skip
+    dyn = max((searched, *resplit), key=lambda c: (c.feasible, c.score))
     slow = sorted((w.id for w in slow_spec.workers if w.speed < 1.0 and w.id in survivors),
                   key=order.__getitem__)  # fmt: skip
     excl = _exclude(slow_spec, current, slow, holdings, generation, window, mtbf_seconds, cause)
@@ -135,6 +154,37 @@ def _weighted(
     return routed_candidate(
         spec, est, current, result.routing, fenced, held, generation, window, cause
     )
+
+
+def _resplit(
+    spec: JobSpec,
+    est: Estimator,
+    pipelines: Sequence[Pipeline],
+    routing: RoutingTable,
+    excluded: Sequence[str],
+    about: Collection[str],
+    held: Held,
+    generation: int,
+    window: float,
+    cause: str,
+    search_seconds: float,
+) -> Candidate:
+    """A layout whose slots run on their owners, re-split by the workers' speeds: its owners
+    receive the layers they gain (a migration), after `search_seconds` when it was searched."""
+    if routing != own_routing(pipelines):
+        return infeasible(Policy.DYNAMIC, "the layout has rerouted slots")
+    pipes = speed_split(est, pipelines, excluded, about)
+    running = {st.worker for pipe in pipes for st in pipe.stages}
+    try:
+        migration, seconds = restorer.repairs(spec, pipes, running, held)
+    except restorer.LostLayers as e:
+        return infeasible(Policy.DYNAMIC, str(e))
+    transition = search_seconds + spec.rebuild_seconds + seconds
+    plan, oom = priced_plan(
+        spec, est, Policy.DYNAMIC, generation, pipes, own_routing(pipes), excluded, migration,
+        transition, window, cause,
+    )  # fmt: skip
+    return candidate_of(Policy.DYNAMIC, plan, oom)
 
 
 def _exclude(

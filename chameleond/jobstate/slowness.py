@@ -14,8 +14,14 @@ last WINDOW_SECONDS, and at least its newest MIN_SAMPLES (a job of long steps pr
 observed once it has MIN_SAMPLES. One profile's speed swings with whatever the machine did during
 its few steps; the window's median with what the worker is. A worker is slow
 once that stays below 1/MARGIN for HOLD_SECONDS (every observation in between below), and
-recovered once it stays above 1/RECOVER_MARGIN for HOLD_SECONDS. The window, the margins and the
-hold sit above the noise of a healthy run (docs/daemon.md, "Slow workers").
+recovered once it stays above 1/RECOVER_MARGIN for HOLD_SECONDS. A slow worker whose speed stays
+MARGIN away from the speed last decided on (faster or slower) for HOLD_SECONDS is a change of
+speed: decided on again, at the new speed. A worker that speeds up partly is one, and so is one
+whose plan gave part of its work away: on a shared CPU its own measure then reads lower than its
+speed (a worker left fewer micro-batches shares the cores with busier peers for all of them;
+measured: 0.88 for a worker back at full speed), so its recovery shows first as a change of
+speed, whose plan gives the work back, then as a recovery. The window, the margins and the hold
+sit above the noise of a healthy run (docs/daemon.md, "Slow workers").
 """
 
 from __future__ import annotations
@@ -60,9 +66,12 @@ class Transition:
     slow: bool
     speed: float
     seconds: float  # slow: how long the speed held below; recovered: the episode's duration
+    was: float | None = None  # a slow worker's change of speed: the speed decided on before
 
     @property
     def cause(self) -> str:
+        if self.was is not None:
+            return f"{self.worker} slow: speed {self.speed:.2f} (was {self.was:.2f})"
         if self.slow:
             return f"{self.worker} slow: speed {self.speed:.2f} for {self.seconds:.0f} s"
         return f"{self.worker} recovered"
@@ -70,14 +79,16 @@ class Transition:
 
 @dataclass
 class WorkerSlowness:
-    """One worker's state: slow or not, since when, its speed as observed (the window's median),
-    the run of observations on the other side of its threshold (None: the last one was not), and
-    the speeds its own profiles showed over the window (soft: they come again)."""
+    """One worker's state: slow or not, since when, its speed as observed (the window's median)
+    and as last decided on, the run of observations on the other side of its threshold (None:
+    the last one was not), and the speeds its own profiles showed over the window (soft: they
+    come again)."""
 
     slow: bool = False
     since: float = 0.0  # when its current episode began (the first slow observation)
     speed: float = 1.0  # the newest observed
     crossing_since: float | None = None
+    decided: float = 1.0  # the speed of its last transition
     samples: list[tuple[float, float]] = field(default_factory=list, compare=False)
 
     def observe(self, worker: str, speed: float, now: float) -> Transition | None:
@@ -88,7 +99,12 @@ class WorkerSlowness:
         if len(self.samples) < MIN_SAMPLES:
             return None
         self.speed = median(s for _, s in self.samples)
-        crossing = self.speed > 1 / RECOVER_MARGIN if self.slow else self.speed < 1 / MARGIN
+        if not self.slow:
+            crossing = self.speed < 1 / MARGIN
+        elif self.speed > 1 / RECOVER_MARGIN:
+            crossing = True
+        else:  # still slow: a change of speed, either way
+            crossing = not 1 / MARGIN < self.speed / self.decided < MARGIN
         if not crossing:
             self.crossing_since = None
             return None
@@ -100,18 +116,25 @@ class WorkerSlowness:
         if held < HOLD_SECONDS:
             return None
         self.crossing_since = None
+        if self.slow and self.speed <= 1 / RECOVER_MARGIN:
+            was, self.decided = self.decided, self.speed
+            return Transition(worker, True, self.speed, now - self.since, was=was)
         self.slow = not self.slow
+        self.decided = self.speed if self.slow else 1.0
         return Transition(worker, self.slow, self.speed, held if self.slow else now - self.since)
 
     def to_json(self) -> dict[str, Any]:
         return {"slow": self.slow, "since": self.since, "speed": self.speed,
-                "crossing_since": self.crossing_since}  # fmt: skip
+                "crossing_since": self.crossing_since, "decided": self.decided}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> WorkerSlowness:
         crossing = d.get("crossing_since")
-        return cls(bool(d["slow"]), float(d["since"]), float(d["speed"]),
-                   None if crossing is None else float(crossing))  # fmt: skip
+        speed = float(d["speed"])
+        # A snapshot from before `decided` was kept: the speed observed stands for it.
+        decided = float(d.get("decided", speed if d["slow"] else 1.0))
+        return cls(bool(d["slow"]), float(d["since"]), speed,
+                   None if crossing is None else float(crossing), decided)  # fmt: skip
 
 
 @dataclass
@@ -160,6 +183,8 @@ class Slowness:
         return [] if t is None else [self._moved(t, now)]
 
     def _moved(self, t: Transition, now: float) -> Transition:
+        if t.was is not None:
+            return t  # the same episode, decided on again
         self.detected += t.slow
         self.recovered += not t.slow
         if not t.slow:
