@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +98,13 @@ class Watch:
         wait_for(lambda: len(self.poll().commits) >= first + n, timeout, f"{n} more steps", 0)
 
 
-def test_a_slow_worker_is_detected_mitigated_and_given_its_share_back(tmp_path: Path) -> None:
-    spec = slow_job(tmp_path)
-    doc = json.loads(spec.read_text())
+@contextmanager
+def mitigating(
+    tmp_path: Path, pipelines: int = 2, stages: int = 3
+) -> Iterator[tuple[dict[str, Any], LocalCluster, Watch]]:
+    """The packaged job as `pipelines` x `stages` under a daemon with slow_mitigation on,
+    five steps in: its spec document, the cluster and a watch over it."""
+    spec = slow_job(tmp_path, pipelines, stages)
     cluster = LocalCluster(
         tmp_path, job=JOB, workers=worker_ids(spec), spec_path=spec,
         daemon_args=["--slow-mitigation"],
@@ -108,6 +114,11 @@ def test_a_slow_worker_is_detected_mitigated_and_given_its_share_back(tmp_path: 
         cluster.start_workers()
         watch = Watch(cluster)
         watch.commits(5, 180)
+        yield json.loads(spec.read_text()), cluster, watch
+
+
+def test_a_slow_worker_is_detected_mitigated_and_given_its_share_back(tmp_path: Path) -> None:
+    with mitigating(tmp_path) as (doc, cluster, watch):
         before = watch.plan()
         healthy_share = share(before, VICTIM)
 
@@ -184,18 +195,8 @@ def test_a_half_speed_worker_gives_part_of_its_work_away_then_takes_it_back(
     plan moves part of its micro-batches to its peer (the weighted reroute; excluding it would
     leave one worker all of the work), and once restored its share comes back to it (through
     a change of speed or its recovery: jobstate/slowness.py)."""
-    spec = slow_job(tmp_path, pipelines=2, stages=1)
-    doc = json.loads(spec.read_text())
     victim = "w1"
-    cluster = LocalCluster(
-        tmp_path, job=JOB, workers=worker_ids(spec), spec_path=spec,
-        daemon_args=["--slow-mitigation"],
-    )  # fmt: skip
-    with cluster:
-        cluster.start_daemon()
-        cluster.start_workers()
-        watch = Watch(cluster)
-        watch.commits(5, 180)
+    with mitigating(tmp_path, pipelines=2, stages=1) as (doc, cluster, watch):
         healthy_share = share(watch.plan(), victim)
         pid = cluster.workers[victim].pid
         assert pid is not None

@@ -105,7 +105,7 @@ def decide_slow(
         p = searched.plan
         bases.append((p.pipelines, p.routing, p.excluded, search_seconds))
     resplit = [
-        _resplit(slow_spec, est, pipes, routing, excluded, set(speeds), held, generation,
+        _repartitioned(slow_spec, est, pipes, routing, excluded, set(speeds), held, generation,
                  window, cause, searching)
         for pipes, routing, excluded, searching in bases
     ]  # fmt: skip
@@ -156,7 +156,7 @@ def _weighted(
     )
 
 
-def _resplit(
+def _repartitioned(
     spec: JobSpec,
     est: Estimator,
     pipelines: Sequence[Pipeline],
