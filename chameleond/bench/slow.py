@@ -17,11 +17,10 @@ pauses (chameleond/local/slowdown.py), its compute and its communication alike.
   decision about the slow worker; `throughput_mitigated` the plan it chose, over --measure-steps
   steps; `throughput_model_best_raw` the model's best candidate for the slow cluster (the global
   batch over the shortest estimated step among the decision's feasible candidates), and
-  `throughput_model_best` the same in this machine's units: the healthy throughput measured,
-  times the model's best over its own estimate of the healthy plan
-  (`throughput_model_healthy_raw`). The model's step times are the start-up profile's, which on
-  a shared CPU are off from the steps measured in training by a factor of their own; the ratio
-  is what the decision rests on. Then the
+  `throughput_model_best` the same in this machine's units: the unmitigated run's throughput
+  measured (the plan `keep` prices) times the model's best over its `keep`, both from the one
+  decision (`model_gain`). The model's absolute step times are off from the steps measured on a
+  shared CPU by a factor of their own; the ratio is what the decision rests on. Then the
   worker is restored: `recover_detect_seconds` is the restore to the first decision about it
   (`recovered_by`, its cause): its recovery, or first a change of speed (a worker left part of
   its work reads slower than it is on a shared CPU: jobstate/slowness.py), whose plan gives its
@@ -46,23 +45,27 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from chameleond.bench.cluster import JOB, spec_file, warmed_up, worker_ids
-from chameleond.core.plan import plan_from_dict
 from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
 from chameleond.records import DecisionRecord, read_record
 
 
-def slow_job(tmp: Path, pipelines: int = 2, stages: int = 3) -> Path:
-    """The packaged job as `pipelines` pipelines of `stages` stages, without its shared-host
-    table: each worker is priced as a device of its own (as on accelerators), so a worker back
-    to full speed adds capacity the planner takes back."""
+def slow_job(
+    tmp: Path, pipelines: int = 2, stages: int = 3, global_batch: int | None = None
+) -> Path:
+    """The packaged job as `pipelines` pipelines of `stages` stages (and `global_batch` samples
+    a step, when given), without its shared-host table: each worker is priced as a device of
+    its own (as on accelerators), so a worker back to full speed adds capacity the planner
+    takes back."""
     path = spec_file(tmp, workers=pipelines * stages, pp=stages)
     doc = json.loads(path.read_text())
     doc["hosts"] = {}
+    if global_batch is not None:
+        doc["training"]["global_batch"] = doc["training"]["min_global_batch"] = global_batch
     path.write_text(json.dumps(doc))
     return path
 
@@ -70,6 +73,11 @@ def slow_job(tmp: Path, pipelines: int = 2, stages: int = 3) -> Path:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pipelines", type=int, default=2, help="pipelines (default 2)")
     parser.add_argument("--stages", type=int, default=1, help="stages per pipeline (default 1)")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        help="samples a step (default the packaged job's 12: 3 micro-batches a pipeline)",
+    )
     parser.add_argument(
         "--victim", help="the worker slowed (default: the middle stage of the last pipeline)"
     )
@@ -118,19 +126,20 @@ def measure(tmp: Path, args: argparse.Namespace) -> dict[str, Any]:
     healthy, slow, mitigated = on["healthy"], off["slow"], on["slow"]
     # The model's best in this machine's units: what it expects of the slow cluster against what
     # it expects of the healthy one, times the healthy throughput measured.
-    calibrated = _ratio(on["model_best"], on["model_healthy"])
-    calibrated = None if calibrated is None else calibrated * healthy
+    gain = _ratio(on["model_best"], on["model_keep"])
+    calibrated = None if gain is None or slow is None else gain * slow
     figures: dict[str, Any] = {
         "victim": args.victim,
         "factor": args.factor,
         "pipelines": args.pipelines,
         "stages": args.stages,
+        "global_batch": args.global_batch,
         "throughput_healthy": healthy,
         "throughput_slow_unmitigated": slow,
         "throughput_mitigated": mitigated,
         "throughput_model_best": calibrated,
         "throughput_model_best_raw": on["model_best"],
-        "throughput_model_healthy_raw": on["model_healthy"],
+        "model_gain": gain,
         "mitigated_over_unmitigated": _ratio(mitigated, slow),
         "mitigated_over_model_best": _ratio(mitigated, calibrated),
         "mitigated_over_model_best_raw": _ratio(mitigated, on["model_best"]),
@@ -158,7 +167,7 @@ def _run(
     from chameleond.local.slowdown import Slowdown
 
     run_dir.mkdir(parents=True)
-    spec = slow_job(run_dir, args.pipelines, args.stages)
+    spec = slow_job(run_dir, args.pipelines, args.stages, args.global_batch)
     batch = json.loads(spec.read_text())["training"]["global_batch"]
     cluster = LocalCluster(
         run_dir, job=JOB, workers=worker_ids(spec), spec_path=spec,
@@ -171,8 +180,6 @@ def _run(
             mon.poll(block_ms=200)
             cluster.check_daemon()
         out["healthy"] = _throughput(mon, cluster, batch, args.measure_steps, args.timeout)
-        plan = plan_from_dict(json.loads(cast(str, mon.client.get(mon.keys.plan))))
-        out["model_healthy"] = batch / plan.estimates.step_seconds
         out["healthy_seconds"] = time.monotonic() - start
         out["false_alarms"] = _episodes(cluster)
         victim = cluster.workers[args.victim].pid
@@ -187,6 +194,7 @@ def _run(
                 out["detect_seconds"] = decision.at - onset
                 out["selected"] = _candidate(decision)
                 out["model_best"] = _model_best(decision, batch)
+                out["model_keep"] = _model_best(decision, batch, "keep")
                 _settle(mon, cluster, decision.generation, args.timeout)
             else:
                 time.sleep(10.0)  # longer than detection takes: the same moment as mitigated's
@@ -279,11 +287,15 @@ def _candidate(decision: DecisionRecord) -> str:
     return words[1] if len(words) == 3 and words[0] == "slow:" else decision.selected or "keep"
 
 
-def _model_best(decision: DecisionRecord, batch: int) -> float | None:
+def _model_best(decision: DecisionRecord, batch: int, policy: str | None = None) -> float | None:
+    """The global batch over the shortest estimated step of the decision's feasible candidates
+    (of `policy` only, when given)."""
     steps = [
         float(c["step_seconds"])
         for c in decision.candidates
-        if c.get("feasible", True) and isinstance(c.get("step_seconds"), int | float)
+        if c.get("feasible", True)
+        and isinstance(c.get("step_seconds"), int | float)
+        and (policy is None or c.get("policy") == policy)
     ]
     return batch / min(steps) if steps else None
 
