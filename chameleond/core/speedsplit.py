@@ -14,8 +14,8 @@ after it, on a layout whose workers are placed (the search's, restored, or the c
 
 Every change is timed by the estimator (with the workers' speeds) and kept only if the step is
 no longer (a re-split) or shorter (a micro-batch moved), so the result is never slower than its
-input. Pipelines with a worker of several stages,
-or slots rerouted, are left as they are. Plain data in, plain data out.
+input. Pipelines with a worker of several stages, or slots rerouted, are left as they are. Plain
+data in, plain data out.
 """
 
 from __future__ import annotations
