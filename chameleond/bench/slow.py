@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from chameleond.bench.cluster import JOB, spec_file, warmed_up, worker_ids
+from chameleond.core.fields import SpecError
 from chameleond.extras import require
 from chameleond.local.cluster import ClusterError, Interrupted, LocalCluster, wait_for
 from chameleond.local.monitor import StreamMonitor
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="chameleon-slow-") as tmp:
             figures = measure(Path(tmp), args)
-    except (ClusterError, Interrupted, TimeoutError) as e:
+    except (ClusterError, Interrupted, TimeoutError, SpecError) as e:
         print(f"chameleonctl bench slow: {e}", file=sys.stderr)
         return 1
     print(json.dumps(figures, indent=2) if args.json else text(figures))
