@@ -176,11 +176,50 @@ def _bytes(x: Any) -> bytes:
     return x if isinstance(x, bytes) else str(x).encode("utf-8", "surrogatepass")
 
 
+class JsonText(str):
+    """A top-level member of a document given to `signed_json` already as its canonical text
+    (`canonical`): put in verbatim, not serialised again. A member that is the same object from
+    one document to the next (the current plan in every snapshot) is serialised once."""
+
+
+def canonical(value: Any) -> JsonText:
+    """`value` as canonical JSON text (sorted keys, no spaces, ASCII): the text signatures are
+    made over."""
+    return JsonText(_canonical(value))
+
+
 def signed_json(keyring: Keyring | None, kind: str, job: str, doc: Mapping[str, Any]) -> str:
     """`doc` as the JSON text stored under its key: with its signature when there is a keyring.
     The text signed (sorted keys) is the text stored, the signature added as its last member: a
-    large document (a job's snapshot is megabytes) is serialised once."""
-    return signed_document(keyring, kind, job, doc)[0]
+    large document (a job's snapshot is megabytes) is serialised once, and its JsonText members
+    not at all."""
+    if not any(isinstance(v, JsonText) for v in doc.values()):
+        return signed_document(keyring, kind, job, doc)[0]
+    members = sorted((k, v) for k, v in doc.items() if k != SIG_FIELD)
+    text = "{" + ",".join(
+        f"{json.dumps(k)}:{v if isinstance(v, JsonText) else _canonical(v)}" for k, v in members
+    ) + "}"  # fmt: skip
+    return text if keyring is None else _with_signature(keyring, kind, job, text)
+
+
+def _with_signature(keyring: Keyring, kind: str, job: str, text: str) -> str:
+    """The canonical text of a non-empty JSON object with its signature as its last member."""
+    return _appended(text, keyring.sign(_payload_of_text(kind, job, text)))
+
+
+def _appended(text: str, sig: str) -> str:
+    return f'{text[:-1]}{"," if text != "{}" else ""}"{SIG_FIELD}":{json.dumps(sig)}}}'
+
+
+def signed_canonical(
+    keyring: Keyring | None, kind: str, job: str, body: Mapping[str, Any], text: str
+) -> tuple[str, dict[str, Any]]:
+    """`signed_document` of `body` whose canonical text (`canonical(body)`) is `text`, already
+    made: the text stored, and the document a reader parses from it."""
+    if keyring is None:
+        return text, dict(body)
+    sig = keyring.sign(_payload_of_text(kind, job, text))
+    return _appended(text, sig), {**body, SIG_FIELD: sig}
 
 
 def signed_document(
@@ -190,10 +229,7 @@ def signed_document(
     body = {k: v for k, v in doc.items() if k != SIG_FIELD}
     if keyring is None:
         return json.dumps(body, separators=(",", ":")), body
-    text = _canonical(body)
-    sig = keyring.sign(_payload_of_text(kind, job, text))
-    stored = f'{text[:-1]}{"," if body else ""}"{SIG_FIELD}":{json.dumps(sig)}}}'
-    return stored, {**body, SIG_FIELD: sig}
+    return signed_canonical(keyring, kind, job, body, _canonical(body))
 
 
 def new_secret_file(path: Path) -> Path:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chameleond.auth import (
     SECRET_ENV,
@@ -14,12 +17,18 @@ from chameleond.auth import (
     SECRET_PREVIOUS_ENV,
     AuthError,
     Keyring,
+    canonical,
     key_id,
     new_secret_file,
     signed_json,
 )
 
 A, B = b"a" * 32, b"b" * 32
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text() | st.floats(allow_nan=False),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(), kids, max_size=4),
+    max_leaves=12,
+)
 EVENT = {"type": "fault", "worker": "w3", "cause": "ECC"}
 
 
@@ -53,6 +62,25 @@ def test_documents_are_bound_to_their_kind_and_job() -> None:
     with pytest.raises(AuthError, match="bad signature"):
         ring.verify_doc("plan", "job", {**plan, "generation": 4})
     assert signed_json(None, "plan", "job", {"x": 1}) == '{"x":1}'
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.dictionaries(st.text(min_size=1).filter(lambda k: k != "sig"), JSON, min_size=1),
+       st.booleans())  # fmt: skip
+def test_a_member_given_as_its_canonical_text_gives_the_same_document(
+    doc: dict[str, Any], signed: bool
+) -> None:
+    """A snapshot's plan is serialised once per plan (`canonical`): the text stored is the
+    text the whole document would have been, signature included."""
+    ring = Keyring((A,)) if signed else None
+    first = next(iter(doc))
+    texted = {**doc, first: canonical(doc[first])}
+    made = signed_json(ring, "state", "job", texted)
+    if ring is not None:
+        assert made == signed_json(ring, "state", "job", doc)
+        ring.verify_doc("state", "job", json.loads(made))
+    body = {k: v for k, v in json.loads(made).items() if k != "sig"}
+    assert body == json.loads(signed_json(None, "state", "job", doc))
 
 
 def test_rotation_the_previous_key_verifies_and_the_current_one_signs() -> None:

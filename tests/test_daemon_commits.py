@@ -16,11 +16,11 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from chameleond.core.decide import initial_plan
+from chameleond.core.decide import decide, initial_plan
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.plandelta import apply_delta
-from chameleond.daemon.commits import SNAPSHOT_WAIT_MAX_SECONDS, Committer
+from chameleond.daemon.commits import ACK_SPACING_SECONDS, SNAPSHOT_WAIT_MAX_SECONDS, Committer
 from chameleond.daemon.config import Config
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
@@ -168,6 +168,72 @@ def test_a_batch_waits_unacknowledged_for_a_snapshot_too_costly_to_make_again_at
         await c.batch([], [])  # the housekeeping tick's commit: the snapshot and its entries
         assert pending() == set() and not c.held()
         assert _snapshot(redis_client)["checkpoints"] == c.job.checkpoints.to_json()
+
+    _run(redis_server, body)
+
+
+def test_batches_that_only_acknowledge_are_committed_together_soon_after(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A batch whose commit would carry acknowledgements alone, right after a commit, waits for
+    the next one, which comes ACK_SPACING_SECONDS later at most; one with a durable change is
+    committed at once, with those before it."""
+    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
+    ids = [redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(4)]
+    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+
+    def pending() -> set[str]:
+        rows = redis_client.xpending_range(KEYS.events, CONSUMER_GROUP, "-", "+", 10)
+        return {str(r["message_id"]) for r in rows}
+
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        c.note(SNAPSHOT)
+        await c.batch([ids[0]], [])  # a commit: its snapshot
+        await c.batch([ids[1]], [])  # acknowledgements alone, just after it: later
+        assert pending() == set(ids[1:]) and c.held() == {ids[1]}
+        await asyncio.sleep(3 * ACK_SPACING_SECONDS)  # committed by the flush
+        assert pending() == set(ids[2:]) and not c.held()
+        await c.batch([ids[2]], [])
+        c.note(SNAPSHOT)
+        await c.batch([ids[3]], [])  # a change: committed at once, with the one before
+        assert pending() == set() and not c.held()
+
+    _run(redis_server, body)
+
+
+def test_while_a_fault_waits_for_its_decision_batches_wait_for_the_plans_snapshot(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """A costly snapshot is not made between a fault and its plan: the batches handled meanwhile
+    are acknowledged by the commit that publishes the plan, with the snapshot it carries."""
+    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
+    entry = redis_client.xadd(KEYS.events, {"type": "x"})
+    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        await _publish_initial(c)
+        job = c.job
+        c._snapshot_cost = 0.1  # spaced by 0.4 s when no decision is on its way
+        job.machine.fault("w1", "peer process gone", time.time())
+        await asyncio.sleep(4 * c._snapshot_cost)
+        c.note(SNAPSHOT)
+        await c.batch([entry], [])
+        assert c.held() == {entry}  # waits for the plan
+        plan = decide(job.spec, job.plan, ["w1"], mtbf_seconds=3600.0, generation=2).plan
+        assert plan is not None
+        async with c.lock:
+            job.machine.next_request(time.time())
+            await c.publish(plan, DecisionRecord(2, "reroute", "w1 lost", time.time()), [])
+        assert not c.held()
+        rows = redis_client.xpending_range(KEYS.events, CONSUMER_GROUP, "-", "+", 10)
+        assert rows == []
+        job.machine.pending_faults.clear()
+        job.machine.in_flight = None
+        await asyncio.sleep(4 * c._snapshot_cost)
+        c.note(SNAPSHOT)
+        assert c._snapshot_spaced()  # nothing on its way: spaced as before
 
     _run(redis_server, body)
 

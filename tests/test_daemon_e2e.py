@@ -83,6 +83,10 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     wait_for(lambda: daemon.metric(f'chameleon_recovery_seconds_count{{policy="{policy}"}}'))
     assert daemon.metric("chameleon_training_throughput_samples_per_second") == 12 / 0.25
     assert daemon.status()["state"] == "training"
+    # The heap was settled at start, and again once the newest plan was acknowledged by all and
+    # trains (daemon/heap.py; a plan replaced within a housekeeping tick may have had none).
+    wait_for(lambda: daemon.metric("chameleon_heap_settle_seconds_count") >= 2, 10,
+             "the heap settled after the newest plan")  # fmt: skip
     assert daemon.terminate() == 0
     assert "stopped job=default generation=2" in daemon.output()
 

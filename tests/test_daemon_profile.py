@@ -4,7 +4,7 @@ running plan follows them."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 
@@ -17,7 +17,7 @@ from chameleond.daemon.dispatch import dispatch
 from chameleond.daemon.views import status
 from chameleond.handlers.outcome import Outcome
 from chameleond.jobs import load_default_spec
-from chameleond.jobstate.job import Job
+from chameleond.jobstate.job import MODEL_VIEW_SECONDS, Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.protocol import EventError, parse_event
 
@@ -89,6 +89,31 @@ def test_the_model_view_of_the_running_plan_follows_newer_profiles() -> None:
     view = status(j, Config())
     assert view["estimated_samples_per_second"] == pytest.approx(12 / published)
     assert view["model_samples_per_second"] == pytest.approx(12 / model)
+
+
+def test_the_gauges_model_view_takes_up_new_profiles_at_most_every_ten_seconds() -> None:
+    j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
+    j.plan = initial_plan(j.spec)
+    published = j.plan.estimates.step_seconds
+    assert j.model_step_seconds(now=100.0) == pytest.approx(published)
+    slower = [
+        {**layer, "forward_seconds": 2 * layer["forward_seconds"],
+         "backward_seconds": 2 * layer["backward_seconds"]}
+        for layer in LAYERS
+    ]  # fmt: skip
+    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
+        send(j, {"layers": slower, "source": "training"}, worker=w)
+    assert j.model_step_seconds(now=105.0) == pytest.approx(published)  # within MODEL_VIEW
+    model = j.model_step_seconds(now=100.0 + MODEL_VIEW_SECONDS)
+    assert model is not None and model > 1.3 * published
+    slowest = [{**layer, "forward_seconds": 2 * layer["forward_seconds"],
+                "backward_seconds": 2 * layer["backward_seconds"]} for layer in slower]  # fmt: skip
+    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
+        send(j, {"layers": slowest, "source": "training"}, worker=w)
+    assert j.model_step_seconds(now=101.0 + MODEL_VIEW_SECONDS) == pytest.approx(model)
+    j.plan = replace(j.plan, generation=j.plan.generation + 1)  # a new plan: taken up at once
+    newest = j.model_step_seconds(now=101.0 + MODEL_VIEW_SECONDS)
+    assert newest is not None and newest > 1.3 * model
 
 
 def test_cores_measured_on_a_plan_that_leaves_some_idle_count_what_it_could_have_used() -> None:

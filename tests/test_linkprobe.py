@@ -16,6 +16,7 @@ from chameleond.daemon.dispatch import dispatch
 from chameleond.handlers.outcome import Outcome
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.job import Job
+from chameleond.jobstate.links import links_from_json, links_to_json
 from chameleond.jobstate.snapshot import restore, snapshot
 from chameleond.protocol import EventError, parse_event
 from chameleond.worker._linkprobe import (
@@ -164,6 +165,13 @@ def test_links_survive_a_daemon_restart() -> None:
     again = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
     restore(again, json.loads(json.dumps(snapshot(j))), j.plan, ready_timeout=60.0)
     assert again.spec.inter_host == LinkSpec(6.25e6, 2e-3)
+
+
+def test_a_workers_links_are_persisted_with_every_field() -> None:
+    links = {"w2": LinkSpec(1.5e9, 2e-5), "w0": LinkSpec(3e8, 1e-4)}
+    assert links_to_json(links) == {p: asdict(link) for p, link in sorted(links.items())}
+    assert list(links_to_json(links)) == ["w0", "w2"]
+    assert links_from_json(json.loads(json.dumps(links_to_json(links)))) == links
 
 
 def test_a_profile_without_links_keeps_the_newest_and_a_repeat_is_a_duplicate() -> None:

@@ -9,6 +9,7 @@ import torch
 from worker_harness import builtin_model
 
 from chameleond.jobstate.jobspec import parse_host_report, parse_profile
+from chameleond.protocol import PROFILE_EVERY_STEPS, profile_phase
 from chameleond.worker import _profile as profile
 from chameleond.worker._model import Arch
 from chameleond.worker._profile import TrainingMeter, profile_model
@@ -63,6 +64,28 @@ def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
     assert data["host"]["busy_cores"] == profile.host_cores()  # one worker: no competition
     assert data["host"]["step_cpu_seconds"] >= 0
     assert meter.steps == 0  # a new window after each report
+
+
+def test_a_plans_first_report_waits_the_workers_phase_then_every_report_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A job's workers commit steps together: each reports its first window of a plan at its own
+    phase, so that a fifth of them report at each step, not all at every fifth."""
+    monkeypatch.setattr(profile, "REPORT_SECONDS", 0.0)
+    startup = profile_model(MODEL, 2, CPU)["layers"]
+    workers = [f"w{i}" for i in range(40)]
+    phases = {w: profile_phase(w) for w in workers}
+    assert set(phases.values()) == set(range(PROFILE_EVERY_STEPS))  # spread over every step
+    for w in ("w0", "w1", "w2"):
+        meter = TrainingMeter(startup, CPU, 2, "", 1, generation=1, phase=phases[w])
+        reported = []
+        for step in range(1, 4 * PROFILE_EVERY_STEPS):
+            meter.begin()
+            meter.op(True, range(2))
+            if meter.step_done() is not None:
+                reported.append(step)
+        first = PROFILE_EVERY_STEPS + phases[w]
+        assert reported == list(range(first, 4 * PROFILE_EVERY_STEPS, PROFILE_EVERY_STEPS))
 
 
 def test_meter_waits_for_enough_steps_and_time(monkeypatch: pytest.MonkeyPatch) -> None:

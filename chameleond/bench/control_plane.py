@@ -52,7 +52,7 @@ from chameleond.local.cluster import Child, ClusterError, LocalCluster, tail, wa
 from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-WORKERS_PER_PROCESS = 1024
+WORKERS_PER_PROCESS = 2048
 # Each simulated worker holds two connections (commands, pub/sub), as a real one: 2 N + the
 # daemon's few. Redis serves at most its open-file limit less 32.
 MAXCLIENTS = 19_900
@@ -135,6 +135,26 @@ class Observations:
                 if times:
                     out[w] = min(times)
             return out
+
+
+class Announcements:
+    """When each generation was first announced on the job's plans channel, as a subscriber of
+    its own (a thread, a connection) saw it."""
+
+    def __init__(self, client: redis.Redis, job: str) -> None:
+        self.at: dict[int, float] = {}
+        self._sub = client.pubsub(ignore_subscribe_messages=True)
+        self._sub.subscribe(**{Keys(job).plans_channel: self._heard})
+        self._thread = self._sub.run_in_thread(sleep_time=0.01, daemon=True)
+
+    def _heard(self, message: dict[str, Any]) -> None:
+        with contextlib.suppress(ValueError, TypeError):
+            self.at.setdefault(int(message["data"]), time.time())
+
+    def stop(self) -> None:
+        self._thread.stop()
+        self._thread.join(timeout=5)
+        self._sub.close()
 
 
 class SimProcesses:
@@ -337,6 +357,7 @@ def run_size(
             client = redis.Redis.from_url(cluster.redis_url, socket_timeout=120)
             client.config_set("maxclients", MAXCLIENTS)
             sims = SimProcesses(cluster, spec_path, step_seconds, split[1] if split else None)
+            heard = Announcements(client, cluster.job)
             out: dict[str, Any] = {"workers": len(spec.workers)}
             if split is not None:
                 assert cluster.redis is not None and cluster.redis.proc is not None
@@ -344,7 +365,7 @@ def run_size(
                 out["cpus"] = {"control_plane": sorted(split[0]), "simulated": sorted(split[1])}
             try:
                 control = split[0] if split else None
-                scenario(out, client, cluster, sims, spec, steady_seconds, timeout, control)
+                scenario(out, client, cluster, sims, heard, spec, steady_seconds, timeout, control)
             except ClusterError as e:  # a phase that did not complete: the figures so far
                 out["error"] = str(e)[:500]
                 out["daemon_log_tail"] = (
@@ -352,6 +373,7 @@ def run_size(
                 )
             finally:
                 sims.stop()
+                heard.stop()
                 client.close()
             return out
 
@@ -361,6 +383,7 @@ def scenario(
     client: redis.Redis,
     cluster: LocalCluster,
     sims: SimProcesses,
+    heard: Announcements,
     spec: JobSpec,
     steady_seconds: float,
     timeout: float,
@@ -406,7 +429,7 @@ def scenario(
     out["steady"]["daemon_backlog_events"] = int(lag[0].get("lag") or 0) if lag else None
 
     sent = _output_bytes(client)
-    killed_at = time.time()
+    killed_at = out["killed_at"] = time.time()
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
     gone = frozenset(w for w, _ in lost)
@@ -436,6 +459,9 @@ def scenario(
     out["fault_to_plan_published_seconds"] = next(
         (at for at, phase, _ in moves if phase == "transitioning"), None
     )
+    out["fault_to_plan_announced_seconds"] = _since(heard.at.get(gen2), killed_at)
+    out["first_fault_added_seconds"] = _since(_first_fault_at(client, cluster.job, killed_at),
+                                              killed_at)  # fmt: skip
 
     back_at = time.time()
     sims.start(lost)
@@ -443,8 +469,28 @@ def scenario(
     delays = [at - back_at for at in acks.values()]
     out["host_back_to_all_acked_p99_seconds"] = quantile(delays, 0.99)
     out["host_back_to_all_acked_max_seconds"] = round(max(delays), 3)
+    out["host_back_to_plan_announced_seconds"] = _since(heard.at.get(gen3), back_at)
     out["plan_with_host"] = {"generation": gen3, "workers": len(back)}
     out["decisions_after_return"] = decisions_since(client, cluster.job, back_at)
+
+
+def _first_fault_at(client: redis.Redis, job: str, since: float) -> float | None:
+    """When Redis took the first `fault` event after unix time `since` (its entry id's time),
+    if the stream still holds it: a survivor's report, before the daemon reads it."""
+    start = f"{int(since * 1000)}-0"
+    for _ in range(20):
+        page: Any = client.xrange(Keys(job).events, min=start, count=5000)
+        for entry_id, fields in page:
+            if fields.get(b"type") == b"fault":
+                return int(entry_id.split(b"-")[0]) / 1000
+        if len(page) < 5000:
+            return None
+        start = "(" + page[-1][0].decode()
+    return None
+
+
+def _since(at: float | None, start: float) -> float | None:
+    return round(at - start, 3) if at is not None else None
 
 
 def _output_bytes(client: redis.Redis) -> int:

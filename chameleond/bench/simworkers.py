@@ -11,7 +11,8 @@ on `Keys(job).plans_channel`, and when the committed generation (polled every PL
 newer than its own, it GETs the plan's delta from the one it holds, else the packed plan, as the
 real PlanWatcher does, and acks `ready` for each new generation it is a member of (at once: no
 process groups to build). As a member it reports a `step` every step period of the shared clock, and
-a training `profile` of the layers it holds every REPORT_STEPS steps. It listens on the job's
+a training `profile` of the layers it holds every REPORT_STEPS steps (at its
+`profile_phase`, as a real worker's). It listens on the job's
 liveness channel; when a peer of its plan (same pipeline or same stage) is reported gone, it notes
 when and names that peer in a `fault`, with the generation it saw it fail in, as a survivor of a
 failed collective does.
@@ -50,7 +51,7 @@ from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.core.plandelta import DeltaError, apply_delta, parse_delta
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.events import HEARD, Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
-from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds
+from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds, profile_phase
 from chameleond.protocol import PROFILE_EVERY_STEPS as REPORT_STEPS
 from chameleond.protocol import worker_connection_name as connection_name
 
@@ -140,7 +141,8 @@ class Shared:
                 if base is None:
                     self._plans[raw] = None
                 else:
-                    self._keep(raw, apply_delta(base, delta))
+                    made = apply_delta(base, delta, check_digest=self.keyring is None)
+                    self._keep(raw, made)  # verifies its signature, when signed
                     self._bases[raw] = int(base["generation"])
             except (DeltaError, zlib.error) as e:
                 self._refuse(raw, e)
@@ -216,6 +218,7 @@ class SimWorker:
         self.heard_at = 0.0  # time.monotonic() of the last heartbeat, step or ack sent
         self.raw: bytes | None = None  # the plan bytes held: an unchanged GET parses nothing
         self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) already named
+        self.phase = profile_phase(worker)  # the step of each REPORT_STEPS it reports at
 
     async def send(self, event: Event) -> None:
         fields = [x for kv in self.s.fields(event).items() for x in kv]
@@ -303,7 +306,7 @@ class SimWorker:
                 continue
             await self.send(Step(self.worker, plan.generation, step, plan.global_batch, period,
                                  2.0, vote_seconds=0.01, at=time.time()))  # fmt: skip
-            if step % REPORT_STEPS == 0:
+            if step % REPORT_STEPS == self.phase:
                 data = {
                     "layers": self.s.layer_report(plan.layers.get(self.worker, ())),
                     "source": "training", "generation": plan.generation, "steps": REPORT_STEPS,

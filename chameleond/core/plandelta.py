@@ -13,7 +13,9 @@ spliced, its members from `start` to `stop` replaced by `items` (a worker out of
 512: its place, not the 511 others), and a splice is applied after the sets. `digest` is the
 SHA-256 of the new document's canonical JSON (sorted keys, no spaces: the text a plan's
 signature is made over): a delta applied to anything but its base gives another digest and is
-refused, so a worker never holds a plan the daemon did not publish.
+refused, so a worker never holds a plan the daemon did not publish. A worker that holds the job's
+keyring checks the made plan's signature instead (`check_digest=False`), which is made over the
+same text: one serialisation of a plan of 8,192 devices (about 20 ms), not two.
 """
 
 from __future__ import annotations
@@ -117,9 +119,12 @@ def parse_delta(text: bytes | str) -> dict[str, Any]:
     return delta
 
 
-def apply_delta(base: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, Any]:
-    """The document `delta` makes from `base`; DeltaError unless it is the one the daemon
-    published (its digest), and `base` the plan it was made from."""
+def apply_delta(
+    base: Mapping[str, Any], delta: Mapping[str, Any], *, check_digest: bool = True
+) -> dict[str, Any]:
+    """The document `delta` makes from `base`; DeltaError unless `base` is the plan it was made
+    from and, with `check_digest`, the document is the one the daemon published (its digest;
+    without it, the caller verifies the document's signature)."""
     if not isinstance(delta, Mapping) or delta.get("base") != base.get("generation"):
         raise DeltaError("a delta from another plan")
     sets, dels, splices = delta.get("set"), delta.get("del"), delta.get("splice", [])
@@ -143,7 +148,7 @@ def apply_delta(base: Mapping[str, Any], delta: Mapping[str, Any]) -> dict[str, 
             _spliced(doc, path, copied)[_index(start) : _index(stop)] = _items(items)
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise DeltaError(f"a delta that does not apply: {e!r}") from None
-    if not isinstance(doc, dict) or digest(doc) != delta.get("digest"):
+    if not isinstance(doc, dict) or (check_digest and digest(doc) != delta.get("digest")):
         raise DeltaError("the plan it makes is not the one published (digest)")
     return doc
 

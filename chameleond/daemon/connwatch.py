@@ -114,6 +114,10 @@ class Connections:
     seen: set[Incarnation] = field(default_factory=set)  # listed, or missing from one listing
     missing: set[Incarnation] = field(default_factory=set)  # missing from the last listing only
     gone: dict[Incarnation, float] = field(default_factory=dict)  # -> when it was seen gone
+    # The worker ids of `seen`, for the `seen` they were made of
+    _ids: tuple[set[Incarnation] | None, set[str]] = field(
+        default=(None, set()), init=False, repr=False, compare=False
+    )
 
     def update(self, live: set[Incarnation], oldest: int, now: float) -> Notice:
         """One listing at `now` (unix time); nothing changes while no connection is older than
@@ -147,9 +151,12 @@ class Connections:
     def recently_gone(self, now: float, within: float) -> frozenset[str]:
         """The workers with an incarnation announced gone in the last `within` seconds and none
         listed since (a restarted worker is alive)."""
-        listed = {w for w, _ in self.seen}
-        return frozenset(w for (w, _), at in self.gone.items()
-                         if now - at <= within and w not in listed)  # fmt: skip
+        recent = {w for (w, _), at in self.gone.items() if now - at <= within}
+        if not recent:
+            return frozenset()
+        if self._ids[0] is not self.seen:  # asked after every batch: made once per listing
+            self._ids = (self.seen, {w for w, _ in self.seen})
+        return frozenset(recent - self._ids[1])
 
     def current(self) -> Notice:
         """What a worker that subscribes now needs (the Keys.gone document): the incarnations

@@ -116,6 +116,14 @@ class Decisions:
         if job.slow_due and job.machine.running():
             self.task = asyncio.create_task(self._slow(), name="slow")
 
+    def quiet(self) -> bool:
+        """Nothing being decided, due or waited for: no decision running, nothing pending, and
+        every worker of the current plan has acknowledged it."""
+        m = self.job.machine
+        pending = m.pending_faults or m.pending_joins or m.pending_unrestorable
+        running = self.task is not None and not self.task.done()
+        return not (running or pending or m.in_flight is not None or m.awaiting_ready)
+
     async def drain(self, timeout: float) -> None:
         """Let a running decision commit (bounded), and start no other."""
         self.closed = True

@@ -122,6 +122,14 @@ class Metrics:
             buckets=RECOVERY_BUCKETS,
             registry=r,
         )
+        self.heap_settle_seconds = Histogram(
+            "chameleon_heap_settle_seconds",
+            "A full collection of the daemon's heap, frozen afterwards (daemon/heap.py): at "
+            "start, after each plan every worker acknowledged, and every 10 minutes, while "
+            "nothing is being decided.",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
         self.fault_waiting_seconds = Histogram(
             "chameleon_fault_waiting_seconds",
             "Time a fault received before the initial plan waited for it (the workers to "

@@ -40,6 +40,7 @@ from chameleond.daemon.consumer import StreamConsumer
 from chameleond.daemon.decisions import Decisions, nobody_announced
 from chameleond.daemon.detector import Detector
 from chameleond.daemon.health import Health
+from chameleond.daemon.heap import Heap
 from chameleond.daemon.http import HttpServer
 from chameleond.daemon.ingest import EventObserver, Ingest
 from chameleond.daemon.lease import Lease, LeaseLost, connection_name, new_incarnation
@@ -171,6 +172,8 @@ class Service:
             if orphans:
                 log.info("claimed %d in-flight entries of the daemon that led before", orphans)
             await self._restore(client)
+            heap = Heap()
+            self.metrics.heap_settle_seconds.observe(heap.settle(job.machine.generation))
             reachability = self.health.reachability = Reachability(self.metrics)
             committer = Committer(
                 client, self.keys, job, self.metrics, reachability, lease,
@@ -208,7 +211,7 @@ class Service:
                 asyncio.create_task(ingest.run(self._stop), name="consume"),
                 asyncio.create_task(detector.run(), name="detector"),
                 asyncio.create_task(
-                    self._housekeeping(ingest, committer, decisions), name="housekeeping"
+                    self._housekeeping(ingest, committer, decisions, heap), name="housekeeping"
                 ),
                 asyncio.create_task(lease.keep(self._stop), name="lease"),
             ]
@@ -378,10 +381,11 @@ class Service:
     # ---- periodic ------------------------------------------------------------------------------
 
     async def _housekeeping(
-        self, ingest: Ingest, committer: Committer, decisions: Decisions
+        self, ingest: Ingest, committer: Committer, decisions: Decisions, heap: Heap
     ) -> None:
-        """Claim stale entries, trim the stream, persist progress, start due decisions, refresh
-        gauges. A Redis error is logged and the next tick tries again."""
+        """Claim stale entries, trim the stream, persist progress, start due decisions, settle
+        the heap when it is due and nothing is being decided, refresh gauges. A Redis error is
+        logged and the next tick tries again."""
         claim_every = max(1.0, self.cfg.claim_idle_seconds / 2)
         next_claim = time.monotonic() + claim_every
         while not self._stop.is_set():
@@ -394,6 +398,9 @@ class Service:
                 decisions.maybe_decide()
             except (RedisError, OSError) as e:
                 log.warning("housekeeping: %s", e)
+            generation = self.job.machine.generation
+            if heap.due(time.monotonic(), generation) and decisions.quiet():
+                self.metrics.heap_settle_seconds.observe(heap.settle(generation))
             self.refresh_gauges()
 
     # ---- views -------------------------------------------------------------------------------

@@ -125,7 +125,7 @@ def status(job: Job, cfg: Config, *, standby_for: str = "") -> dict[str, Any]:
 
 
 def _model_throughput(job: Job) -> float | None:
-    step = job.model_step_seconds()
+    step = job.model_step_seconds(time.time())
     return job.plan.global_batch / step if job.plan and step else None
 
 

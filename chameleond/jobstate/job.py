@@ -36,6 +36,7 @@ from chameleond.jobstate.records import (
 from chameleond.jobstate.slowness import Slowness, Transition, measure_of
 from chameleond.protocol import HEARTBEAT_SECONDS, heartbeat_seconds
 
+MODEL_VIEW_SECONDS = 10.0  # how long the model's view of a plan may lag its measurements
 REPAIRS = 1000  # the workers' repairs kept (and persisted) for the window estimate
 
 
@@ -81,7 +82,8 @@ class Job:
         self.spec_version = 0  # bumped whenever the planner's spec changes (stored for the workers)
         self._spec_cache: JobSpec | None = None
         self._spec_generation = 0  # the plan `_spec_cache` took its link measurements from
-        self._model_cache: tuple[tuple[int, int], float] | None = None
+        # ((generation, spec version), step seconds, when computed)
+        self._model_cache: tuple[tuple[int, int], float, float] | None = None
         self._measured = MeasuredLayers()  # the layer figures' running sums
         # The layer figures a restart restored (Job.measured_means, persisted): the planner's
         # until a worker measures that layer again.
@@ -194,21 +196,29 @@ class Job:
         gen, attempt = self._attempt
         return attempt if gen == self.machine.generation else 1
 
-    def model_step_seconds(self) -> float | None:
+    def model_step_seconds(self, now: float | None = None) -> float | None:
         """The current plan's step time under the newest measurements: the model's view now. The
         plan's own estimate is the forecast made at its decision; this one follows the in-training
-        profiles (and the host's load in them). Computed once per plan and spec version."""
+        profiles (and the host's load in them). Computed once per plan and spec version; given
+        `now`, a newer spec version of the same plan is taken up MODEL_VIEW_SECONDS after the
+        last (a large job's profiles move the spec with nearly every batch, and a gauge
+        refreshed every second would rebuild the spec and estimate 8,192 stages each time)."""
         if self.plan is None:
             return None
         key = (self.plan.generation, self.spec_version)
-        if self._model_cache is None or self._model_cache[0] != key:
+        cached = self._model_cache
+        if cached is not None and cached[0] != key:
+            fresh = now is not None and now - cached[2] < MODEL_VIEW_SECONDS
+            if not (fresh and cached[0][0] == key[0]):
+                cached = None
+        if cached is None:
             p = self.plan
             try:
                 seconds = Estimator(self.spec).step_seconds(p.pipelines, p.routing, p.sync_groups)
             except KeyError:  # a worker of the plan the spec no longer lists: no model view
                 return None
-            self._model_cache = (key, seconds)
-        return self._model_cache[1]
+            cached = self._model_cache = (key, seconds, now or 0.0)
+        return cached[1]
 
     def spec_changed(self) -> Change:
         self.invalidate_spec()

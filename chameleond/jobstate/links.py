@@ -121,7 +121,12 @@ def links_view(
 
 
 def links_to_json(links: Mapping[str, LinkSpec]) -> dict[str, dict[str, float]]:
-    return {peer: asdict(link) for peer, link in sorted(links.items())}
+    """Field by field (`asdict` deep-copies: every worker's links go into each snapshot)."""
+    return {
+        peer: {"bandwidth_bytes_per_second": link.bandwidth_bytes_per_second,
+               "latency_seconds": link.latency_seconds}
+        for peer, link in sorted(links.items())
+    }  # fmt: skip
 
 
 def links_from_json(d: Mapping[str, Mapping[str, Any]]) -> dict[str, LinkSpec]:

@@ -156,7 +156,7 @@ class Slowness:
 
     def speeds(self) -> dict[str, float]:
         """Every slow worker's speed (the others are 1.0): what the planner is told."""
-        return {w: s.speed for w, s in sorted(self.workers.items()) if s.slow}
+        return {w: s.speed for w, s in sorted((w, s) for w, s in self.workers.items() if s.slow)}
 
     def observe(
         self, worker: str, measure: Measure, members: Collection[str], now: float

@@ -22,7 +22,7 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
     can write there, so a restarted daemon resumes from this copy (daemon/service.py)."""
     current = plan or job.plan
     return {
-        "plan": _plan_document(current) if current is not None else None,
+        "plan": plan_document(current) if current is not None else None,
         "machine": job.machine.snapshot(),
         "started": job.started,
         "fault_times": job.decided_fault_times()[-1000:],
@@ -46,9 +46,9 @@ def snapshot(job: Job, plan: Plan | None = None) -> dict[str, Any]:
     }
 
 
-def _plan_document(plan: Plan) -> dict[str, Any]:
+def plan_document(plan: Plan) -> dict[str, Any]:
     """`plan_to_dict(plan)`, made once per plan: the plan is frozen, and every snapshot holds
-    the current one."""
+    the current one (the commit that publishes it signs the same document). Not to be changed."""
     cached = _PLAN_DOCUMENT[0]
     if cached is None or cached[0] is not plan:
         cached = _PLAN_DOCUMENT[0] = (plan, plan_to_dict(plan))

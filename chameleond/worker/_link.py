@@ -215,9 +215,12 @@ class PlanWatcher(threading.Thread):
                 delta = parse_delta(zlib.decompress(raw))  # type: ignore[arg-type]
                 if _number(delta.get("generation")) <= self._doc.get("generation", 0):
                     return  # the newest plan is the one held
-                base = delta.get("base") == self._doc.get("generation")
-                if base and self._take(raw, apply_delta(self._doc, delta)):
-                    return  # else from another plan, or refused: the whole plan is read
+                if delta.get("base") == self._doc.get("generation"):
+                    # With the keyring, `_take` checks the made plan's signature: no digest too.
+                    made = apply_delta(self._doc, delta, check_digest=self._keyring is None)
+                    if self._take(raw, made):
+                        return  # else refused: the whole plan is read
+                # a delta from another plan: the whole plan is read
             except (DeltaError, zlib.error) as e:  # read it whole
                 log.warning("plan delta under %s not used: %s", self._keys.plan_delta, e)
         raw = self._redis.get(self._keys.plan_packed)

@@ -227,7 +227,8 @@ class TrainingMeter:
     instead, from `inputs_ready` (the stream has waited for the op's receive by then, which is not
     the op's cost), and reads them when a report is due. `step_done` returns a profile event's data
     every REPORT_STEPS steps (REPORT_SECONDS at least), then starts a new window, so each report
-    describes the recent steps of the running plan only.
+    describes the recent steps of the running plan only; the first window of a plan is `phase`
+    steps longer (protocol.profile_phase), so that the workers of a job report at different steps.
     """
 
     def __init__(
@@ -238,8 +239,11 @@ class TrainingMeter:
         host: str,
         workers_on_host: int,
         generation: int = 0,
+        phase: int = 0,
     ) -> None:
         self.startup = startup
+        # The first report waits `phase` steps more (protocol.profile_phase), the next ones not.
+        self.due = REPORT_STEPS + phase
         self.generation = generation  # the plan measured, named in each report (0: none)
         self.device = device
         self.micro_batch = micro_batch
@@ -329,7 +333,7 @@ class TrainingMeter:
         """Count a committed step; the profile data when one is due, else None."""
         self.steps += 1
         wall = time.perf_counter() - self.wall0
-        if self.steps < REPORT_STEPS or wall < REPORT_SECONDS:
+        if self.steps < self.due or wall < REPORT_SECONDS:
             return None
         for what, ids, start, end in self._events:
             end.synchronize()
@@ -378,4 +382,5 @@ class TrainingMeter:
             host["step_cpu_seconds"] = round(max(beyond, 0.0) / self.steps, 6)
             data["host"] = host
         self.restart()
+        self.due = REPORT_STEPS
         return data
