@@ -63,6 +63,12 @@ def _run(server: RedisServer, body: Callable[[aioredis.Redis], Awaitable[None]])
     asyncio.run(main())
 
 
+def _pending(r: redis.Redis) -> set[str]:
+    """The entries read and not acknowledged."""
+    rows = r.xpending_range(KEYS.events, CONSUMER_GROUP, "-", "+", 10)
+    return {str(row["message_id"]) for row in rows}
+
+
 def _snapshot(r: redis.Redis) -> dict[str, object]:
     raw = r.hget(KEYS.state, "snapshot")
     assert raw is not None
@@ -146,27 +152,23 @@ def test_a_batch_waits_unacknowledged_for_a_snapshot_too_costly_to_make_again_at
     first, second = (redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(2))
     redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
 
-    def pending() -> set[str]:
-        rows = redis_client.xpending_range(KEYS.events, CONSUMER_GROUP, "-", "+", 10)
-        return {str(r["message_id"]) for r in rows}
-
     async def body(client: aioredis.Redis) -> None:
         c = _committer(client)
         c.note(SNAPSHOT)
         await c.batch([first], [])
-        assert pending() == {second}
+        assert _pending(redis_client) == {second}
         c._snapshot_cost = 1.0  # as a snapshot of thousands of workers takes
         layers = list(range(len(c.job.spec.layers)))
         assert c.job.checkpoints.add(7, layers, 1)
         c.note(SNAPSHOT)
         await c.batch([second], [])
-        assert pending() == {second} and c.held() == {second}
+        assert _pending(redis_client) == {second} and c.held() == {second}
         assert "7" not in json.dumps(_snapshot(redis_client)["checkpoints"])
         await c.batch([], [])  # too soon still: nothing is written
-        assert pending() == {second}
+        assert _pending(redis_client) == {second}
         await asyncio.sleep(SNAPSHOT_WAIT_MAX_SECONDS)
         await c.batch([], [])  # the housekeeping tick's commit: the snapshot and its entries
-        assert pending() == set() and not c.held()
+        assert _pending(redis_client) == set() and not c.held()
         assert _snapshot(redis_client)["checkpoints"] == c.job.checkpoints.to_json()
 
     _run(redis_server, body)
@@ -182,22 +184,18 @@ def test_batches_that_only_acknowledge_are_committed_together_soon_after(
     ids = [redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(4)]
     redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
 
-    def pending() -> set[str]:
-        rows = redis_client.xpending_range(KEYS.events, CONSUMER_GROUP, "-", "+", 10)
-        return {str(r["message_id"]) for r in rows}
-
     async def body(client: aioredis.Redis) -> None:
         c = _committer(client)
         c.note(SNAPSHOT)
         await c.batch([ids[0]], [])  # a commit: its snapshot
         await c.batch([ids[1]], [])  # acknowledgements alone, just after it: later
-        assert pending() == set(ids[1:]) and c.held() == {ids[1]}
+        assert _pending(redis_client) == set(ids[1:]) and c.held() == {ids[1]}
         await asyncio.sleep(3 * ACK_SPACING_SECONDS)  # committed by the flush
-        assert pending() == set(ids[2:]) and not c.held()
+        assert _pending(redis_client) == set(ids[2:]) and not c.held()
         await c.batch([ids[2]], [])
         c.note(SNAPSHOT)
         await c.batch([ids[3]], [])  # a change: committed at once, with the one before
-        assert pending() == set() and not c.held()
+        assert _pending(redis_client) == set() and not c.held()
 
     _run(redis_server, body)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, replace
+from typing import Any
 
 import pytest
 
@@ -70,19 +71,25 @@ def test_bad_host_reports_are_rejected_with_a_reason(host: dict[str, object], re
         send(j, {"layers": LAYERS, "host": host})
 
 
+def slowed(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`layers` measured twice as slow."""
+    return [{**layer, "forward_seconds": 2 * layer["forward_seconds"],
+             "backward_seconds": 2 * layer["backward_seconds"]} for layer in layers]  # fmt: skip
+
+
+def train_at(j: Job, layers: list[dict[str, Any]]) -> None:
+    """Every worker reports `layers` from training."""
+    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
+        send(j, {"layers": layers, "source": "training"}, worker=w)
+
+
 def test_the_model_view_of_the_running_plan_follows_newer_profiles() -> None:
     j = Job("t", SPEC, policy="adaptive", machine=PolicyMachine())
     j.plan = initial_plan(j.spec)
     published = j.plan.estimates.step_seconds
     assert j.model_step_seconds() == pytest.approx(published)
     # Every worker measures its layers twice as slow in training (the host got busier).
-    slower = [
-        {**layer, "forward_seconds": 2 * layer["forward_seconds"],
-         "backward_seconds": 2 * layer["backward_seconds"]}
-        for layer in LAYERS
-    ]  # fmt: skip
-    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
-        send(j, {"layers": slower, "source": "training"}, worker=w)
+    train_at(j, slowed(LAYERS))
     model = j.model_step_seconds()
     assert model is not None and model > 1.3 * published
     assert j.plan.estimates.step_seconds == published  # the decision's forecast stays as it was
@@ -96,20 +103,11 @@ def test_the_gauges_model_view_takes_up_new_profiles_at_most_every_ten_seconds()
     j.plan = initial_plan(j.spec)
     published = j.plan.estimates.step_seconds
     assert j.model_step_seconds(now=100.0) == pytest.approx(published)
-    slower = [
-        {**layer, "forward_seconds": 2 * layer["forward_seconds"],
-         "backward_seconds": 2 * layer["backward_seconds"]}
-        for layer in LAYERS
-    ]  # fmt: skip
-    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
-        send(j, {"layers": slower, "source": "training"}, worker=w)
+    train_at(j, slowed(LAYERS))
     assert j.model_step_seconds(now=105.0) == pytest.approx(published)  # within MODEL_VIEW
     model = j.model_step_seconds(now=100.0 + MODEL_VIEW_SECONDS)
     assert model is not None and model > 1.3 * published
-    slowest = [{**layer, "forward_seconds": 2 * layer["forward_seconds"],
-                "backward_seconds": 2 * layer["backward_seconds"]} for layer in slower]  # fmt: skip
-    for w in ("w0", "w1", "w2", "w3", "w4", "w5"):
-        send(j, {"layers": slowest, "source": "training"}, worker=w)
+    train_at(j, slowed(slowed(LAYERS)))
     assert j.model_step_seconds(now=101.0 + MODEL_VIEW_SECONDS) == pytest.approx(model)
     j.plan = replace(j.plan, generation=j.plan.generation + 1)  # a new plan: taken up at once
     newest = j.model_step_seconds(now=101.0 + MODEL_VIEW_SECONDS)
