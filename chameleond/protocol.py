@@ -47,10 +47,11 @@ PROFILE_EVERY_STEPS = 5  # a training profile per this many steps (chameleond/wo
 
 
 def profile_phase(worker: str) -> int:
-    """The steps, 0 to PROFILE_EVERY_STEPS - 1, a worker's first training profile of a plan waits
-    beyond PROFILE_EVERY_STEPS: a job's workers commit their steps together, and without it
-    every one of them reported at the same step (8,192 profiles at once every fifth step, queued
-    ahead of any fault in the stream); with it a fifth of them report at each step."""
+    """The steps, 0 to PROFILE_EVERY_STEPS - 1, a worker's second training profile of a plan
+    waits beyond PROFILE_EVERY_STEPS (its first comes after PROFILE_EVERY_STEPS, with the links it
+    measured): a job's workers commit their steps together, and without it every one of them
+    reported at the same step (8,192 profiles at once every fifth step, queued ahead of any
+    fault in the stream); with it a fifth of them report at each step."""
     return zlib.crc32(worker.encode()) % PROFILE_EVERY_STEPS
 
 

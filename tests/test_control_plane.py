@@ -29,6 +29,8 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     assert without["workers"] == 56 and back["workers"] == 64
     assert back["generation"] > without["generation"] > 1
     assert f["peer_death_detect_seconds"] is not None and f["peer_death_detect_seconds"] <= 2.0
+    announced = f["peer_death_announced_seconds"]
+    assert announced is not None and 0 < announced <= f["peer_death_detect_seconds"] + 0.05
     assert f["fault_to_all_acked_max_seconds"] < 3.0
     assert 0 < f["fault_to_plan_published_seconds"] <= f["fault_to_all_acked_max_seconds"]
     assert all("peer process gone" in d["cause"] for d in f["decisions_after_loss"])

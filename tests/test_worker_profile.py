@@ -66,11 +66,12 @@ def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
     assert meter.steps == 0  # a new window after each report
 
 
-def test_a_plans_first_report_waits_the_workers_phase_then_every_report_steps(
+def test_a_plans_second_report_waits_the_workers_phase_then_every_report_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A job's workers commit steps together: each reports its first window of a plan at its own
-    phase, so that a fifth of them report at each step, not all at every fifth."""
+    """A job's workers commit steps together: each reports the first window of a plan after
+    PROFILE_EVERY_STEPS steps, then the second at its own phase, so that from then on a fifth of
+    them report at each step, not all at every fifth."""
     monkeypatch.setattr(profile, "REPORT_SECONDS", 0.0)
     startup = profile_model(MODEL, 2, CPU)["layers"]
     workers = [f"w{i}" for i in range(40)]
@@ -84,8 +85,9 @@ def test_a_plans_first_report_waits_the_workers_phase_then_every_report_steps(
             meter.op(True, range(2))
             if meter.step_done() is not None:
                 reported.append(step)
-        first = PROFILE_EVERY_STEPS + phases[w]
-        assert reported == list(range(first, 4 * PROFILE_EVERY_STEPS, PROFILE_EVERY_STEPS))
+        second = 2 * PROFILE_EVERY_STEPS + phases[w]
+        later = range(second, 4 * PROFILE_EVERY_STEPS, PROFILE_EVERY_STEPS)
+        assert reported == [PROFILE_EVERY_STEPS, *later]
 
 
 def test_meter_waits_for_enough_steps_and_time(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,9 @@ sockets as it does a dead host's. The phases:
   daemon and Redis CPU seconds per second (/proc), the daemon's backlog (the group's lag);
 * host lost: the kill -> each member's ready ack of the first plan without the host's workers
   (`fault_to_all_acked_p99_seconds`; the plan may keep a survivor out, as a spare); when the
-  daemon publishes liveness (Keys(job).prefix + "liveness"), the kill -> each peer of a lost
-  worker learning of it (`peer_death_detect_seconds`, else null);
+  daemon publishes liveness (Keys(job).prefix + "liveness"), the kill -> its notice
+  (`peer_death_announced_seconds`) and -> each peer of a lost worker learning of it
+  (`peer_death_detect_seconds`, else null);
 * host back: a new process for the host (new incarnations) -> the plan that takes its workers
   back acked by all.
 
@@ -138,18 +139,29 @@ class Observations:
 
 
 class Announcements:
-    """When each generation was first announced on the job's plans channel, as a subscriber of
-    its own (a thread, a connection) saw it."""
+    """When each generation was first announced on the job's plans channel, and when each
+    liveness notice came, as a subscriber of its own (a thread, a connection) saw them."""
 
     def __init__(self, client: redis.Redis, job: str) -> None:
         self.at: dict[int, float] = {}
+        self.notices: list[float] = []
         self._sub = client.pubsub(ignore_subscribe_messages=True)
-        self._sub.subscribe(**{Keys(job).plans_channel: self._heard})
+        keys = Keys(job)
+        self._sub.subscribe(
+            **{keys.plans_channel: self._heard, keys.liveness_channel: self._notice}
+        )
         self._thread = self._sub.run_in_thread(sleep_time=0.01, daemon=True)
 
     def _heard(self, message: dict[str, Any]) -> None:
         with contextlib.suppress(ValueError, TypeError):
             self.at.setdefault(int(message["data"]), time.time())
+
+    def _notice(self, message: dict[str, Any]) -> None:
+        self.notices.append(time.time())
+
+    def notice_after(self, since: float) -> float | None:
+        """When the first liveness notice after unix time `since` came."""
+        return next((at for at in self.notices if at >= since), None)
 
     def stop(self) -> None:
         self._thread.stop()
@@ -441,6 +453,8 @@ def scenario(
             learned = [at - killed_at for _, peer, at in sims.obs.learned if peer in gone]
         out["peer_death_learned_p99_seconds"] = quantile(learned, 0.99)
         out["peer_death_detect_seconds"] = round(max(learned), 3) if learned else None
+        # The daemon's part: its notice published (the rest is each peer's loop reading it)
+        out["peer_death_announced_seconds"] = _since(heard.notice_after(killed_at), killed_at)
     delays = [at - killed_at for at in acks.values()]
     out["fault_to_all_acked_p50_seconds"] = quantile(delays, 0.5)
     out["fault_to_all_acked_p99_seconds"] = quantile(delays, 0.99)

@@ -227,8 +227,9 @@ class TrainingMeter:
     instead, from `inputs_ready` (the stream has waited for the op's receive by then, which is not
     the op's cost), and reads them when a report is due. `step_done` returns a profile event's data
     every REPORT_STEPS steps (REPORT_SECONDS at least), then starts a new window, so each report
-    describes the recent steps of the running plan only; the first window of a plan is `phase`
-    steps longer (protocol.profile_phase), so that the workers of a job report at different steps.
+    describes the recent steps of the running plan only; the second window of a plan is `phase`
+    steps longer (protocol.profile_phase), so that the workers of a job report at different steps
+    from then on.
     """
 
     def __init__(
@@ -242,8 +243,12 @@ class TrainingMeter:
         phase: int = 0,
     ) -> None:
         self.startup = startup
-        # The first report waits `phase` steps more (protocol.profile_phase), the next ones not.
-        self.due = REPORT_STEPS + phase
+        # A plan's first report comes after REPORT_STEPS steps (its links, the first figures of
+        # the plan), its second `phase` steps later than that (protocol.profile_phase), the next
+        # ones every REPORT_STEPS: from then on the job's workers report at different steps.
+        self.phase = phase
+        self.reports = 0
+        self.due = REPORT_STEPS
         self.generation = generation  # the plan measured, named in each report (0: none)
         self.device = device
         self.micro_batch = micro_batch
@@ -382,5 +387,6 @@ class TrainingMeter:
             host["step_cpu_seconds"] = round(max(beyond, 0.0) / self.steps, 6)
             data["host"] = host
         self.restart()
-        self.due = REPORT_STEPS
+        self.reports += 1
+        self.due = REPORT_STEPS + (self.phase if self.reports == 1 else 0)
         return data
