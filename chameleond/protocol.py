@@ -44,6 +44,7 @@ HEARTBEAT_SECONDS = 1.0  # a job of up to HEARTBEATS_PER_SECOND workers
 HEARTBEATS_PER_SECOND = 2048  # a larger job's workers beat less often, sharing this many
 PLAN_POLL_SECONDS = 5.0
 PROFILE_EVERY_STEPS = 5  # a training profile per this many steps (chameleond/worker/_profile.py)
+STEP_REPORTS_PER_SECOND = 2048  # a larger job's members report every few steps, sharing this many
 
 
 def profile_phase(worker: str) -> int:
@@ -53,6 +54,25 @@ def profile_phase(worker: str) -> int:
     reported at the same step (8,192 profiles at once every fifth step, queued ahead of any
     fault in the stream); with it a fifth of them report at each step."""
     return zlib.crc32(worker.encode()) % PROFILE_EVERY_STEPS
+
+
+def step_report_every(members: int, step_seconds: float) -> int:
+    """How many steps apart a member of a plan of `members` reports `step` (its first step of
+    each plan, and one with an evaluation, always): 1 while every member's every step stays
+    within STEP_REPORTS_PER_SECOND; beyond, as many steps as fit in a heartbeat period, so that
+    a member is still heard from once per period (at 8,192 workers and 2 s steps: every second
+    step, 2,048 reports a second instead of 4,096). The daemon's throughput counts each step
+    once, from whichever member reports it first (jobstate/records.py StepMeter)."""
+    if step_seconds <= 0 or members / step_seconds <= STEP_REPORTS_PER_SECOND:
+        return 1
+    return max(1, int(heartbeat_seconds(members) // step_seconds))
+
+
+def step_reported(worker: str, step: int, members: int, step_seconds: float) -> bool:
+    """Whether `worker` reports committed step `step` (beside its first of a plan and one with
+    an evaluation): each member at its own phase, so that every step is reported by some."""
+    every = step_report_every(members, step_seconds)
+    return every == 1 or (step + zlib.crc32(worker.encode())) % every == 0
 
 
 def heartbeat_seconds(workers: int) -> float:

@@ -4,6 +4,7 @@ from outside the spec wait for a profile, expire, are bounded, and are never pla
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -14,7 +15,14 @@ from chameleond.jobstate.change import UNCHANGED
 from chameleond.jobstate.jobspec import profile_to_json
 from chameleond.jobstate.records import UNCONFIRMED_MAX
 from chameleond.jobstate.snapshot import restore, snapshot
-from chameleond.protocol import HEARTBEAT_SECONDS, EventError, heartbeat_seconds
+from chameleond.protocol import (
+    HEARTBEAT_SECONDS,
+    STEP_REPORTS_PER_SECOND,
+    EventError,
+    heartbeat_seconds,
+    step_report_every,
+    step_reported,
+)
 
 PROFILE = json.dumps({"layers": profile_to_json(dict(enumerate(SPEC.layers)))})
 
@@ -128,6 +136,26 @@ def test_liveness_names_a_killed_worker_dead_and_a_fenced_one_heartbeating() -> 
     assert j.liveness(j.workers["w0"], 12.0, 3.0) == "silent"  # nothing since 1.0
     send(j, type="ack", worker="w1", generation=1, phase="stopped", reason="finished")
     assert j.liveness(j.workers["w1"], 12.0, 3.0) == "stopped"
+
+
+def test_a_large_jobs_members_report_every_few_steps_yet_every_step_and_every_period() -> None:
+    """Beyond STEP_REPORTS_PER_SECOND a member reports one step in a few (its first of a plan and
+    one with an evaluation always, in chameleond/worker/_loop.py): still every step by some
+    member, about the budget in all, and each member once per heartbeat period."""
+    assert step_report_every(7, 0.05) == step_report_every(1024, 2.0) == 1
+    assert step_report_every(8192, 4.0) == 1
+    assert step_report_every(8192, 2.0) == 2 and step_report_every(8192, 1.0) == 4
+    members = [f"w{i}" for i in range(8192)]
+    for seconds in (0.5, 1.0, 2.0, 3.0):
+        steps = range(1, 17)
+        reported = {s: {w for w in members if step_reported(w, s, 8192, seconds)} for s in steps}
+        assert all(reported.values())
+        per_second = sum(map(len, reported.values())) / len(steps) / seconds
+        assert per_second <= 1.5 * STEP_REPORTS_PER_SECOND
+        for w in members[:64]:
+            mine = [s for s in steps if w in reported[s]]
+            gaps = [b - a for a, b in itertools.pairwise(mine)]
+            assert max(gaps) * seconds <= heartbeat_seconds(8192)
 
 
 def test_a_large_jobs_workers_beat_less_often_and_its_heartbeat_timeout_grows_as_much() -> None:

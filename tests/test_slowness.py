@@ -8,6 +8,8 @@ import json
 from dataclasses import asdict, replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from chameleond.core.decide import initial_plan
 from chameleond.core.machine import PolicyMachine
@@ -22,9 +24,11 @@ from chameleond.jobstate.slowness import (
     RECOVER_MARGIN,
     WINDOW_SECONDS,
     Measure,
+    PeerGroup,
     Slowness,
     expected_episode_seconds,
     measure_of,
+    own_speed,
     peer_speeds,
 )
 from chameleond.jobstate.snapshot import restore, snapshot
@@ -44,6 +48,24 @@ def test_a_worker_is_compared_with_the_workers_that_ran_the_same_layers() -> Non
     assert speeds["a0"] == pytest.approx(0.5)  # median of its peers (1, 1) over its 2
     assert speeds["b0"] == pytest.approx(1.5)  # median of (2, 1) over its 1
     assert speeds["a1"] == speeds["b1"] == pytest.approx(1.0)  # a slower stage is not slow
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcdef"), st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]))))
+def test_a_peer_group_kept_sorted_gives_each_worker_the_speed_of_its_peers(
+    reports: list[tuple[str, float]],
+) -> None:
+    """The detector's sorted groups, reports replacing reports and workers leaving: every
+    worker's speed is the median of the others' computes over its own, ties included."""
+    group, computes = PeerGroup(), {}
+    for i, (worker, compute) in enumerate(reports):
+        if i % 5 == 4:  # now and then a worker leaves the group
+            group.discard(worker)
+            computes.pop(worker, None)
+        else:
+            group.set(worker, compute)
+            computes[worker] = compute
+        for w in "abcdefg":
+            assert group.speed(w) == own_speed(computes, w)
 
 
 def test_without_peers_there_is_no_speed_and_no_detection() -> None:

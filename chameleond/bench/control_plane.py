@@ -11,7 +11,8 @@ sockets as it does a dead host's. The phases:
 * register: every worker registered -> the first plan acked ready by all;
 * steady state (--steady-seconds): Redis commands per worker per second (INFO
   `total_commands_processed`, per command from `commandstats`), Redis output bytes per second,
-  daemon and Redis CPU seconds per second (/proc), the daemon's backlog (the group's lag);
+  daemon and Redis CPU seconds per second (/proc), how far the daemon's reading trails the
+  stream at its end (`daemon_behind_seconds`);
 * host lost: the kill -> each member's ready ack of the first plan without the host's workers
   (`fault_to_all_acked_p99_seconds`; the plan may keep a survivor out, as a spare); when the
   daemon publishes liveness (Keys(job).prefix + "liveness"), the kill -> its notice
@@ -437,8 +438,7 @@ def scenario(
     time.sleep(steady_seconds)
     sims.check()
     out["steady"] = steady_figures(before, sample(client, cluster, sims), n)
-    lag: Any = client.xinfo_groups(Keys(cluster.job).events)
-    out["steady"]["daemon_backlog_events"] = int(lag[0].get("lag") or 0) if lag else None
+    out["steady"]["daemon_behind_seconds"] = behind_seconds(client, cluster.job)
 
     sent = _output_bytes(client)
     killed_at = out["killed_at"] = time.time()
@@ -486,6 +486,23 @@ def scenario(
     out["host_back_to_plan_announced_seconds"] = _since(heard.at.get(gen3), back_at)
     out["plan_with_host"] = {"generation": gen3, "workers": len(back)}
     out["decisions_after_return"] = decisions_since(client, cluster.job, back_at)
+
+
+def behind_seconds(client: redis.Redis, job: str) -> float | None:
+    """How far the daemon's reading trails the job's stream: the newest entry's time less the
+    newest delivered to the daemon's group (entry ids are Redis's clock in ms; XINFO GROUPS's
+    `lag` needs Redis 7). None before the group exists."""
+    events = Keys(job).events
+    groups: Any = client.xinfo_groups(events)
+    if not groups:
+        return None
+    stream: Any = client.xinfo_stream(events)
+
+    def ms(entry_id: Any) -> int:
+        text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        return int(text.split("-")[0])
+
+    return max(0, ms(stream["last-generated-id"]) - ms(groups[0]["last-delivered-id"])) / 1000
 
 
 def _first_fault_at(client: redis.Redis, job: str, since: float) -> float | None:

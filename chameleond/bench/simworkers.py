@@ -10,7 +10,8 @@ step or an ack went out within it (as a real worker's); on every announcement of
 on `Keys(job).plans_channel`, and when the committed generation (polled every PLAN_POLL_SECONDS) is
 newer than its own, it GETs the plan's delta from the one it holds, else the packed plan, as the
 real PlanWatcher does, and acks `ready` for each new generation it is a member of (at once: no
-process groups to build). As a member it reports a `step` every step period of the shared clock, and
+process groups to build). As a member it commits a step every step period of the shared clock,
+reported as a real worker's (its first of a plan, then `step_reported`), and
 a training `profile` of the layers it holds every REPORT_STEPS steps (at its
 `profile_phase`, as a real worker's). It listens on the job's
 liveness channel; when a peer of its plan (same pipeline or same stage) is reported gone, it notes
@@ -51,7 +52,13 @@ from chameleond.core.plan import PlanError, plan_from_dict
 from chameleond.core.plandelta import DeltaError, apply_delta, parse_delta
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.events import HEARD, Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
-from chameleond.protocol import PLAN_POLL_SECONDS, Keys, heartbeat_seconds, profile_phase
+from chameleond.protocol import (
+    PLAN_POLL_SECONDS,
+    Keys,
+    heartbeat_seconds,
+    profile_phase,
+    step_reported,
+)
 from chameleond.protocol import PROFILE_EVERY_STEPS as REPORT_STEPS
 from chameleond.protocol import worker_connection_name as connection_name
 
@@ -215,6 +222,7 @@ class SimWorker:
         self.cmd: Connection  # opened by run()
         self.plan: Layout | None = None
         self.acked = 0  # the newest generation acked ready
+        self.stepped = 0  # the generation of its newest step
         self.heard_at = 0.0  # time.monotonic() of the last heartbeat, step or ack sent
         self.raw: bytes | None = None  # the plan bytes held: an unchanged GET parses nothing
         self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) already named
@@ -304,8 +312,10 @@ class SimWorker:
             plan = self.plan
             if plan is None or self.acked != plan.generation or self.worker not in plan.members:
                 continue
-            await self.send(Step(self.worker, plan.generation, step, plan.global_batch, period,
-                                 2.0, vote_seconds=0.01, at=time.time()))  # fmt: skip
+            first, self.stepped = self.stepped != plan.generation, plan.generation
+            if first or step_reported(self.worker, step, len(plan.members), period):
+                await self.send(Step(self.worker, plan.generation, step, plan.global_batch,
+                                     period, 2.0, vote_seconds=0.01, at=time.time()))  # fmt: skip
             if step % REPORT_STEPS == self.phase:
                 data = {
                     "layers": self.s.layer_report(plan.layers.get(self.worker, ())),

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -63,21 +64,28 @@ Incarnation = tuple[str, str]  # (worker id, incarnation)
 def listed(raw: bytes, job: str, own: str | None = None) -> tuple[set[Incarnation], int]:
     """The job's worker incarnations in a CLIENT LIST reply, and the oldest age of their
     connections and of the lister's own (named `own`): a sentinel's or a tool's old connection
-    says nothing of this Redis's restart."""
-    out: set[Incarnation] = set()
-    oldest = 0 if own is None else _oldest_named(raw, f" name={own} ".encode())
-    prefix = f" name=chameleon-worker:{job}:".encode()
-    start = raw.find(prefix)
-    while start >= 0:
-        begin = start + len(prefix)
-        end = raw.find(b" ", begin)
-        worker, _, incarnation = raw[begin:end].decode("utf-8", "replace").rpartition(":")
-        if worker:
-            out.add((worker, incarnation))
-        if age := _AGE.match(raw, end):
-            oldest = max(oldest, int(age.group(1)))
-        start = raw.find(prefix, end)
-    return out, oldest
+    says nothing of this Redis's restart. (At 8,192 workers the reply lists 16,384 connections
+    twice a second: one regular-expression pass, each distinct name parsed once per daemon.)"""
+    ages = dict(_names(job).findall(raw))  # name -> its connection's age, one per name
+    oldest = max((int(a) for a in ages.values() if a), default=0)
+    if own is not None:
+        oldest = max(oldest, _oldest_named(raw, f" name={own} ".encode()))
+    out = {_incarnation(name) for name in ages}
+    out.discard(None)
+    return out, oldest  # type: ignore[return-value]  # None discarded
+
+
+@functools.lru_cache(maxsize=8)
+def _names(job: str) -> re.Pattern[bytes]:
+    """A job's worker connection names (after the prefix) and their ages, in CLIENT LIST."""
+    prefix = re.escape(f" name=chameleon-worker:{job}:".encode())
+    return re.compile(prefix + rb"(\S*)(?: age=(\d+))?")
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _incarnation(name: bytes) -> Incarnation | None:
+    worker, _, incarnation = name.decode("utf-8", "replace").rpartition(":")
+    return (worker, incarnation) if worker else None
 
 
 def _oldest_named(raw: bytes, field: bytes) -> int:

@@ -26,6 +26,7 @@ sit above the noise of a healthy run (docs/daemon.md, "Slow workers").
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -150,7 +151,7 @@ class Slowness:
     # Derived from `measures` and the members last observed: the members' computes by the layers
     # they ran.
     _members: frozenset[str] | None = field(default=None, init=False, repr=False, compare=False)
-    _groups: dict[frozenset[int], dict[str, float]] = field(
+    _groups: dict[frozenset[int], PeerGroup] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -170,13 +171,16 @@ class Slowness:
             self._groups = {}
             for w, m in self.measures.items():
                 if w in self._members:
-                    self._groups.setdefault(m.layers, {})[w] = m.compute_seconds
+                    self._groups.setdefault(m.layers, PeerGroup()).set(w, m.compute_seconds)
         else:
-            if old is not None:
-                self._groups.get(old.layers, {}).pop(worker, None)
+            if old is not None and old.layers in self._groups:
+                self._groups[old.layers].discard(worker)
             if worker in self._members:
-                self._groups.setdefault(measure.layers, {})[worker] = measure.compute_seconds
-        speed = own_speed(self._groups.get(measure.layers, {}), worker)
+                self._groups.setdefault(measure.layers, PeerGroup()).set(
+                    worker, measure.compute_seconds
+                )
+        peers = self._groups.get(measure.layers)
+        speed = peers.speed(worker) if peers is not None else None
         if speed is None:
             return []
         t = self.workers.setdefault(worker, WorkerSlowness()).observe(worker, speed, now)
@@ -196,7 +200,6 @@ class Slowness:
         """A worker that died is an ordinary fault: out of the speeds. Whether it was slow."""
         measure = self.measures.pop(worker, None)
         if measure is not None:
-            self._groups.get(measure.layers, {}).pop(worker, None)
             self._members = None  # the groups are built again
         state = self.workers.pop(worker, None)
         return state is not None and state.slow
@@ -250,6 +253,42 @@ def own_speed(group: Mapping[str, float], worker: str) -> float | None:
     compute = group.get(worker)
     others = [c for w, c in group.items() if w != worker]
     return None if compute is None or not others else median(others) / compute
+
+
+@dataclass
+class PeerGroup:
+    """The computes of the workers that run the same layers, also kept sorted: `own_speed` of one
+    of them without going through the others (a group is a stage's peers: 512 at 8,192 workers,
+    each reporting every few steps)."""
+
+    computes: dict[str, float] = field(default_factory=dict)
+    _sorted: list[float] = field(default_factory=list, repr=False)
+
+    def set(self, worker: str, compute: float) -> None:
+        self.discard(worker)
+        self.computes[worker] = compute
+        bisect.insort(self._sorted, compute)
+
+    def discard(self, worker: str) -> None:
+        old = self.computes.pop(worker, None)
+        if old is not None:
+            del self._sorted[bisect.bisect_left(self._sorted, old)]
+
+    def speed(self, worker: str) -> float | None:
+        """`own_speed(self.computes, worker)`: the others are the sorted computes less one copy
+        of the worker's own."""
+        compute = self.computes.get(worker)
+        others = len(self._sorted) - 1
+        if compute is None or others == 0:
+            return None
+        own = bisect.bisect_left(self._sorted, compute)
+
+        def other(i: int) -> float:
+            return self._sorted[i if i < own else i + 1]
+
+        half = others // 2
+        middle = other(half) if others % 2 else (other(half - 1) + other(half)) / 2
+        return middle / compute
 
 
 def detect_seconds(step_seconds: float) -> float:

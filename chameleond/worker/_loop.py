@@ -17,7 +17,7 @@ import time
 import torch
 
 from chameleond.events import Profile, Step
-from chameleond.protocol import profile_phase
+from chameleond.protocol import profile_phase, step_reported
 from chameleond.worker._backend import allreduce_sum, computing
 from chameleond.worker._commit import Commit, overflowed, seed
 from chameleond.worker._evaluate import Evaluator
@@ -152,7 +152,7 @@ class StepLoop:
                     eval_loss = evaluator.run_all()
                 self._report(
                     gen, state, commit, (scale, lr), seconds, vote_seconds, runner.synced_bytes,
-                    ids, eval_loss,
+                    ids, eval_loss, first,
                 )  # fmt: skip
                 if first:
                     meter.restart()  # the first step pays for the generation's warm-up
@@ -188,8 +188,10 @@ class StepLoop:
         synced_bytes: int,
         sample_ids: tuple[int, ...],
         eval_loss: float | None,
+        first: bool,
     ) -> None:
-        """The step event, and the training's `on_step` callback with the same figures."""
+        """The step event (in a large job only every few steps beyond the plan's `first`:
+        protocol.step_reported), and the training's `on_step` callback with the same figures."""
         plan = gen.plan
         training = state.model.training
         scale, lr = scale_lr
@@ -224,6 +226,11 @@ class StepLoop:
             grad_norm=info.grad_norm if math.isfinite(info.grad_norm) else None,
             overflow=fp16 and info.overflow, loss_scale=scale if fp16 else None,
         )  # fmt: skip
-        self.reporter.report(event)
+        if (
+            first
+            or eval_loss is not None
+            or step_reported(self.me, info.step, len(plan.members), seconds)
+        ):
+            self.reporter.report(event)
         if training.on_step is not None:
             training.on_step(info)
