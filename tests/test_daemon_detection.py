@@ -65,7 +65,11 @@ def test_phantom_registrations_expire_and_are_never_planned(
 def test_a_finished_worker_is_never_suspected_and_a_dead_one_is_named_dead(
     redis_server: RedisServer, redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
-    daemon = running_job.daemon("--heartbeat-timeout-seconds", "1", "--policy", "reroute").start()
+    # Nothing trimmed: on a slow machine w5 is suspected before the flood, whose 300,000 entries
+    # would push its fault past the stream's default maxlen.
+    daemon = running_job.daemon(
+        "--heartbeat-timeout-seconds", "1", "--policy", "reroute", "--stream-maxlen", "1000000"
+    ).start()
     workers = running_job.workers
     beating = set(WORKERS)
     stop = threading.Event()
@@ -112,7 +116,11 @@ def test_a_backlog_longer_than_the_heartbeat_timeout_declares_only_the_silent_wo
     """The daemon falls behind its stream by several heartbeat timeouts: the live workers'
     heartbeats wait in the backlog behind a flood of events, and none of them is declared
     failed for it; w5, silent since before the flood, is."""
-    daemon = running_job.daemon("--heartbeat-timeout-seconds", "1", "--policy", "reroute").start()
+    # Nothing trimmed: on a slow machine w5 is suspected before the flood, whose 300,000 entries
+    # would push its fault past the stream's default maxlen.
+    daemon = running_job.daemon(
+        "--heartbeat-timeout-seconds", "1", "--policy", "reroute", "--stream-maxlen", "1000000"
+    ).start()
     workers = running_job.workers
     beating = set(WORKERS)
     stop = threading.Event()

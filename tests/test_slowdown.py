@@ -134,8 +134,11 @@ def test_a_slowed_process_does_half_the_work_and_is_left_running(tmp_path: Path)
             assert 0.3 <= halved <= 0.7, halved
             slowdown.set_factor(1.0)  # live: full speed again
             time.sleep(0.3)
+            assert stopped_fraction(pid, 0.5) == 0.0  # never stopped at full speed
             restored = work_ratio(slow, fast, 2.0)
-            assert restored >= 0.8, (halved, restored)
+            # Clearly more than halved: on a noisy 2-core machine two equal counters' work
+            # differed by up to 30% over 2 s (0.70 once, with no slowdown left).
+            assert restored > 1.3 * halved, (halved, restored)
             slowdown.set_factor(0.5)
             time.sleep(0.3)
         finally:

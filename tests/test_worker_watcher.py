@@ -166,8 +166,11 @@ def test_a_worker_holding_the_plan_before_reads_only_its_delta(redis_server: Red
             time.sleep(1.0)
             assert watcher.newest is not None and watcher.newest.generation == 2
 
-            # A delta from a plan it does not hold (4 from 3): the whole plan is read.
-            commit(3)
+            # A delta from a plan it does not hold (4 from 3, plan 3 never published: a watcher
+            # quick enough would read it, and then hold the delta's base): the whole plan is read.
+            docs[3] = signed_document(
+                keyring, "plan", "delta", plan_to_dict(replace(plan, generation=3))
+            )[1]
             commit(4, delta_from=3)
             admin.set(keys.plan_packed, zlib.compress(admin.get(keys.plan) or b""))
             seen = watcher.wait_newer(2, timeout=15)
