@@ -70,9 +70,7 @@ def listed(raw: bytes, job: str, own: str | None = None) -> tuple[set[Incarnatio
     oldest = max((int(a) for a in ages.values() if a), default=0)
     if own is not None:
         oldest = max(oldest, _oldest_named(raw, f" name={own} ".encode()))
-    out = {_incarnation(name) for name in ages}
-    out.discard(None)
-    return out, oldest  # type: ignore[return-value]  # None discarded
+    return {v for name in ages if (v := _incarnation(name)) is not None}, oldest
 
 
 @functools.lru_cache(maxsize=8)
