@@ -10,6 +10,7 @@ types and the parser table here are made from `EVENT_CLASSES`.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -76,11 +77,14 @@ def step_reported(worker: str, step: int, members: int, step_seconds: float) -> 
 
 
 def heartbeat_seconds(workers: int) -> float:
-    """A worker's heartbeat period in a job of `workers`: HEARTBEAT_SECONDS, or longer in a job so
-    large that the beats would pass HEARTBEATS_PER_SECOND (a dead process is announced by the
-    connection watch within a fraction of a second whatever the period: the beats find hung
-    ones). The daemon's heartbeat timeout grows by the same factor (Job.heartbeat_timeout)."""
-    return max(HEARTBEAT_SECONDS, workers / HEARTBEATS_PER_SECOND)
+    """A worker's heartbeat period in a job of `workers`: HEARTBEAT_SECONDS, or in a job so large
+    that the beats would pass HEARTBEATS_PER_SECOND, as many whole seconds as keep them within it
+    (whole: a job a few workers short of 8,192, after a loss, keeps the 4 s of 8,192, and with it
+    a member's step reports one in two at 2 s steps; 3.9995 s made that one in one). A dead
+    process is announced by the connection watch within a fraction of a second whatever the
+    period: the beats find hung ones. The daemon's heartbeat timeout grows by the same factor
+    (Job.heartbeat_timeout)."""
+    return max(HEARTBEAT_SECONDS, float(math.ceil(workers / HEARTBEATS_PER_SECOND)))
 
 
 def worker_connection_name(job: str, worker: str, incarnation: str) -> str:

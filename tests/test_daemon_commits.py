@@ -174,6 +174,35 @@ def test_a_batch_waits_unacknowledged_for_a_snapshot_too_costly_to_make_again_at
     _run(redis_server, body)
 
 
+def test_behind_a_backlog_a_costly_snapshot_waits_for_the_daemons_own_work(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Behind a backlog the spacing is the daemon's CPU time: time passing while the daemon gets
+    no CPU (other processes hold the cores) brings the next snapshot no nearer; its work on the
+    events does. Without a backlog it is the wall time, as before."""
+    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
+    first, second = (redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(2))
+    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        c.note(SNAPSHOT)
+        await c.batch([first], [])  # a snapshot
+        c._snapshot_cost, c._snapshot_cpu = 1.0, 0.05  # 1 s of wall time, 50 ms of CPU
+        c._snapshot_at -= SNAPSHOT_WAIT_MAX_SECONDS  # as long ago as the wall time allows
+        c.note(SNAPSHOT)
+        await c.batch([second], [], behind=True)
+        assert c.held() == {second}  # the daemon did no work since: it waits
+        assert c._snapshot_spaced(behind=False)
+        spun = time.process_time() + 4 * c._snapshot_cpu
+        while time.process_time() < spun:  # the daemon at work on the backlog
+            pass
+        await c.batch([], [], behind=True)
+        assert not c.held() and _pending(redis_client) == set()
+
+    _run(redis_server, body)
+
+
 def test_batches_that_only_acknowledge_are_committed_together_soon_after(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:
@@ -231,7 +260,7 @@ def test_while_a_fault_waits_for_its_decision_batches_wait_for_the_plans_snapsho
         job.machine.in_flight = None
         await asyncio.sleep(4 * c._snapshot_cost)
         c.note(SNAPSHOT)
-        assert c._snapshot_spaced()  # nothing on its way: spaced as before
+        assert c._snapshot_spaced(behind=False)  # nothing on its way: spaced as before
 
     _run(redis_server, body)
 

@@ -145,6 +145,9 @@ def test_a_large_jobs_members_report_every_few_steps_yet_every_step_and_every_pe
     assert step_report_every(7, 0.05) == step_report_every(1024, 2.0) == 1
     assert step_report_every(8192, 4.0) == 1
     assert step_report_every(8192, 2.0) == 2 and step_report_every(8192, 1.0) == 4
+    # A plan a host short (and one spare short) reports as sparsely: the period is whole seconds.
+    assert step_report_every(8184, 2.0) == step_report_every(8191, 2.0) == 2
+    assert heartbeat_seconds(8191) == heartbeat_seconds(8192) == 4.0
     members = [f"w{i}" for i in range(8192)]
     for seconds in (0.5, 1.0, 2.0, 3.0):
         steps = range(1, 17)

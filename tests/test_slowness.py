@@ -68,6 +68,25 @@ def test_a_peer_group_kept_sorted_gives_each_worker_the_speed_of_its_peers(
             assert group.speed(w) == own_speed(computes, w)
 
 
+def test_the_members_are_taken_up_whether_they_changed_or_came_again() -> None:
+    """Members that change regroup the peers; members that come again as a new but equal set (a
+    plan of the same workers) are kept as given, so that every later profile finds them the same
+    at a glance rather than by comparing every name."""
+    det = Slowness()
+    everyone = frozenset(WORKERS)
+    for w, layers in WORKERS.items():
+        det.observe(w, m(layers, 2.0 if w == "a0" else 1.0), everyone, 0.0)
+    again = frozenset(WORKERS)
+    assert again is not everyone
+    det.observe("b0", m(STAGES[0]), again, 1.0)
+    assert det._members is again
+    assert det._groups[STAGES[0]].speed("a0") == pytest.approx(0.5)
+    without = frozenset(WORKERS) - {"c0"}  # a0 against b0 alone
+    det.observe("a0", m(STAGES[0], 4.0), without, 2.0)
+    assert det._groups[STAGES[0]].computes == {"a0": 4.0, "b0": 1.0}
+    assert det._groups[STAGES[0]].speed("a0") == pytest.approx(0.25)
+
+
 def test_without_peers_there_is_no_speed_and_no_detection() -> None:
     assert peer_speeds({"a0": m(STAGES[0], 9.0), "a1": m(STAGES[1])}) == {}
     det = Slowness()

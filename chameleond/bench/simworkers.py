@@ -304,10 +304,11 @@ class SimWorker:
     async def steps(self) -> None:
         """A `step` at each period of the shared clock while a member of an acked plan; a
         training profile of its layers every REPORT_STEPS steps."""
-        period = self.s.step_seconds
+        period, step = self.s.step_seconds, 0
         while True:
             now = time.time()
-            step = int((now - self.s.epoch) / period) + 1
+            # The next period's step, never one already taken: a timer may wake a little early.
+            step = max(step + 1, int((now - self.s.epoch) / period) + 1)
             await asyncio.sleep(self.s.epoch + step * period - now)
             plan = self.plan
             if plan is None or self.acked != plan.generation or self.worker not in plan.members:

@@ -64,6 +64,7 @@ decisions_log = logging.getLogger("chameleond.decisions")
 # A batch that changed the job waits for its snapshot until this many times the last snapshot's
 # cost has passed since it, and never longer than SNAPSHOT_WAIT_MAX_SECONDS: a large job's
 # snapshot (megabytes at 8,192 workers) takes at most about 1/SNAPSHOT_SPACING of the daemon.
+# Behind a backlog the cost and the time since are the daemon's CPU time (`_snapshot_spaced`).
 SNAPSHOT_SPACING = 4
 SNAPSHOT_WAIT_MAX_SECONDS = 2.0
 SNAPSHOT_CHEAP_SECONDS = 0.02
@@ -114,6 +115,8 @@ class Committer:
         self._flush: asyncio.Task[None] | None = None  # commits the later acks, when no batch does
         self._snapshot_at = 0.0  # time.monotonic() of the last snapshot made
         self._snapshot_cost = 0.0  # how long it took
+        self._snapshot_cpu_at = 0.0  # time.process_time() after it
+        self._snapshot_cpu = 0.0  # the daemon's CPU time it took
         # The current plan's document in the snapshot, and its canonical text
         self._plan_text: tuple[object, JsonText] = (None, JsonText("null"))
         self._plan_doc: dict[str, Any] | None = None  # the last plan published, as a document
@@ -124,15 +127,21 @@ class Committer:
             self.unsaved |= change
 
     async def batch(
-        self, acks: Sequence[str], dead: list[list[str | bytes]], *, force_progress: bool = False
+        self,
+        acks: Sequence[str],
+        dead: list[list[str | bytes]],
+        *,
+        force_progress: bool = False,
+        behind: bool = False,
     ) -> None:
-        """The job's changes since the last commit, with this batch's dead letters and acks."""
+        """The job's changes since the last commit, with this batch's dead letters and acks
+        (`behind`: read from a backlog, with more waiting)."""
         job = self.job
         now = time.time()
         async with self.lock:
             since_progress = now - self._last_progress
             progress_due = force_progress or since_progress >= self.persist_interval_seconds
-            if not force_progress and self.unsaved.snapshot and not self._snapshot_spaced():
+            if not force_progress and self.unsaved.snapshot and not self._snapshot_spaced(behind):
                 # The entries wait, unacknowledged, for the next snapshot (module docstring).
                 self._held.acks += acks
                 self._held.dead += dead
@@ -250,17 +259,28 @@ class Committer:
         still to come."""
         return {*self._held.acks, *self._acks_later}
 
-    def _snapshot_spaced(self) -> bool:
+    def _snapshot_spaced(self, behind: bool) -> bool:
         """Long enough since the last snapshot: SNAPSHOT_SPACING times what it took to make, at
         most SNAPSHOT_WAIT_MAX_SECONDS, or SNAPSHOT_DECIDING_WAIT_SECONDS while a fault decision
         is on its way. A snapshot that took under SNAPSHOT_CHEAP_SECONDS (a job of hundreds of
-        workers) never waits: every batch that changed the job carries one."""
+        workers) never waits: every batch that changed the job carries one.
+
+        `behind` a backlog, what counts is the daemon's CPU time, up to
+        SNAPSHOT_DECIDING_WAIT_SECONDS: SNAPSHOT_SPACING times the snapshot's own spent on
+        events since it. On a machine whose other processes leave the daemon a fraction of a
+        core, a snapshot's wall time grows by as much, and one every SNAPSHOT_WAIT_MAX_SECONDS
+        took half of the daemon's time (8,192 workers registering on 2 shared cores) while the
+        backlog grew."""
         if self._snapshot_cost < SNAPSHOT_CHEAP_SECONDS:
             return True
         since = time.monotonic() - self._snapshot_at
         m = self.job.machine
         if m.pending_faults or m.in_flight is not None:  # the plan's commit carries one soon
             return since >= SNAPSHOT_DECIDING_WAIT_SECONDS
+        if behind and since < SNAPSHOT_DECIDING_WAIT_SECONDS:
+            return time.process_time() - self._snapshot_cpu_at >= (
+                SNAPSHOT_SPACING * self._snapshot_cpu
+            )
         return since >= min(SNAPSHOT_SPACING * self._snapshot_cost, SNAPSHOT_WAIT_MAX_SECONDS)
 
     def _snapshot_due(self, progress: bool) -> bool:
@@ -357,12 +377,14 @@ class Committer:
     def _snapshot(self, plan: Plan | None = None) -> str:
         """The job's snapshot as persisted (with `plan`, the one about to be published): signed,
         so a restarted daemon trusts only its own."""
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.process_time()
         doc = snapshot(self.job, plan=plan)
         if doc["plan"] is not None:
             doc["plan"] = self._plan_canonical(doc["plan"])
         text = self._signed("state", doc)
         self._snapshot_cost = time.perf_counter() - began
+        self._snapshot_cpu_at = time.process_time()
+        self._snapshot_cpu = self._snapshot_cpu_at - cpu
         self._snapshot_at = time.monotonic()
         return text
 

@@ -62,22 +62,33 @@ Incarnation = tuple[str, str]  # (worker id, incarnation)
 
 
 def listed(raw: bytes, job: str, own: str | None = None) -> tuple[set[Incarnation], int]:
-    """The job's worker incarnations in a CLIENT LIST reply, and the oldest age of their
-    connections and of the lister's own (named `own`): a sentinel's or a tool's old connection
-    says nothing of this Redis's restart. (At 8,192 workers the reply lists 16,384 connections
-    twice a second: one regular-expression pass, each distinct name parsed once per daemon.)"""
-    ages = dict(_names(job).findall(raw))  # name -> its connection's age, one per name
-    oldest = max((int(a) for a in ages.values() if a), default=0)
-    if own is not None:
-        oldest = max(oldest, _oldest_named(raw, f" name={own} ".encode()))
-    return {v for name in ages if (v := _incarnation(name)) is not None}, oldest
+    """The job's worker incarnations in a CLIENT LIST reply, and the oldest age of the lister's
+    own connections (named `own`) and, while none of those is RECONNECT_SECONDS old, of the
+    workers' (after a restart of Redis; a sentinel's or a tool's old connection says nothing of
+    it). At 8,192 workers the reply lists 16,384 connections twice a second: the names are read
+    in one regular-expression pass, and a listing of the same names as the last is not parsed
+    again."""
+    oldest = _oldest_named(raw, f" name={own} ".encode()) if own is not None else 0
+    if oldest < RECONNECT_SECONDS:
+        oldest = max(oldest, max(map(int, _ages(job).findall(raw)), default=0))
+    return set(_incarnations(frozenset(_names(job).findall(raw)))), oldest
 
 
 @functools.lru_cache(maxsize=8)
 def _names(job: str) -> re.Pattern[bytes]:
-    """A job's worker connection names (after the prefix) and their ages, in CLIENT LIST."""
-    prefix = re.escape(f" name=chameleon-worker:{job}:".encode())
-    return re.compile(prefix + rb"(\S*)(?: age=(\d+))?")
+    """A job's worker connection names (after the prefix), in CLIENT LIST."""
+    return re.compile(re.escape(f" name=chameleon-worker:{job}:".encode()) + rb"(\S*)")
+
+
+@functools.lru_cache(maxsize=8)
+def _ages(job: str) -> re.Pattern[bytes]:
+    """The ages of a job's worker connections, in CLIENT LIST (the field after the name)."""
+    return re.compile(re.escape(f" name=chameleon-worker:{job}:".encode()) + rb"\S* age=(\d+)")
+
+
+@functools.lru_cache(maxsize=2)
+def _incarnations(names: frozenset[bytes]) -> frozenset[Incarnation]:
+    return frozenset(v for name in names if (v := _incarnation(name)) is not None)
 
 
 @functools.lru_cache(maxsize=1 << 16)

@@ -143,10 +143,15 @@ class Ingest:
     async def process(self, entries: list[Entry]) -> None:
         """Handle what was read, a batch of at most the configured COUNT at a time: a read behind
         a backlog takes up to MAX_BATCH_GROWTH times as many, and a fault among them must not
-        wait for all of them to be handled before its decision starts."""
+        wait for all of them to be handled before its decision starts. The other tasks (the
+        connection watch, a decision's publication) run between two batches: a batch whose
+        commit waits for a snapshot awaits nothing, and a read of 4,096 entries handled at one
+        go held the event loop for seconds on a loaded machine (a lost host's liveness notice
+        went out 4.3 s after the kill at 8,192 workers, against 0.4 to 0.6 s)."""
         size = max(1, self.consumer.count)
         for start in range(0, len(entries), size):
             await self._batch(entries[start : start + size])
+            await asyncio.sleep(0)
 
     async def _batch(self, entries: list[Entry]) -> None:
         """Handle one batch, then commit its durable effects and acknowledgements at once."""
@@ -203,7 +208,7 @@ class Ingest:
         # The decision a fault of this batch asks for starts now, searching while the batch
         # commits: its plan is published under the commit lock, after this batch's commit.
         self.decisions.maybe_decide()
-        await self.committer.batch(acks, dead)
+        await self.committer.batch(acks, dead, behind=self.consumer.last_full)
         if handled and self.observer is not None:
             self.observer(handled, time.time())
 

@@ -156,16 +156,14 @@ class Job:
         """The link figures the planner uses and the measured pairs behind them (status)."""
         return links_view(self._workers_spec(), self._links(), self._link_members())
 
-    def _device(self, worker: WorkerSpec) -> str:
-        """The device the worker registered with, else the spec's."""
-        rec = self.workers.get(worker.id)
-        return rec.device if rec is not None and rec.device else worker.device
-
     def rebuild_seconds(self, spec: JobSpec) -> float:
         """What the planner takes a new plan's communicator rebuild to cost: per backend the job's
         workers run, the rebuild measured on it (`RebuildMeter`), else the spec's prior
         (`[job] rebuild_seconds`); the slowest backend's when they are several."""
-        backends = {backend_of(self._device(w)) for w in spec.workers}
+        registered = {w: rec.device for w, rec in self.workers.items() if rec.device}
+        # Each worker's device: the one it registered with, else the spec's.
+        devices = {registered.get(w.id) or w.device for w in spec.workers}
+        backends = {backend_of(d) for d in devices}
         prior = spec.rebuild_seconds
         measured = (self.rebuilds.seconds(b) for b in backends)
         return max((prior if s is None else s for s in measured), default=prior)
@@ -383,7 +381,7 @@ class Job:
         """D: the expected time to the next fault, from this job's faults since its initial plan."""
         started = self.started or now
         return selector.estimate_mtbf(
-            self.fault_times, max(now, started), started, self.spec.mtbf_prior_seconds
+            self.fault_times, max(now, started), started, self.base_spec.mtbf_prior_seconds
         )
 
     def window(self, now: float) -> float:

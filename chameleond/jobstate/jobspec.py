@@ -22,6 +22,14 @@ LAYER_FIELDS = tuple(f.name for f in fields(LayerProfile))
 _NUMERIC = tuple(n for n in LAYER_FIELDS if n != "name")
 # Fields a profile may leave out (older workers): the LayerProfile default applies.
 _OPTIONAL = frozenset({"update_seconds"})
+# Each numeric field of a profile's layer: its name, its bound, whether it is seconds (a float;
+# the others are whole bytes), its default when it may be left out (None: it may not).
+_CHECKS = tuple(
+    (n, MAX_SECONDS if n.endswith("seconds") else MAX_BYTES, n.endswith("seconds"),
+     getattr(LayerProfile, n) if n in _OPTIONAL else None)
+    for n in _NUMERIC
+)  # fmt: skip
+_NUMBERS = (int, float)
 MAX_CORES = 1e6  # a host report's cores
 
 
@@ -75,21 +83,18 @@ def parse_profile(data: Mapping[str, Any], n_layers: int) -> dict[int, LayerProf
         index = item.get("index", pos)
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < n_layers:
             raise EventError(f"profile: layers[{pos}].index {index!r} is not in 0..{n_layers - 1}")
-        values: dict[str, Any] = {"name": shorten(str(item.get("name", f"layer{index}")), 128)}
-        for name in _NUMERIC:
-            if name in _OPTIONAL and name not in item:
-                continue
-            v: Any = item.get(name)
-            number = isinstance(v, int | float) and not isinstance(v, bool)
-            bound = MAX_SECONDS if name.endswith("seconds") else MAX_BYTES
-            # The range first: an integer of hundreds of digits overflows isfinite's float.
-            if not number or not 0 <= v <= bound or not math.isfinite(v):
+        values: list[Any] = [shorten(str(item.get("name", f"layer{index}")), 128)]
+        for name, bound, seconds, default in _CHECKS:
+            v = item.get(name, default)
+            # JSON's numbers: a bool is none. A NaN or an infinity fails the range (a comparison
+            # with a NaN is false), and so does an integer of hundreds of digits, unconverted.
+            if type(v) not in _NUMBERS or not 0 <= v <= bound:
                 raise EventError(
                     f"profile: layers[{pos}].{name} must be a number in 0..{bound:g}, "
                     f"got {shorten(repr(v), 64)}"
                 )
-            values[name] = v if name.endswith("seconds") else int(v)
-        out[index] = LayerProfile(**values)
+            values.append(v if seconds else int(v))
+        out[index] = LayerProfile(*values)
     return out
 
 

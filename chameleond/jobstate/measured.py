@@ -16,8 +16,6 @@ from chameleond.core.spec import LayerProfile
 
 # Every finite float times 2**1074 is an integer (the smallest subnormal is 2**-1074).
 _SCALE_BITS = 1074
-_SECONDS = ("forward_seconds", "backward_seconds", "update_seconds")
-_BYTES = ("param_bytes", "optimizer_bytes", "activation_bytes", "output_bytes")
 
 
 def _fixed(x: float) -> int:
@@ -27,18 +25,26 @@ def _fixed(x: float) -> int:
 
 @dataclass
 class _LayerSum:
+    """The sums of a layer's figures over the profiles counted: seconds (forward, backward,
+    update) as fixed-point integers, bytes (param, optimizer, activation, output)."""
+
     count: int = 0
-    seconds: list[int] = field(default_factory=lambda: [0] * len(_SECONDS))
-    nbytes: list[int] = field(default_factory=lambda: [0] * len(_BYTES))
+    seconds: list[int] = field(default_factory=lambda: [0] * 3)
+    nbytes: list[int] = field(default_factory=lambda: [0] * 4)
 
     def add(self, p: LayerProfile, speed: float, sign: int) -> None:
         """Count `p` in (sign 1) or out (-1); a worker at `speed` measured 1/speed times a
-        healthy worker's seconds, so they count times `speed`."""
+        healthy worker's seconds, so they count times `speed`. (Spelt out field by field: a
+        start-up profile of 82 layers from each of 8,192 workers comes through here.)"""
         self.count += sign
-        for k, name in enumerate(_SECONDS):
-            self.seconds[k] += sign * _fixed(getattr(p, name) * speed)
-        for k, name in enumerate(_BYTES):
-            self.nbytes[k] += sign * int(getattr(p, name))
+        s, b = self.seconds, self.nbytes
+        s[0] += sign * _fixed(p.forward_seconds * speed)
+        s[1] += sign * _fixed(p.backward_seconds * speed)
+        s[2] += sign * _fixed(p.update_seconds * speed)
+        b[0] += sign * p.param_bytes
+        b[1] += sign * p.optimizer_bytes
+        b[2] += sign * p.activation_bytes
+        b[3] += sign * p.output_bytes
 
     def mean(self, name: str) -> LayerProfile:
         n = self.count
