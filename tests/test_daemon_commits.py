@@ -69,6 +69,14 @@ def _pending(r: redis.Redis) -> set[str]:
     return {str(row["message_id"]) for row in rows}
 
 
+def _read(r: redis.Redis, n: int) -> list[str]:
+    """`n` entries added to the job's stream and read by consumer "a", not acknowledged."""
+    r.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
+    ids = [str(r.xadd(KEYS.events, {"type": "x"})) for _ in range(n)]
+    r.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+    return ids
+
+
 def _snapshot(r: redis.Redis) -> dict[str, object]:
     raw = r.hget(KEYS.state, "snapshot")
     assert raw is not None
@@ -148,9 +156,7 @@ def test_a_batch_waits_unacknowledged_for_a_snapshot_too_costly_to_make_again_at
 ) -> None:
     """A large job's snapshot is made at most every few times its cost: a batch that changed the
     job meanwhile is acknowledged only by the commit of the snapshot that holds its change."""
-    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
-    first, second = (redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(2))
-    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+    first, second = _read(redis_client, 2)
 
     async def body(client: aioredis.Redis) -> None:
         c = _committer(client)
@@ -180,9 +186,7 @@ def test_behind_a_backlog_a_costly_snapshot_waits_for_the_daemons_own_work(
     """Behind a backlog the spacing is the daemon's CPU time: time passing while the daemon gets
     no CPU (other processes hold the cores) brings the next snapshot no nearer; its work on the
     events does. Without a backlog it is the wall time, as before."""
-    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
-    first, second = (redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(2))
-    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+    first, second = _read(redis_client, 2)
 
     async def body(client: aioredis.Redis) -> None:
         c = _committer(client)
@@ -209,9 +213,7 @@ def test_batches_that_only_acknowledge_are_committed_together_soon_after(
     """A batch whose commit would carry acknowledgements alone, right after a commit, waits for
     the next one, which comes ACK_SPACING_SECONDS later at most; one with a durable change is
     committed at once, with those before it."""
-    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
-    ids = [redis_client.xadd(KEYS.events, {"type": "x"}) for _ in range(4)]
-    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+    ids = _read(redis_client, 4)
 
     async def body(client: aioredis.Redis) -> None:
         c = _committer(client)
@@ -234,9 +236,7 @@ def test_while_a_fault_waits_for_its_decision_batches_wait_for_the_plans_snapsho
 ) -> None:
     """A costly snapshot is not made between a fault and its plan: the batches handled meanwhile
     are acknowledged by the commit that publishes the plan, with the snapshot it carries."""
-    redis_client.xgroup_create(KEYS.events, CONSUMER_GROUP, id="0", mkstream=True)
-    entry = redis_client.xadd(KEYS.events, {"type": "x"})
-    redis_client.xreadgroup(CONSUMER_GROUP, "a", {KEYS.events: ">"})
+    (entry,) = _read(redis_client, 1)
 
     async def body(client: aioredis.Redis) -> None:
         c = _committer(client)
