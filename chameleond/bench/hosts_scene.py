@@ -214,16 +214,21 @@ class Scene:
         one (below half of `below`, when given, and measured on a link of `host`'s: a busy
         machine's probe between two other hosts can read half the last too)."""
 
+        seen: list[float] = []  # the figure that met the wait, not a later reading of it
+
         def measured() -> bool:
             self._poll()
             now = self.inter_host_bandwidth()
             if now is None or (below is not None and now >= below / 2):
                 return False
-            return host is None or host in self.slowest_link_hosts()
+            if host is not None and host not in self.slowest_link_hosts():
+                return False
+            seen.append(now)
+            return True
 
         what = "a measured inter-host link" + ("" if below is None else " below half the last")
         wait_for(measured, timeout, what, 0.2)
-        return cast(float, self.inter_host_bandwidth())
+        return seen[-1]
 
     # -- reading -------------------------------------------------------------------------------
     def plan(self) -> Any:
