@@ -74,16 +74,21 @@ def listed(raw: bytes, job: str, own: str | None = None) -> tuple[set[Incarnatio
     return set(_incarnations(frozenset(_names(job).findall(raw)))), oldest
 
 
+def _named(job: str) -> bytes:
+    """The start of a job's worker connection name field in CLIENT LIST, as a pattern."""
+    return re.escape(f" name=chameleon-worker:{job}:".encode())
+
+
 @functools.lru_cache(maxsize=8)
 def _names(job: str) -> re.Pattern[bytes]:
     """A job's worker connection names (after the prefix), in CLIENT LIST."""
-    return re.compile(re.escape(f" name=chameleon-worker:{job}:".encode()) + rb"(\S*)")
+    return re.compile(_named(job) + rb"(\S*)")
 
 
 @functools.lru_cache(maxsize=8)
 def _ages(job: str) -> re.Pattern[bytes]:
     """The ages of a job's worker connections, in CLIENT LIST (the field after the name)."""
-    return re.compile(re.escape(f" name=chameleon-worker:{job}:".encode()) + rb"\S* age=(\d+)")
+    return re.compile(_named(job) + rb"\S* age=(\d+)")
 
 
 @functools.lru_cache(maxsize=2)
