@@ -42,27 +42,41 @@ JOB_ENV = "CHAMELEON_JOB"  # the job name, for the daemon, the workers and chame
 # a step or an ack, events.HEARD), and the committed generation read every PLAN_POLL_SECONDS (the
 # plan itself only when that is newer than the one held).
 HEARTBEAT_SECONDS = 1.0  # a job of up to HEARTBEATS_PER_SECOND workers
-HEARTBEATS_PER_SECOND = 2048  # a larger job's workers beat less often, sharing this many
+HEARTBEATS_PER_SECOND = 1024  # a larger job's workers beat less often, sharing this many
 PLAN_POLL_SECONDS = 5.0
 PROFILE_EVERY_STEPS = 5  # a training profile per this many steps (chameleond/worker/_profile.py)
-STEP_REPORTS_PER_SECOND = 2048  # a larger job's members report every few steps, sharing this many
+PROFILES_PER_SECOND = 512  # a larger job's members profile less often, sharing this many
+STEP_REPORTS_PER_SECOND = 1024  # a larger job's members report every few steps, sharing this many
 
 
-def profile_phase(worker: str) -> int:
-    """The steps, 0 to PROFILE_EVERY_STEPS - 1, a worker's second training profile of a plan
-    waits beyond PROFILE_EVERY_STEPS (its first comes after PROFILE_EVERY_STEPS, with the links it
-    measured): a job's workers commit their steps together, and without it every one of them
-    reported at the same step (8,192 profiles at once every fifth step, queued ahead of any
-    fault in the stream); with it a fifth of them report at each step."""
-    return zlib.crc32(worker.encode()) % PROFILE_EVERY_STEPS
+def profile_every_steps(members: int, step_seconds: float) -> int:
+    """How many steps apart a member of a plan of `members` sends a training profile:
+    PROFILE_EVERY_STEPS while the job's profiles stay within PROFILES_PER_SECOND; beyond, as many
+    more as keep them within it (at 8,192 workers and 2 s steps: every 8th step, 512 profiles a
+    second instead of 819). Each costs the daemon a parse, a fold into the measured spec and a
+    look by the slowness detector, several times a step report; a large job's slowness is
+    decided on later by as much (jobstate/slowness.py detect_seconds)."""
+    if step_seconds <= 0:
+        return PROFILE_EVERY_STEPS
+    return max(PROFILE_EVERY_STEPS, math.ceil(members / (step_seconds * PROFILES_PER_SECOND)))
+
+
+def profile_phase(worker: str, every: int = PROFILE_EVERY_STEPS) -> int:
+    """The steps, 0 to `every` - 1, a worker's second training profile of a plan waits beyond
+    the first's window (its first comes after PROFILE_EVERY_STEPS, with the links it measured),
+    for profiles `every` steps apart (profile_every_steps): a job's workers commit their steps
+    together, and without it every one of them reported at the same step (8,192 profiles at once
+    every fifth step, queued ahead of any fault in the stream); with it one in `every` of them
+    report at each step."""
+    return zlib.crc32(worker.encode()) % every
 
 
 def step_report_every(members: int, step_seconds: float) -> int:
     """How many steps apart a member of a plan of `members` reports `step` (its first step of
     each plan, and one with an evaluation, always): 1 while every member's every step stays
     within STEP_REPORTS_PER_SECOND; beyond, as many steps as fit in a heartbeat period, so that
-    a member is still heard from once per period (at 8,192 workers and 2 s steps: every second
-    step, 2,048 reports a second instead of 4,096). The daemon's throughput counts each step
+    a member is still heard from once per period (at 8,192 workers and 2 s steps: every fourth
+    step, 1,024 reports a second instead of 4,096). The daemon's throughput counts each step
     once, from whichever member reports it first (jobstate/records.py StepMeter)."""
     if step_seconds <= 0 or members / step_seconds <= STEP_REPORTS_PER_SECOND:
         return 1
@@ -79,8 +93,8 @@ def step_reported(worker: str, step: int, members: int, step_seconds: float) -> 
 def heartbeat_seconds(workers: int) -> float:
     """A worker's heartbeat period in a job of `workers`: HEARTBEAT_SECONDS, or in a job so large
     that the beats would pass HEARTBEATS_PER_SECOND, as many whole seconds as keep them within it
-    (whole: a job a few workers short of 8,192, after a loss, keeps the 4 s of 8,192, and with it
-    a member's step reports one in two at 2 s steps; 3.9995 s made that one in one). A dead
+    (whole: a job a few workers short of 8,192, after a loss, keeps the 8 s of 8,192, and with it
+    a member's step reports one in four at 2 s steps; 7.999 s made that one in three). A dead
     process is announced by the connection watch within a fraction of a second whatever the
     period: the beats find hung ones. The daemon's heartbeat timeout grows by the same factor
     (Job.heartbeat_timeout)."""

@@ -20,13 +20,18 @@ from chameleond.core.decide import decide, initial_plan
 from chameleond.core.holdings import of_plan
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.plandelta import apply_delta
-from chameleond.daemon.commits import ACK_SPACING_SECONDS, SNAPSHOT_WAIT_MAX_SECONDS, Committer
+from chameleond.daemon.commits import (
+    ACK_SPACING_SECONDS,
+    SNAPSHOT_MEASURED_SPACING,
+    SNAPSHOT_WAIT_MAX_SECONDS,
+    Committer,
+)
 from chameleond.daemon.config import Config
 from chameleond.daemon.lease import Lease, LeaseLost
 from chameleond.daemon.metrics import Metrics
 from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
-from chameleond.jobstate.change import SNAPSHOT
+from chameleond.jobstate.change import MEASURED, SNAPSHOT
 from chameleond.jobstate.job import Job
 from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.records import DecisionRecord
@@ -203,6 +208,33 @@ def test_behind_a_backlog_a_costly_snapshot_waits_for_the_daemons_own_work(
             pass
         await c.batch([], [], behind=True)
         assert not c.held() and _pending(redis_client) == set()
+
+    _run(redis_server, body)
+
+
+def test_measurements_alone_wait_longer_for_a_costly_snapshot_and_are_acknowledged_meanwhile(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """Measurements alone (a large job's profiles move them with nearly every batch) ride with
+    the progress, but a costly snapshot for them waits SNAPSHOT_MEASURED_SPACING times its cost;
+    their batches are acknowledged with the progress meanwhile (the workers send them again)."""
+    ids = _read(redis_client, 3)
+
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        c.persist_interval_seconds = 0.0  # the progress is due with every batch
+        c.note(SNAPSHOT)
+        await c.batch([ids[0]], [])  # a snapshot
+        c._snapshot_cost = 1.0  # as a snapshot of thousands of workers takes
+        c._snapshot_at -= SNAPSHOT_WAIT_MAX_SECONDS  # long enough ago for a change that named it
+        c.job.started = 1234.5  # in the snapshot: shows whether one was written
+        c.note(MEASURED)
+        await c.batch([ids[1]], [])
+        assert _pending(redis_client) == {ids[2]} and not c.held()  # acknowledged, with progress
+        assert _snapshot(redis_client)["started"] != 1234.5  # no snapshot for the measurements
+        c._snapshot_at -= SNAPSHOT_MEASURED_SPACING * c._snapshot_cost
+        await c.batch([ids[2]], [])
+        assert _pending(redis_client) == set() and _snapshot(redis_client)["started"] == 1234.5
 
     _run(redis_server, body)
 

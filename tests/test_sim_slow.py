@@ -69,14 +69,14 @@ def test_a_baseline_trains_at_the_models_pace_with_the_slow_worker() -> None:
     # recovery, and is ahead of every baseline
     ours = results["chameleon"]
     slow_pace = rate_at(results["reroute"], 500.0)
-    detected = 100.0 + detect_seconds(batch / slow_pace)
+    detected = 100.0 + detect_seconds(batch / slow_pace, len(plan.members))
     assert detected > 105.0
     # w3's stage re-split to fewer layers and its pipeline given fewer micro-batches: w3 stays
     # in the plan, so its recovery is detected as its slowness was, then balanced back
     slow, back = ours.records
     assert slow.seconds == pytest.approx(detected, rel=1e-12)
     assert slow.selected is Policy.DYNAMIC and back.selected is Policy.DYNAMIC
-    recovered = 1100.0 + detect_seconds(batch / rate_at(ours, 1102.0))
+    recovered = 1100.0 + detect_seconds(batch / rate_at(ours, 1102.0), len(plan.members))
     assert back.seconds == pytest.approx(recovered, rel=1e-12) and back.note == "w3 recovered"
     assert rate_at(ours, 102.0) == pytest.approx(slow_pace, rel=1e-12)
     assert rate_at(ours, 500.0) > rate_at(results["reroute"], 500.0)

@@ -9,7 +9,12 @@ import torch
 from worker_harness import builtin_model
 
 from chameleond.jobstate.jobspec import parse_host_report, parse_profile
-from chameleond.protocol import PROFILE_EVERY_STEPS, profile_phase
+from chameleond.protocol import (
+    PROFILE_EVERY_STEPS,
+    PROFILES_PER_SECOND,
+    profile_every_steps,
+    profile_phase,
+)
 from chameleond.worker import _profile as profile
 from chameleond.worker._model import Arch
 from chameleond.worker._profile import TrainingMeter, profile_model
@@ -66,28 +71,48 @@ def test_meter_splits_ops_by_the_startup_shares_and_reports_per_micro_batch(
     assert meter.steps == 0  # a new window after each report
 
 
-def test_a_plans_second_report_waits_the_workers_phase_then_every_report_steps(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _reported_steps(worker: str, members: int, steps: int, step_seconds: float) -> list[int]:
+    """The steps at which a meter of `worker` in a plan of `members` reports, at steps of
+    `step_seconds` on the wall clock."""
+    startup = profile_model(MODEL, 2, CPU)["layers"]
+    now = [0.0]
+    meter = TrainingMeter(startup, CPU, 2, "", 1, 1, worker, members, wall_clock=lambda: now[0])
+    reported = []
+    for step in range(1, steps):
+        meter.begin()
+        sum(range(1000))  # some CPU time for the op
+        meter.op(True, range(2))
+        now[0] += step_seconds
+        if meter.step_done() is not None:
+            reported.append(step)
+    return reported
+
+
+def test_a_plans_second_report_waits_the_workers_phase_then_every_report_steps() -> None:
     """A job's workers commit steps together: each reports the first window of a plan after
     PROFILE_EVERY_STEPS steps, then the second at its own phase, so that from then on a fifth of
     them report at each step, not all at every fifth."""
-    monkeypatch.setattr(profile, "REPORT_SECONDS", 0.0)
-    startup = profile_model(MODEL, 2, CPU)["layers"]
     workers = [f"w{i}" for i in range(40)]
     phases = {w: profile_phase(w) for w in workers}
     assert set(phases.values()) == set(range(PROFILE_EVERY_STEPS))  # spread over every step
     for w in ("w0", "w1", "w2"):
-        meter = TrainingMeter(startup, CPU, 2, "", 1, generation=1, phase=phases[w])
-        reported = []
-        for step in range(1, 4 * PROFILE_EVERY_STEPS):
-            meter.begin()
-            meter.op(True, range(2))
-            if meter.step_done() is not None:
-                reported.append(step)
         second = 2 * PROFILE_EVERY_STEPS + phases[w]
         later = range(second, 4 * PROFILE_EVERY_STEPS, PROFILE_EVERY_STEPS)
-        assert reported == [PROFILE_EVERY_STEPS, *later]
+        assert _reported_steps(w, 40, 4 * PROFILE_EVERY_STEPS, 2.0) == [PROFILE_EVERY_STEPS, *later]
+
+
+def test_a_large_jobs_members_profile_less_often_within_the_jobs_rate() -> None:
+    """At 8,192 members and 2 s steps, every 5th step would be 819 profiles a second: after
+    the plan's first window each member reports every 8th step (512 a second, spread by phase)."""
+    every = profile_every_steps(8192, 2.0)
+    assert every == 8 and 8192 / (every * 2.0) <= PROFILES_PER_SECOND
+    assert profile_every_steps(1024, 2.0) == PROFILE_EVERY_STEPS  # a smaller job: unchanged
+    phases = {profile_phase(f"w{i}", every) for i in range(200)}
+    assert phases == set(range(every))
+    for w in ("w0", "w1", "w2"):
+        second = PROFILE_EVERY_STEPS + every + profile_phase(w, every)
+        later = range(second, 60, every)
+        assert _reported_steps(w, 8192, 60, 2.0) == [PROFILE_EVERY_STEPS, *later]
 
 
 def test_meter_waits_for_enough_steps_and_time(monkeypatch: pytest.MonkeyPatch) -> None:

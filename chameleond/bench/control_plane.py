@@ -9,6 +9,10 @@ workers run in a process of their own, which is killed (-9) under load, so the k
 sockets as it does a dead host's. The phases:
 
 * register: every worker registered -> the first plan acked ready by all;
+* start-up backlog: the daemon reads what the start-up left in the stream (registrations,
+  start-up profiles, acks, the first steps) until it trails the newest entry by under
+  SETTLED_BEHIND_SECONDS: how far behind it was (`startup_backlog_seconds`) and how long that
+  took (`startup_backlog_read_seconds`), at most --timeout, after which the phases go on;
 * steady state (--steady-seconds): Redis commands per worker per second (INFO
   `total_commands_processed`, per command from `commandstats`), Redis output bytes per second,
   daemon and Redis CPU seconds per second (/proc), how far the daemon's reading trails the
@@ -59,6 +63,7 @@ WORKERS_PER_PROCESS = 2048
 # daemon's few. Redis serves at most its open-file limit less 32.
 MAXCLIENTS = 19_900
 MICRO_BATCHES_PER_PIPELINE = 16
+SETTLED_BEHIND_SECONDS = 1.0  # the daemon's reading this close to the stream's newest: steady
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -441,6 +446,14 @@ def scenario(
     out["redis_connected_clients"] = int(client.info("clients")["connected_clients"])
 
     time.sleep(2 * sims.step_seconds)  # past the first steps and their profiles
+    # The start-up (every worker's registration and start-up profile, the first plan's acks)
+    # leaves the daemon a backlog to read; the steady state begins once it has (--timeout).
+    settled = time.time()
+    out["startup_backlog_seconds"] = behind = behind_seconds(client, cluster.job)
+    while (behind or 0.0) >= SETTLED_BEHIND_SECONDS and time.time() - settled < timeout:
+        time.sleep(0.5)  # a daemon that never gets there is measured as it is: behind
+        behind = behind_seconds(client, cluster.job)
+    out["startup_backlog_read_seconds"] = round(time.time() - settled, 2)
     before = sample(client, cluster, sims)
     time.sleep(steady_seconds)
     sims.check()

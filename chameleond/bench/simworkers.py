@@ -12,8 +12,8 @@ newer than its own, it GETs the plan's delta from the one it holds, else the pac
 real PlanWatcher does, and acks `ready` for each new generation it is a member of (at once: no
 process groups to build). As a member it commits a step every step period of the shared clock,
 reported as a real worker's (its first of a plan, then `step_reported`), and
-a training `profile` of the layers it holds every REPORT_STEPS steps (at its
-`profile_phase`, as a real worker's). It listens on the job's
+a training `profile` of the layers it holds every `profile_every_steps` of its plan (at its
+`profile_phase`, as a real worker's from a plan's second report on). It listens on the job's
 liveness channel; when a peer of its plan (same pipeline or same stage) is reported gone, it notes
 when and names that peer in a `fault`, with the generation it saw it fail in, as a survivor of a
 failed collective does.
@@ -56,10 +56,10 @@ from chameleond.protocol import (
     PLAN_POLL_SECONDS,
     Keys,
     heartbeat_seconds,
+    profile_every_steps,
     profile_phase,
     step_reported,
 )
-from chameleond.protocol import PROFILE_EVERY_STEPS as REPORT_STEPS
 from chameleond.protocol import worker_connection_name as connection_name
 
 MEMORY_BYTES = 80 * 2**30
@@ -226,7 +226,6 @@ class SimWorker:
         self.heard_at = 0.0  # time.monotonic() of the last heartbeat, step or ack sent
         self.raw: bytes | None = None  # the plan bytes held: an unchanged GET parses nothing
         self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) already named
-        self.phase = profile_phase(worker)  # the step of each REPORT_STEPS it reports at
 
     async def send(self, event: Event) -> None:
         fields = [x for kv in self.s.fields(event).items() for x in kv]
@@ -303,7 +302,7 @@ class SimWorker:
 
     async def steps(self) -> None:
         """A `step` at each period of the shared clock while a member of an acked plan; a
-        training profile of its layers every REPORT_STEPS steps."""
+        training profile of its layers every `profile_every_steps`."""
         period, step = self.s.step_seconds, 0
         while True:
             now = time.time()
@@ -317,10 +316,11 @@ class SimWorker:
             if first or step_reported(self.worker, step, len(plan.members), period):
                 await self.send(Step(self.worker, plan.generation, step, plan.global_batch,
                                      period, 2.0, vote_seconds=0.01, at=time.time()))  # fmt: skip
-            if step % REPORT_STEPS == self.phase:
+            every = profile_every_steps(len(plan.members), period)
+            if step % every == profile_phase(self.worker, every):
                 data = {
                     "layers": self.s.layer_report(plan.layers.get(self.worker, ())),
-                    "source": "training", "generation": plan.generation, "steps": REPORT_STEPS,
+                    "source": "training", "generation": plan.generation, "steps": every,
                     "seconds_per_step": period, "micro_batch": self.s.spec.training.micro_batch,
                     "device": "cuda:0",
                 }  # fmt: skip

@@ -4,7 +4,8 @@ Every commit is one atomic script (daemon/broadcast.py). What the job's transiti
 noted here (`note`, a `Change` each) until a commit carries it. A batch commit carries the job's
 snapshot when a change named it, the noted transition records, dead letters, the XACK of the
 batch's entries and, every `persist_interval_seconds`, the progress (and the snapshot, when only
-measurements moved it: Change.measured). A batch is acknowledged only by a commit whose snapshot
+measurements moved it: Change.measured, at most every SNAPSHOT_MEASURED_SPACING times its cost).
+A batch is acknowledged only by a commit whose snapshot
 holds its changes; when the last snapshot was made too recently for its cost (a job of thousands
 of workers), the batch's entries wait unacknowledged and the next snapshot's commit, at most
 SNAPSHOT_WAIT_MAX_SECONDS later, acknowledges them with its own; while a fault decision is on its
@@ -69,6 +70,13 @@ SNAPSHOT_SPACING = 4
 SNAPSHOT_WAIT_MAX_SECONDS = 2.0
 SNAPSHOT_CHEAP_SECONDS = 0.02
 SNAPSHOT_DECIDING_WAIT_SECONDS = 10.0
+# Measurements alone (Change.measured: a large job's profiles move them with nearly every batch)
+# ride with the progress, but a costly snapshot for them waits SNAPSHOT_MEASURED_SPACING times its
+# cost, at most SNAPSHOT_MEASURED_WAIT_MAX_SECONDS: every worker sends its measurements again
+# within its profile period, so a restarted daemon has them back that soon anyway; a snapshot of
+# 8,192 workers with every progress (each second) took most of the daemon.
+SNAPSHOT_MEASURED_SPACING = 20
+SNAPSHOT_MEASURED_WAIT_MAX_SECONDS = 30.0
 ACK_SPACING_SECONDS = 0.02
 
 
@@ -284,8 +292,15 @@ class Committer:
         return since >= min(SNAPSHOT_SPACING * self._snapshot_cost, SNAPSHOT_WAIT_MAX_SECONDS)
 
     def _snapshot_due(self, progress: bool) -> bool:
-        """A change named the snapshot; or measurements moved it, and the progress is due."""
-        return self.unsaved.snapshot or (self.unsaved.measured and progress)
+        """A change named the snapshot; or measurements moved it, the progress is due and the
+        last snapshot is long enough ago for its cost (SNAPSHOT_MEASURED_SPACING)."""
+        if self.unsaved.snapshot:
+            return True
+        if not (self.unsaved.measured and progress):
+            return False
+        cost = self._snapshot_cost
+        wait = min(SNAPSHOT_MEASURED_SPACING * cost, SNAPSHOT_MEASURED_WAIT_MAX_SECONDS)
+        return cost < SNAPSHOT_CHEAP_SECONDS or time.monotonic() - self._snapshot_at >= wait
 
     def _take_records(self) -> tuple[Record, ...]:
         records, self.unsaved = self.unsaved.records, replace(self.unsaved, records=())

@@ -34,7 +34,7 @@ from statistics import median
 from typing import Any
 
 from chameleond.core.spec import LayerProfile
-from chameleond.protocol import PROFILE_EVERY_STEPS
+from chameleond.protocol import profile_every_steps
 
 # A healthy 6-worker CPU job (2 pipelines of 3 stages) sharing a 2-core machine, 1,630 training
 # profiles over 150 s: one profile's speed as low as 0.47 (0.61 at the 1st percentile), the 20 s
@@ -294,12 +294,12 @@ class PeerGroup:
         return middle / compute
 
 
-def detect_seconds(step_seconds: float) -> float:
-    """How long after its onset a change of speed is decided on, for a job of `step_seconds`
-    steps: the profile that first shows it (its window is PROFILE_EVERY_STEPS steps, filled by
-    the slow ones), half the worker's window (its median moves once most of it is slow), the
-    hold, and the profile of its own that confirms it."""
-    profiles = PROFILE_EVERY_STEPS * step_seconds
+def detect_seconds(step_seconds: float, members: int) -> float:
+    """How long after its onset a change of speed is decided on, for a plan of `members` at
+    `step_seconds` steps: the profile that first shows it (its window is profile_every_steps
+    steps, filled by the slow ones), half the worker's window (its median moves once most of it
+    is slow), the hold, and the profile of its own that confirms it."""
+    profiles = profile_every_steps(members, step_seconds) * step_seconds
     window = max(WINDOW_SECONDS, MIN_SAMPLES * profiles)
     return window / 2 + HOLD_SECONDS + 2 * profiles
 

@@ -407,7 +407,7 @@ class Choose(Policy):
             return
         # Until the change is detected the job trains on at the current plan's new pace.
         pace = self.rate(current, down)
-        detect = detect_seconds(self.batch / pace if pace > 0 else 0.0)
+        detect = detect_seconds(self.batch / pace if pace > 0 else 0.0, len(current.members))
         if d.plan.policy is PlanPolicy.RESTORE:  # excluding the slow workers lost some state
             # Priced as a stop that long (training on through it would only do better).
             self.apply_restore(tl, now, d.plan, detect, "fallback")

@@ -17,7 +17,7 @@ import time
 import torch
 
 from chameleond.events import Profile, Step
-from chameleond.protocol import profile_phase, step_reported
+from chameleond.protocol import step_reported
 from chameleond.worker._backend import allreduce_sum, computing
 from chameleond.worker._commit import Commit, overflowed, seed
 from chameleond.worker._evaluate import Evaluator
@@ -80,7 +80,8 @@ class StepLoop:
             joined.host,
             joined.on_host(plan.workers),
             plan.generation,
-            profile_phase(gen.me),
+            gen.me,
+            len(plan.members),
         )
         runner = StepRunner(gen, state, joined.outputs, meter)
         evaluation = state.model.training.evaluation

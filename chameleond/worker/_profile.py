@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from chameleond.protocol import PROFILE_EVERY_STEPS
+from chameleond.protocol import PROFILE_EVERY_STEPS, profile_every_steps, profile_phase
 from chameleond.worker._activation import Activation, flatten, nbytes, split_aux, unflatten
 from chameleond.worker._layer import LayerState
 from chameleond.worker._trainable import Trainable
@@ -227,9 +227,10 @@ class TrainingMeter:
     instead, from `inputs_ready` (the stream has waited for the op's receive by then, which is not
     the op's cost), and reads them when a report is due. `step_done` returns a profile event's data
     every REPORT_STEPS steps (REPORT_SECONDS at least), then starts a new window, so each report
-    describes the recent steps of the running plan only; the second window of a plan is `phase`
-    steps longer (protocol.profile_phase), so that the workers of a job report at different steps
-    from then on.
+    describes the recent steps of the running plan only. Windows after the first are longer in
+    a large job (protocol.profile_every_steps: the job's profiles share a rate), and the second is
+    longer by the worker's phase (protocol.profile_phase), so that the workers of a job report at
+    different steps from then on.
     """
 
     def __init__(
@@ -240,13 +241,17 @@ class TrainingMeter:
         host: str,
         workers_on_host: int,
         generation: int = 0,
-        phase: int = 0,
+        worker: str = "",
+        members: int = 1,
+        wall_clock: Clock = time.perf_counter,
     ) -> None:
         self.startup = startup
         # A plan's first report comes after REPORT_STEPS steps (its links, the first figures of
-        # the plan), its second `phase` steps later than that (protocol.profile_phase), the next
-        # ones every REPORT_STEPS: from then on the job's workers report at different steps.
-        self.phase = phase
+        # the plan), the next ones every `profile_every_steps` of the plan's `members` at the
+        # pace measured, the second later by the worker's phase (protocol.profile_phase): from
+        # then on the job's workers report at different steps.
+        self.worker = worker
+        self.members = members
         self.reports = 0
         self.due = REPORT_STEPS
         self.generation = generation  # the plan measured, named in each report (0: none)
@@ -256,6 +261,7 @@ class TrainingMeter:
         self.workers_on_host = workers_on_host
         self.on_cpu = device.type == "cpu"
         self.clock = time.thread_time  # on the CPU
+        self.wall_clock = wall_clock
         self._started: Any = None
         self._wall_started = 0.0
         self.restart()
@@ -273,7 +279,7 @@ class TrainingMeter:
         self.update_seconds = 0.0
         self.fastest_vote = math.inf  # the shortest commit vote of the window (wall seconds)
         self._events: list[tuple[str, tuple[int, ...], Any, Any]] = []  # accelerators, unread
-        self.wall0 = time.perf_counter()
+        self.wall0 = self.wall_clock()
         self.cpu0 = time.process_time()
 
     def _now(self) -> Any:
@@ -286,12 +292,12 @@ class TrainingMeter:
     def begin(self) -> None:
         """An op, or the commit's update, begins."""
         self._started = self._now()
-        self._wall_started = time.perf_counter()
+        self._wall_started = self.wall_clock()
 
     def inputs_ready(self) -> None:
         """The op's input has arrived: on an accelerator its time counts from here, and so does
         its wall time on the CPU."""
-        self._wall_started = time.perf_counter()
+        self._wall_started = self.wall_clock()
         if not self.on_cpu:
             self._started = self._now()
 
@@ -306,7 +312,7 @@ class TrainingMeter:
     def _measured(self, what: str, layers: Sequence[int]) -> None:
         if self.on_cpu:
             if what != "update":
-                self.op_wall_seconds += time.perf_counter() - self._wall_started
+                self.op_wall_seconds += self.wall_clock() - self._wall_started
             self._add(what, layers, self.clock() - self._started)
         else:
             self._events.append((what, tuple(layers), self._started, self._now()))
@@ -337,7 +343,7 @@ class TrainingMeter:
     def step_done(self) -> dict[str, Any] | None:
         """Count a committed step; the profile data when one is due, else None."""
         self.steps += 1
-        wall = time.perf_counter() - self.wall0
+        wall = self.wall_clock() - self.wall0
         if self.steps < self.due or wall < REPORT_SECONDS:
             return None
         for what, ids, start, end in self._events:
@@ -386,7 +392,8 @@ class TrainingMeter:
             beyond = cpu - self.op_seconds - self.update_seconds
             host["step_cpu_seconds"] = round(max(beyond, 0.0) / self.steps, 6)
             data["host"] = host
+        every = max(REPORT_STEPS, profile_every_steps(self.members, wall / self.steps))
         self.restart()
         self.reports += 1
-        self.due = REPORT_STEPS + (self.phase if self.reports == 1 else 0)
+        self.due = every + (profile_phase(self.worker, every) if self.reports == 1 else 0)
         return data
