@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from chameleond.core.decide import DecisionError, decide, initial_plan
 from chameleond.core.decision import (
@@ -50,6 +50,7 @@ from chameleond.records import DecisionRecord
 log = logging.getLogger("chameleond")
 decisions_log = logging.getLogger("chameleond.decisions")
 GATHER_SECONDS = 2.0
+T = TypeVar("T")
 
 
 def gathering(machine: PolicyMachine, announced: frozenset[str], now: float) -> bool:
@@ -84,6 +85,9 @@ class Decisions:
         self.metrics = metrics
         self.announced = announced  # the workers the connection watch announced gone lately
         self.task: asyncio.Task[None] | None = None
+        # The plan search under way on the executor's thread (None: none): the event loop's
+        # reading gives way to it (Ingest.process), as they share the interpreter's lock.
+        self.planning: asyncio.Future[Any] | None = None
         self.closed = False  # draining: no new decision starts
         self._wake: asyncio.TimerHandle | None = None  # the end of a gathering
 
@@ -115,6 +119,16 @@ class Decisions:
             return
         if job.slow_due and job.machine.running():
             self.task = asyncio.create_task(self._slow(), name="slow")
+
+    async def _off_loop(self, search: Callable[[], T]) -> T:
+        """`search` (a plan search: pure, from copies) on the executor's thread, `planning` while
+        it runs."""
+        future = asyncio.get_running_loop().run_in_executor(None, search)
+        self.planning = future
+        try:
+            return await future
+        finally:
+            self.planning = None
 
     def quiet(self) -> bool:
         """Nothing being decided, due or waited for: no decision running, nothing pending, and
@@ -152,11 +166,8 @@ class Decisions:
     async def _initial(self) -> None:
         job, now = self.job, time.time()
         spec, generation, mtbf = job.spec, job.machine.generation + 1, job.mtbf(now)
-        loop = asyncio.get_running_loop()
         try:
-            plan = await loop.run_in_executor(
-                None, lambda: initial_plan(spec, generation, mtbf_seconds=mtbf)
-            )
+            plan = await self._off_loop(lambda: initial_plan(spec, generation, mtbf_seconds=mtbf))
         except DecisionError as e:
             await self._no_initial_plan(str(e))
             return
@@ -207,12 +218,10 @@ class Decisions:
         # no copy that counts: the others loaded a step the job does not go back to after all.
         holdings = {} if request.unrestorable else dict(job.machine.holdings.held)
         checkpoint = job.checkpoints.newest(len(spec.layers))
-        loop = asyncio.get_running_loop()
         decision: Decision | None = None
         error = None
         try:
-            decision = await loop.run_in_executor(
-                None,
+            decision = await self._off_loop(
                 lambda: decide(
                     spec, current, request.failed, mtbf_seconds=mtbf, window_seconds=window,
                     generation=request.generation, joined=request.joined,
@@ -360,10 +369,8 @@ class Decisions:
         duration = job.slowness.expected_seconds(self.cfg.slow_episode_prior_seconds)
         generation, mtbf = m.generation + 1, job.mtbf(now)
         holdings = dict(m.holdings.held)
-        loop = asyncio.get_running_loop()
         try:
-            decision = await loop.run_in_executor(
-                None,
+            decision = await self._off_loop(
                 lambda: decide_slow(
                     spec, current, speeds, duration_seconds=duration, generation=generation,
                     mtbf_seconds=mtbf, holdings=holdings, cause=cause,
