@@ -7,7 +7,7 @@ import time
 
 import redis
 import redis.asyncio as aioredis
-from test_daemon_commits import KEYS, _committer, _pending
+from test_daemon_commits import KEYS, _committer, _pending, _run
 
 from chameleond.daemon.config import Config
 from chameleond.daemon.consumer import StreamConsumer
@@ -59,12 +59,5 @@ def test_a_plan_search_under_way_goes_before_the_events_at_most_a_while(
         assert c.job.worker(worker).last_heartbeat > heard
         assert PLANNING_FIRST_SECONDS <= time.monotonic() - began < 2 * PLANNING_FIRST_SECONDS
 
-    async def main() -> None:
-        client = aioredis.Redis.from_url(redis_server.url, socket_timeout=5.0)
-        try:
-            await body(client)
-        finally:
-            await client.aclose()
-
-    asyncio.run(main())
+    _run(redis_server, body)
     assert _pending(redis_client) == set()
