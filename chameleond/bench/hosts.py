@@ -15,7 +15,8 @@ stage). gloo runs between the hosts' addresses. The faults, one after another on
   (the job goes on without them), must commit no step meanwhile, and rejoin after the heal.
 * slow_link: one host's link limited to --slow-mbit (tc netem), then a worker of another host
   killed so that a new plan is built: the workers' link probes of that plan show the slow link in
-  the inter-host figure the planner uses.
+  the inter-host figure the planner uses (waited for: within SLOW_LINK_WITHIN of the rate, on a
+  link of the slowed host's).
 
 Figures: `hosts` (namespaces used), `faults` (each kind with its count), `lost_events` (fault
 entries the daemon never acknowledged, and faults of the run no decision answered),
@@ -44,6 +45,7 @@ from chameleond.local.cluster import ClusterError, Interrupted
 from chameleond.local.netns import Hosts, unavailable
 
 KINDS = ("kill", "host_loss", "partition_heal", "slow_link")
+SLOW_LINK_WITHIN = 2.0  # a slowed link is measured within this factor of its rate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,16 +135,19 @@ def _partition_heal(scene: Scene, args: argparse.Namespace, extra: dict[str, Any
 
 def _slow_link(scene: Scene, args: argparse.Namespace, extra: dict[str, Any]) -> float | None:
     before = scene.wait_link_measured(None, args.timeout)
+    rate = args.slow_mbit * 1e6 / 8
     scene.hosts.slow_link("h0", rate_mbit=args.slow_mbit)
     try:
         since, gen = scene.kill_worker("h2-1")  # a new plan: its groups are built and probed
         took = scene.wait_resumed(since, gen, args.timeout)
-        seen = scene.wait_link_measured(before, args.timeout, host="h0")
+        # The daemon plans with the slowed link once a probe through it is reported: within
+        # twice its rate (a probe's own overheads), on a link of h0's.
+        seen = scene.wait_link_measured(SLOW_LINK_WITHIN * rate, args.timeout, host="h0")
         scene.wait_rejoined(["h2-1"], args.timeout)
     finally:
         scene.hosts.restore_link("h0")
     extra["slow_link"] = {
-        "rate_bytes_per_second": args.slow_mbit * 1e6 / 8,
+        "rate_bytes_per_second": rate,
         "inter_host_bandwidth_before": before,
         "inter_host_bandwidth_after": seen,
     }

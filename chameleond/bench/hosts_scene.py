@@ -211,22 +211,23 @@ class Scene:
         self, below: float | None, timeout: float, host: str | None = None
     ) -> float:
         """The inter-host bandwidth the workers measured and the daemon plans with, once there is
-        one (below half of `below`, when given, and measured on a link of `host`'s: a busy
-        machine's probe between two other hosts can read half the last too)."""
+        one (below `below`, when given, and measured on a link of `host`'s: a busy machine's
+        probe between two other hosts reads below the last too, and so can a link's figure
+        measured before it was slowed, reported with a later profile)."""
 
         seen: list[float] = []  # the figure that met the wait, not a later reading of it
 
         def measured() -> bool:
             self._poll()
             now = self.inter_host_bandwidth()
-            if now is None or (below is not None and now >= below / 2):
+            if now is None or (below is not None and now >= below):
                 return False
             if host is not None and host not in self.slowest_link_hosts():
                 return False
             seen.append(now)
             return True
 
-        what = "a measured inter-host link" + ("" if below is None else " below half the last")
+        what = "a measured inter-host link" + ("" if below is None else f" below {below:.0f} B/s")
         wait_for(measured, timeout, what, 0.2)
         return seen[-1]
 
