@@ -5,12 +5,13 @@ A producer process XADDs events (pipelined) into a private redis-server; the dae
 in this process on uvloop and handles them. The raw consumer reads with the daemon's COUNT and
 acknowledges each batch with one XACK: the daemon's Redis work without the handling. Throughput:
 events over the time from the first send to the last acknowledged (for the daemon: the commit that
-acknowledges its batch). Latency, at a paced 10,000 events/s: from XADD (a `sent` field) to the
-end of the event's handling (`p99_seconds`), and to the end of the commit that acknowledged it
-(`p99_committed_seconds`), once the daemon settled its heap after the job's plan (a pause once
-per plan, chameleond/daemon/heap.py). The raw and daemon runs alternate for `--rounds` rounds and
-each figure is the best round's (a shared machine only ever makes a round slower); every round
-is in `rounds`.
+acknowledges its batch). Latency, at a paced 10,000 events/s: from the XADD (the entry's ID, Redis's
+clock when it appended the entry) to the end of the event's handling (`p99_seconds`), and to the
+end of the commit that acknowledged it (`p99_committed_seconds`), once the daemon settled its heap
+after the job's plan (a pause once per plan, chameleond/daemon/heap.py); beside it, the same paced
+producer read by the raw consumer (`raw_p99_seconds`: this machine's floor). The raw and daemon
+runs alternate for `--rounds` rounds and each figure is the best round's (a shared machine only
+ever makes a round slower); every round is in `rounds`.
 Targets: >= 70% of the raw rate, p99 < 5 ms at 10,000/s.
 """
 
@@ -89,23 +90,30 @@ def _producer(url: str, stream: str, n: int, rate: float) -> subprocess.Popen[by
     return subprocess.Popen([sys.executable, "-c", code])  # noqa: S603 - this interpreter and code of this file
 
 
-async def raw_rate(url: str, n: int) -> tuple[float, float]:
-    """The limit: the same producer, and a consumer that reads and acknowledges, nothing more.
-    Events/s, and this process's CPU seconds per event while it consumed them."""
-    stream, group = "bench:raw", "raw"
+class RawRun(NamedTuple):
+    events_per_second: float
+    read: list[float]  # per event: XADD -> read by the consumer
+    cpu_seconds_per_event: float  # this process, while it consumed
+
+
+async def raw_run(url: str, stream: str, n: int, rate: float) -> RawRun:
+    """The limit: the same producer, and a consumer that reads and acknowledges, nothing more."""
+    group = "raw"
     client = connect_async(url, decode_responses=False)
     await client.xgroup_create(stream, group, id="0", mkstream=True)
-    proc = _producer(url, stream, n, 0.0)
+    proc = _producer(url, stream, n, rate)
     cpu = time.process_time()
-    got, first_sent = 0, None
+    got, first_sent, read = 0, None, []
     deadline = time.monotonic() + 120
     while got < n and time.monotonic() < deadline:
         reply: Any = await client.xreadgroup(
             group, "c", {stream: ">"}, count=Config.batch_count, block=Config.block_ms
         )
+        now = time.time()
         for _, entries in reply or []:
             if first_sent is None and entries:
                 first_sent = float(entries[0][1][b"sent"])
+            read.extend(now - added(i) for i, _ in entries)
             await client.xack(stream, group, *[i for i, _ in entries])
             got += len(entries)
     elapsed = time.time() - (first_sent or time.time())
@@ -113,7 +121,7 @@ async def raw_rate(url: str, n: int) -> tuple[float, float]:
     proc.wait(timeout=30)
     await client.delete(stream)
     await client.aclose()
-    return n / elapsed, cpu / n
+    return RawRun(n / elapsed, read, cpu / n)
 
 
 class DaemonRun(NamedTuple):
@@ -136,7 +144,7 @@ async def through_daemon(url: str, job: str, n: int, rate: float) -> DaemonRun:
     done = asyncio.Event()
 
     def observe(handled: Sequence[tuple[Entry, Event, float]], now: float) -> None:
-        times = [(float(s), t) for e, _, t in handled if (s := (e.fields or {}).get(b"sent"))]
+        times = [(added(e.id), t) for e, _, t in handled if (e.fields or {}).get(b"sent")]
         if not times:
             return
         latencies.extend(t - s for s, t in times)
@@ -177,6 +185,13 @@ async def through_daemon(url: str, job: str, n: int, rate: float) -> DaemonRun:
     return DaemonRun(n / (last[0] - first[0]), latencies, committed, cpu / n)
 
 
+def added(entry_id: str | bytes) -> float:
+    """When Redis appended a stream entry (unix seconds): its ID's milliseconds, Redis's own clock
+    at the XADD. Truncated to the millisecond, so a latency from it is long by up to 1 ms."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(raw.split("-", 1)[0]) / 1e3
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -186,16 +201,20 @@ async def bench(args: argparse.Namespace, url: str) -> dict[str, Any]:
     rounds: list[dict[str, float]] = []
     paced_n = int(args.rate * args.seconds)
     for r in range(max(1, args.rounds)):
-        raw, raw_cpu = await raw_rate(url, args.events)
+        raw = await raw_run(url, f"bench:raw{r}", args.events, 0.0)
         run = await through_daemon(url, f"bench{r}", args.events, 0.0)
+        raw_timed = await raw_run(url, f"paced:raw{r}", paced_n, args.rate)
         timed = await through_daemon(url, f"paced{r}", paced_n, args.rate)
         rounds.append({
-            "events_per_second": run.events_per_second, "raw_redis_events_per_second": raw,
+            "events_per_second": run.events_per_second,
+            "raw_redis_events_per_second": raw.events_per_second,
             "p50_seconds": statistics.median(timed.handled),
             "p99_seconds": percentile(timed.handled, 0.99),
             "p99_committed_seconds": percentile(timed.committed, 0.99),
+            "raw_p50_seconds": statistics.median(raw_timed.read),
+            "raw_p99_seconds": percentile(raw_timed.read, 0.99),
             "cpu_seconds_per_event": run.cpu_seconds_per_event,
-            "raw_cpu_seconds_per_event": raw_cpu,
+            "raw_cpu_seconds_per_event": raw.cpu_seconds_per_event,
         })  # fmt: skip
     rate = max(r["events_per_second"] for r in rounds)
     raw = max(r["raw_redis_events_per_second"] for r in rounds)
@@ -207,6 +226,9 @@ async def bench(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "p50_seconds": paced["p50_seconds"],
         "p99_seconds": paced["p99_seconds"],
         "p99_committed_seconds": paced["p99_committed_seconds"],
+        # The same paced producer read by the bare consumer: the floor of this machine.
+        "raw_p50_seconds": min(r["raw_p50_seconds"] for r in rounds),
+        "raw_p99_seconds": min(r["raw_p99_seconds"] for r in rounds),
         "latency_rate_events_per_second": args.rate,
         "events": args.events,
         # The consuming process's CPU per event: steadier than the rates on a busy machine.
@@ -227,6 +249,8 @@ def run(args: argparse.Namespace) -> int:
           f"events/s (ratio {result['ratio_to_raw']:.2f})")  # fmt: skip
     p50, p99 = result["p50_seconds"] * 1e3, result["p99_seconds"] * 1e3
     print(f"handling latency at {args.rate:,.0f} events/s: p50 {p50:.2f} ms, p99 {p99:.2f} ms")
+    raw50, raw99 = result["raw_p50_seconds"] * 1e3, result["raw_p99_seconds"] * 1e3
+    print(f"raw read latency at {args.rate:,.0f} events/s: p50 {raw50:.2f} ms, p99 {raw99:.2f} ms")
     cpu, raw_cpu = result["cpu_seconds_per_event"] * 1e6, result["raw_cpu_seconds_per_event"] * 1e6
     print(f"consumer CPU per event: {cpu:.1f} us (raw {raw_cpu:.1f} us)")
     return 0
