@@ -103,7 +103,8 @@ async def raw_run(url: str, stream: str, n: int, rate: float) -> RawRun:
     await client.xgroup_create(stream, group, id="0", mkstream=True)
     proc = _producer(url, stream, n, rate)
     cpu = time.process_time()
-    got, first_sent, read = 0, None, []
+    got, first_sent = 0, None
+    read: list[float] = []  # per event: XADD -> read
     deadline = time.monotonic() + 120
     while got < n and time.monotonic() < deadline:
         reply: Any = await client.xreadgroup(
@@ -201,20 +202,20 @@ async def bench(args: argparse.Namespace, url: str) -> dict[str, Any]:
     rounds: list[dict[str, float]] = []
     paced_n = int(args.rate * args.seconds)
     for r in range(max(1, args.rounds)):
-        raw = await raw_run(url, f"bench:raw{r}", args.events, 0.0)
+        bare = await raw_run(url, f"bench:raw{r}", args.events, 0.0)
         run = await through_daemon(url, f"bench{r}", args.events, 0.0)
         raw_timed = await raw_run(url, f"paced:raw{r}", paced_n, args.rate)
         timed = await through_daemon(url, f"paced{r}", paced_n, args.rate)
         rounds.append({
             "events_per_second": run.events_per_second,
-            "raw_redis_events_per_second": raw.events_per_second,
+            "raw_redis_events_per_second": bare.events_per_second,
             "p50_seconds": statistics.median(timed.handled),
             "p99_seconds": percentile(timed.handled, 0.99),
             "p99_committed_seconds": percentile(timed.committed, 0.99),
             "raw_p50_seconds": statistics.median(raw_timed.read),
             "raw_p99_seconds": percentile(raw_timed.read, 0.99),
             "cpu_seconds_per_event": run.cpu_seconds_per_event,
-            "raw_cpu_seconds_per_event": raw.cpu_seconds_per_event,
+            "raw_cpu_seconds_per_event": bare.cpu_seconds_per_event,
         })  # fmt: skip
     rate = max(r["events_per_second"] for r in rounds)
     raw = max(r["raw_redis_events_per_second"] for r in rounds)
