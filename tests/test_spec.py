@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,14 @@ def test_malformed_values_are_spec_errors_naming_the_field(
     with pytest.raises(SpecError) as e:
         load_spec(path)
     assert fragment in str(e.value)
+
+
+def test_an_integer_beyond_any_float_is_a_spec_error_naming_the_field() -> None:
+    """A JSON spec (as `up` and the agents send it) may hold integers TOML cannot."""
+    doc = tomllib.loads(DEFAULT_TEXT)
+    doc["job"]["rebuild_seconds"] = 10**400
+    with pytest.raises(SpecError, match=r"job\.rebuild_seconds: .*integer too large"):
+        parse_spec(doc)
 
 
 def test_whole_numbers_written_as_floats_are_accepted(tmp_path: Path) -> None:

@@ -53,9 +53,15 @@ def text(d: Mapping[str, Any], key: str, where: str, default: str | None = None)
 def number(v: Any, where: str) -> float:
     # NaN and inf compare False against every bound, so they would slip past the range checks
     # below and only surface later, as a wrong plan or a crash in the daemon.
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         raise SpecError(f"{where}: expected a finite number, got {kind(v)}")
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond any float
+        raise SpecError(f"{where}: expected a finite number, got an integer too large") from None
+    if not math.isfinite(f):
+        raise SpecError(f"{where}: expected a finite number, got {kind(v)}")
+    return f
 
 
 def num(

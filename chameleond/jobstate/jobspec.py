@@ -8,7 +8,6 @@ always sees the mean of the newest measurements.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -166,7 +165,9 @@ class HostReport:
 
 def _positive(raw: Mapping[str, Any], key: str, *, zero: bool = False) -> float:
     v: Any = raw.get(key)
-    number = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    # The bounds first: NaN and inf fail them, and an integer too large for a float never
+    # reaches a conversion.
+    number = isinstance(v, int | float) and not isinstance(v, bool)
     if not number or not 0 <= v <= MAX_CORES or (v == 0 and not zero):
         bound = ">= 0" if zero else "> 0"
         raise EventError(f"profile: host.{key} must be a number {bound}, got {v!r}")
