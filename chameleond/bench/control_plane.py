@@ -45,7 +45,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO, Any
 
@@ -494,8 +494,11 @@ def scenario(
         (at for at, phase, _ in moves if phase == "transitioning"), None
     )
     out["fault_to_plan_announced_seconds"] = _since(heard.at.get(gen2), killed_at)
-    out["first_fault_added_seconds"] = _since(_first_fault_at(client, cluster.job, killed_at),
-                                              killed_at)  # fmt: skip
+    first, named, faults = _faults_after(client, cluster.job, killed_at, gone)
+    out["first_fault_added_seconds"] = _since(first, killed_at)
+    # Every lost worker named by some survivor's fault: when the daemon's gathering may end.
+    out["all_lost_named_seconds"] = _since(named, killed_at)
+    out["faults_after_loss"] = faults
 
     back_at = time.time()
     sims.start(lost)
@@ -525,19 +528,28 @@ def behind_seconds(client: redis.Redis, job: str) -> float | None:
     return max(0, ms(stream["last-generated-id"]) - ms(groups[0]["last-delivered-id"])) / 1000
 
 
-def _first_fault_at(client: redis.Redis, job: str, since: float) -> float | None:
-    """When Redis took the first `fault` event after unix time `since` (its entry id's time),
-    if the stream still holds it: a survivor's report, before the daemon reads it."""
+def _faults_after(
+    client: redis.Redis, job: str, since: float, lost: Collection[str]
+) -> tuple[float | None, float | None, int]:
+    """The survivors' `fault` events after unix time `since`, as Redis took them (entry ids'
+    times, while the stream holds them): the first's time, when every worker of `lost` had been
+    named by one (None: not all were), and how many there were."""
+    first, named, count, waiting = None, None, 0, set(lost)
     start = f"{int(since * 1000)}-0"
     for _ in range(20):
         page: Any = client.xrange(Keys(job).events, min=start, count=5000)
         for entry_id, fields in page:
-            if fields.get(b"type") == b"fault":
-                return int(entry_id.split(b"-")[0]) / 1000
+            if fields.get(b"type") != b"fault":
+                continue
+            at = int(entry_id.split(b"-")[0]) / 1000
+            first, count = first if first is not None else at, count + 1
+            waiting.discard(fields.get(b"worker", b"").decode())
+            if not waiting and named is None:
+                named = at
         if len(page) < 5000:
-            return None
+            break
         start = "(" + page[-1][0].decode()
-    return None
+    return first, named, count
 
 
 def _since(at: float | None, start: float) -> float | None:

@@ -410,9 +410,10 @@ class PolicyMachine:
 
     # ---- persistence -------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, *, holdings: bool = True) -> dict[str, Any]:
         """The committed part of the machine; pending faults are not in it (their stream entries
-        are still unacknowledged, so a restarted daemon reads them again)."""
+        are still unacknowledged, so a restarted daemon reads them again). `holdings` False: all
+        of it but the holdings (whose text is made apart, jobstate/snapshot.py)."""
         rec = self.recovery
         phase = self.phase
         if phase in (Phase.FAULT_DETECTED, Phase.PLANNING):
@@ -426,7 +427,7 @@ class PolicyMachine:
             "awaiting_ready": sorted(self.awaiting_ready),
             "awaiting_step": sorted(self.awaiting_step),
             "ready_deadline": self.ready_deadline,
-            "holdings": self.holdings.to_json(),
+            **({"holdings": self.holdings.to_json()} if holdings else {}),
             "recovery": None
             if rec is None
             else {

@@ -54,7 +54,7 @@ from chameleond.daemon.views import progress
 from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
-from chameleond.jobstate.snapshot import plan_document, snapshot
+from chameleond.jobstate.snapshot import WorkerTexts, plan_document, snapshot
 from chameleond.protocol import Keys, packed
 from chameleond.records import Record
 
@@ -127,6 +127,7 @@ class Committer:
         self._snapshot_cpu = 0.0  # the daemon's CPU time it took
         # The current plan's document in the snapshot, and its canonical text
         self._plan_text: tuple[object, JsonText] = (None, JsonText("null"))
+        self._texts = WorkerTexts()  # the workers' parts of the snapshot, made as they change
         self._plan_doc: dict[str, Any] | None = None  # the last plan published, as a document
 
     def note(self, change: Change) -> None:
@@ -393,7 +394,7 @@ class Committer:
         """The job's snapshot as persisted (with `plan`, the one about to be published): signed,
         so a restarted daemon trusts only its own."""
         began, cpu = time.perf_counter(), time.process_time()
-        doc = snapshot(self.job, plan=plan)
+        doc = snapshot(self.job, plan=plan, texts=self._texts)
         if doc["plan"] is not None:
             doc["plan"] = self._plan_canonical(doc["plan"])
         text = self._signed("state", doc)
