@@ -34,6 +34,16 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     assert f["fault_to_all_acked_max_seconds"] < 3.0
     assert 0 < f["fault_to_plan_published_seconds"] <= f["fault_to_all_acked_max_seconds"]
     assert all("peer process gone" in d["cause"] for d in f["decisions_after_loss"])
+    # Every lost worker named by a survivor's fault (the first fault names one).
+    first, named = f["first_fault_added_seconds"], f["all_lost_named_seconds"]
+    assert 0 < first <= named < f["fault_to_all_acked_max_seconds"]
+    assert f["faults_after_loss"] >= 8
+    # What the machine gave the window: each part's CPU, within what the cores could.
+    cpu = f["loss_to_acked_cpu"]
+    assert cpu["seconds"] >= f["fault_to_all_acked_max_seconds"] and cpu["cores"] >= 1
+    assert cpu["daemon"] > 0 and cpu["simulated_workers"] > 0
+    used = cpu["daemon"] + cpu["redis"] + cpu["simulated_workers"]
+    assert used <= cpu["cores"] * cpu["seconds"] + 0.1
     assert f["host_back_to_all_acked_max_seconds"] < 10.0
 
     # Steady state: each worker's own writes are its heartbeat, its step, its profile every

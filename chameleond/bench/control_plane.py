@@ -275,6 +275,18 @@ def steady_figures(a: Sample, b: Sample, n: int) -> dict[str, Any]:
     }
 
 
+def window_cpu(a: Sample, b: Sample, gone_cpu: float) -> dict[str, float]:
+    """The CPU seconds each part used from `a` to `b`, and the cores there were: how much of the
+    machine the window had (`gone_cpu`: what the processes that ended in it had used at `a`)."""
+    return {
+        "seconds": round(b.at - a.at, 2),
+        "cores": len(os.sched_getaffinity(0)),
+        "daemon": round(b.daemon_cpu - a.daemon_cpu, 2),
+        "redis": round(b.redis_cpu - a.redis_cpu, 2),
+        "simulated_workers": round(b.sims_cpu - (a.sims_cpu - gone_cpu), 2),
+    }
+
+
 def quantile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -461,6 +473,7 @@ def scenario(
     out["steady"]["daemon_behind_seconds"] = behind_seconds(client, cluster.job)
 
     sent = _output_bytes(client)
+    at_loss, victim_cpu = sample(client, cluster, sims), cpu_seconds(victim.pid)
     killed_at = out["killed_at"] = time.time()
     os.killpg(victim.pid, signal.SIGKILL)
     victim.wait()
@@ -480,6 +493,7 @@ def scenario(
     out["fault_to_all_acked_p99_seconds"] = quantile(delays, 0.99)
     out["fault_to_all_acked_max_seconds"] = round(max(delays), 3)
     out["redis_output_bytes_loss_to_acked"] = _output_bytes(client) - sent
+    out["loss_to_acked_cpu"] = window_cpu(at_loss, sample(client, cluster, sims), victim_cpu)
     out["plan_without_host"] = {
         "generation": gen2,
         "workers": len(without),
