@@ -63,12 +63,6 @@ class WorkerRecord:
     heard_while_failed: float = 0.0
     down_since: float = 0.0  # when its current fault was counted (0: not out); see Job.window
 
-    def durable(self) -> tuple[Any, ...]:
-        """What `to_json` writes, as one value that compares equal while none of it changed."""
-        return (self.host, self.device, self.memory_bytes, self.registered,
-                self.stopped_generation, self.since_generation, self.ended, self.down_since,
-                tuple(self.links.items()))  # fmt: skip
-
     def to_json(self) -> dict[str, Any]:
         """The durable part (the soft state, heartbeats and the profile, starts again on a
         restart: the job keeps the layer figures its profiles made, Job.measured_means)."""

@@ -124,10 +124,6 @@ class WorkerSlowness:
         self.decided = self.speed if self.slow else 1.0
         return Transition(worker, self.slow, self.speed, held if self.slow else now - self.since)
 
-    def durable(self) -> tuple[Any, ...]:
-        """What `to_json` writes, as one value that compares equal while none of it changed."""
-        return (self.slow, self.since, self.speed, self.crossing_since, self.decided)
-
     def to_json(self) -> dict[str, Any]:
         return {"slow": self.slow, "since": self.since, "speed": self.speed,
                 "crossing_since": self.crossing_since, "decided": self.decided}  # fmt: skip

@@ -60,24 +60,22 @@ def snapshot(
 
 class WorkerTexts:
     """The snapshot's members with a part per worker (`workers`, `slowness`, the holdings of
-    `machine`) as canonical JSON text, each worker's part made again only when what it writes
-    changed (`durable()`, its intervals): at 8,192 workers they are 2.5 MB of the snapshot, and
-    between two snapshots few workers change. The text is `canonical` of the documents
-    `snapshot` makes without it."""
+    `machine`) as canonical JSON text, each worker's part encoded again only when its document
+    (its intervals, for the holdings) differs from the one its text was made from: at 8,192
+    workers they are 2.5 MB of the snapshot, and between two snapshots few workers change. The
+    text is `canonical` of the documents `snapshot` makes without it."""
 
     def __init__(self) -> None:
         # (member, worker) -> (what the worker's part was made from, '"worker":{...}')
-        self._parts: dict[tuple[str, str], tuple[tuple[Any, ...], str]] = {}
+        self._parts: dict[tuple[str, str], tuple[Any, str]] = {}
 
     def workers(self, job: Job) -> JsonText:
         part = self._part
-        return _object({w.id: part("workers", w.id, w.durable(), w.to_json)
-                        for w in job.workers.values()})  # fmt: skip
+        return _object({w.id: part("workers", w.id, w.to_json()) for w in job.workers.values()})
 
     def slowness(self, job: Job) -> JsonText:
         s, part = job.slowness, self._part
-        workers = _object({w: part("slowness", w, ws.durable(), ws.to_json)
-                           for w, ws in s.workers.items()})  # fmt: skip
+        workers = _object({w: part("slowness", w, ws.to_json()) for w, ws in s.workers.items()})
         episodes = canonical([list(e) for e in s.episodes])
         return JsonText(f'{{"episodes":{episodes},"workers":{workers}}}')
 
@@ -97,11 +95,14 @@ class WorkerTexts:
         return _object({w: part(member, w, tuple(ivs), partial(_lists, ivs))
                         for w, ivs in intervals.items()})  # fmt: skip
 
-    def _part(self, member: str, worker: str, key: tuple[Any, ...], doc: Callable[[], Any]) -> str:
+    def _part(
+        self, member: str, worker: str, key: Any, doc: Callable[[], Any] | None = None
+    ) -> str:
+        """The worker's part, from `key` (its document; or what `doc` makes it from)."""
         found = self._parts.get((member, worker))
         if found is not None and found[0] == key:
             return found[1]
-        text = f"{canonical(worker)}:{canonical(doc())}"
+        text = f"{canonical(worker)}:{canonical(key if doc is None else doc())}"
         self._parts[(member, worker)] = (key, text)
         return text
 
