@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -47,6 +47,11 @@ PLAN_POLL_SECONDS = 5.0
 PROFILE_EVERY_STEPS = 5  # a training profile per this many steps (chameleond/worker/_profile.py)
 PROFILES_PER_SECOND = 512  # a larger job's members profile less often, sharing this many
 STEP_REPORTS_PER_SECOND = 1024  # a larger job's members report every few steps, sharing this many
+# A dead member is named in a fault at once by the first FAULT_REPORTERS live members after it in
+# the plan's worker order (fault_reporters); every other survivor names it only when no newer plan
+# has come FAULT_FALLBACK_SECONDS after its own generation failed.
+FAULT_REPORTERS = 3
+FAULT_FALLBACK_SECONDS = 10.0
 
 
 def profile_every_steps(members: int, step_seconds: float) -> int:
@@ -88,6 +93,37 @@ def step_reported(worker: str, step: int, members: int, step_seconds: float) -> 
     an evaluation): each member at its own phase, so that every step is reported by some."""
     every = step_report_every(members, step_seconds)
     return every == 1 or (step + zlib.crc32(worker.encode())) % every == 0
+
+
+def fault_reporters(
+    workers: Sequence[str], gone: Collection[str], n: int = FAULT_REPORTERS
+) -> dict[str, tuple[str, ...]]:
+    """For each of `workers` in `gone`, the workers that name it in a fault at once: the first
+    `n` after it in `workers` (a plan's sorted workers, round the end) not in `gone`.
+
+    A peer's death fails every survivor's generation (its world group and commit vote span the
+    plan), and each survivor holds the same notices of who is gone: without this, every survivor
+    named every dead member, 65,472 faults for a host of 8 lost from 8,192 workers, each read and
+    folded by the daemon ahead of the acknowledgements of the plan that answers them. With it,
+    a host's loss is named n times per worker, by survivors on the next host. A survivor whose
+    notices differ (one still on its way), or whose reporters died or hung too, is covered by the
+    fallback: every survivor names what is left after FAULT_FALLBACK_SECONDS without a newer
+    plan."""
+    dead = set(gone)
+    ring = len(workers)
+    out: dict[str, tuple[str, ...]] = {}
+    for i, w in enumerate(workers):
+        if w not in dead:
+            continue
+        found: list[str] = []
+        for k in range(1, ring):
+            peer = workers[(i + k) % ring]
+            if peer not in dead:
+                found.append(peer)
+                if len(found) == n:
+                    break
+        out[w] = tuple(found)
+    return out
 
 
 def heartbeat_seconds(workers: int) -> float:

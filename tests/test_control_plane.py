@@ -13,7 +13,7 @@ import pytest
 
 from chameleond.bench.control_plane import pin, run_size, split_cpus
 from chameleond.daemon.config import Config
-from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS
+from chameleond.protocol import FAULT_REPORTERS, HEARTBEAT_SECONDS, PLAN_POLL_SECONDS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,7 +38,9 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     # Every lost worker named by a survivor's fault (the first fault names one).
     first, named = f["first_fault_added_seconds"], f["all_lost_named_seconds"]
     assert 0 < first <= named < f["fault_to_all_acked_max_seconds"]
-    assert f["faults_after_loss"] >= 8
+    # Each lost worker is named by its first reporters only (the plan came well within the
+    # fallback time): not by every survivor, 56 x 8 faults.
+    assert 8 <= f["faults_after_loss"] <= FAULT_REPORTERS * 8
     # What the machine gave the window: each part's CPU, within what the cores could.
     cpu = f["loss_to_acked_cpu"]
     assert cpu["seconds"] >= f["fault_to_all_acked_max_seconds"] and cpu["cores"] >= 1

@@ -14,16 +14,20 @@ process groups to build). As a member it commits a step every step period of the
 reported as a real worker's (its first of a plan, then `step_reported`), and
 a training `profile` of the layers it holds every `profile_every_steps` of its plan (at its
 `profile_phase`, as a real worker's from a plan's second report on). It listens on the job's
-liveness channel; when a peer of its plan (same pipeline or same stage) is reported gone, it notes
-when and names that peer in a `fault`, with the generation it saw it fail in, as a survivor of a
-failed collective does.
+liveness channel; when a member of its plan is reported gone, its generation has failed (the
+world group and the commit vote span the plan): it notes when, commits no more steps of that plan,
+and names the dead member in a `fault`, with the generation it saw it fail in, if it is one of
+the member's first reporters (chameleond.protocol.fault_reporters), else only when no newer plan
+has come FAULT_FALLBACK_SECONDS later, as a real worker does (chameleond/worker/_attribution.py).
 
 The plan bytes each worker reads (a delta, or the packed plan) are parsed once per process
-(applied to their base, verified, then `plan_from_dict`), and so is each liveness notice: the
+(applied to their base, verified, then `plan_from_dict`), and so is each liveness notice (and
+who names whom after it): the
 load on Redis is every worker's, the parsing cost one worker's. Every event is signed with the
 job's keyring ($CHAMELEON_SECRET_FILE). Observations go to stdout, one JSON list a line:
 `["up", n]` once every worker has registered, `["ack", worker, generation, at]`,
-`["learned", worker, peer, incarnation, at]`, `["error", text]`.
+`["learned", worker, peer, incarnation, at]` (once per worker and notice: the first member it
+names gone), `["error", text]`.
 
 Run: `python -m chameleond.bench.simworkers CONFIG.json`, the config holding `url`, `job`,
 `spec` (a spec file), `workers` ([[id, host], ...]), `step_seconds` and `epoch` (the shared
@@ -53,8 +57,10 @@ from chameleond.core.plandelta import DeltaError, apply_delta, parse_delta
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.events import HEARD, Ack, AckPhase, Event, Fault, Heartbeat, Profile, Register, Step
 from chameleond.protocol import (
+    FAULT_FALLBACK_SECONDS,
     PLAN_POLL_SECONDS,
     Keys,
+    fault_reporters,
     heartbeat_seconds,
     profile_every_steps,
     profile_phase,
@@ -68,33 +74,27 @@ LIVENESS = "liveness"  # the kind a liveness notice is signed as (chameleond/dae
 
 @dataclass(frozen=True)
 class Layout:
-    """One plan as the simulated workers use it: its generation, global batch, members, and each
-    member's place (pipeline, stage) and layers."""
+    """One plan as the simulated workers use it: its generation, global batch, workers (sorted,
+    as the world group's ranks), members, and each member's layers."""
 
     generation: int
     global_batch: int
+    workers: tuple[str, ...]
     members: frozenset[str]
-    place: dict[str, tuple[int, int]]
     layers: dict[str, tuple[int, ...]]
-
-    def peers(self, a: str, b: str) -> bool:
-        """Whether `a` and `b` share a pipeline or a stage (a collective of theirs fails)."""
-        pa, pb = self.place.get(a), self.place.get(b)
-        return pa is not None and pb is not None and a != b and (pa[0] == pb[0] or pa[1] == pb[1])
 
 
 def layout_of(doc: dict[str, Any]) -> Layout:
     plan = plan_from_dict(doc)
-    place: dict[str, tuple[int, int]] = {}
     owned: dict[str, tuple[int, ...]] = {}
-    for p, pipe in enumerate(plan.pipelines):
-        for s, stage in enumerate(pipe.stages):
+    for pipe in plan.pipelines:
+        for stage in pipe.stages:
             w = stage.worker
-            if w not in place:  # most workers own one stage
-                place[w], owned[w] = (p, s), tuple(stage.layers)
+            if w not in owned:  # most workers own one stage
+                owned[w] = tuple(stage.layers)
             else:
                 owned[w] = tuple(sorted({*owned[w], *stage.layers}))
-    return Layout(plan.generation, plan.global_batch, plan.members, place, owned)
+    return Layout(plan.generation, plan.global_batch, plan.workers, plan.members, owned)
 
 
 def gone_of(raw: bytes, keyring: Keyring | None, job: str) -> list[tuple[str, str]]:
@@ -121,6 +121,8 @@ class Shared:
         self._bases: dict[bytes, int] = {}  # a delta's base generation
         self._docs: dict[int, dict[str, Any]] = {}  # the newest plans' documents: deltas' bases
         self._notice: tuple[bytes, list[tuple[str, str]]] | None = None  # the last liveness
+        self._dead: set[str] = set()  # the ids the notices hold gone (not live again)
+        self._named: dict[int, dict[str, set[str]]] = {}  # by generation: who names whom at once
         self._reports: dict[tuple[int, ...] | None, list[dict[str, Any]]] = {}
         self._out: list[str] = []
         self.registered = 0
@@ -158,8 +160,24 @@ class Shared:
     def gone(self, raw: bytes) -> list[tuple[str, str]]:
         """A liveness notice's gone incarnations, verified once per process (the newest)."""
         if self._notice is None or self._notice[0] != raw:
-            self._notice = (raw, gone_of(raw, self.keyring, self.keys.job))
+            doc = json.loads(raw)
+            gone = gone_of(raw, self.keyring, self.keys.job)
+            self._notice = (raw, gone)
+            self._dead |= {w for w, _ in gone}
+            self._dead -= {str(w) for w, _ in doc.get("live", [])}
+            self._named.clear()
         return self._notice[1]
+
+    def names(self, plan: Layout, worker: str) -> set[str]:
+        """The dead members of `plan` that `worker` names at once (it is among their first
+        reporters, from the notices this process holds), worked out once per plan and notice."""
+        named = self._named.get(plan.generation)
+        if named is None:
+            named = self._named[plan.generation] = {}
+            for dead, reporters in fault_reporters(plan.workers, self._dead).items():
+                for w in reporters:
+                    named.setdefault(w, set()).add(dead)
+        return named.get(worker, set())
 
     def _keep(self, raw: bytes, doc: object) -> None:
         if len(self._plans) > 8:
@@ -223,9 +241,11 @@ class SimWorker:
         self.plan: Layout | None = None
         self.acked = 0  # the newest generation acked ready
         self.stepped = 0  # the generation of its newest step
+        self.failed = 0  # the newest generation it saw fail (a member gone): no more steps of it
         self.heard_at = 0.0  # time.monotonic() of the last heartbeat, step or ack sent
         self.raw: bytes | None = None  # the plan bytes held: an unchanged GET parses nothing
-        self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) already named
+        self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) seen gone
+        self.fallbacks: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
 
     async def send(self, event: Event) -> None:
         fields = [x for kv in self.s.fields(event).items() for x in kv]
@@ -312,6 +332,8 @@ class SimWorker:
             plan = self.plan
             if plan is None or self.acked != plan.generation or self.worker not in plan.members:
                 continue
+            if self.failed >= plan.generation:
+                continue
             first, self.stepped = self.stepped != plan.generation, plan.generation
             if first or step_reported(self.worker, step, len(plan.members), period):
                 await self.send(Step(self.worker, plan.generation, step, plan.global_batch,
@@ -327,8 +349,9 @@ class SimWorker:
                 await self.send(Profile(self.worker, data))
 
     async def on_liveness(self, raw: bytes) -> None:
-        """A liveness document: note each newly gone peer of this worker's plan, then name it in a
-        fault with the generation it was lost in."""
+        """A liveness document: a member of this worker's plan newly gone fails its generation;
+        it names each such member in a fault with that generation, at once where it is one of the
+        member's first reporters, else after FAULT_FALLBACK_SECONDS without a newer plan."""
         now = time.time()
         try:
             gone = self.s.gone(raw)
@@ -336,15 +359,35 @@ class SimWorker:
             self.s.note("error", f"liveness refused: {e}")
             return
         plan = self.plan
-        if plan is None:
+        if plan is None or self.worker not in plan.members:
             return
-        for peer, incarnation in gone:
-            if (peer, incarnation) in self.reported or not plan.peers(self.worker, peer):
-                continue
-            self.reported.add((peer, incarnation))
-            self.s.note("learned", self.worker, peer, incarnation, now)
+        members, me, seen = plan.members, self.worker, self.reported
+        dead = [(p, i) for p, i in gone if p in members and p != me and (p, i) not in seen]
+        if not dead:
+            return
+        self.failed = max(self.failed, plan.generation)
+        self.reported.update(dead)
+        self.s.note("learned", self.worker, *dead[0], now)
+        names = self.s.names(plan, self.worker)
+        later = [p for p, _ in dead if p not in names]
+        for peer in (p for p, _ in dead if p in names):
             await self.send(Fault(peer, "peer process gone", plan.generation,
                                   reporter=self.worker, at=now))  # fmt: skip
+        if later:
+            self.fallbacks.add(asyncio.create_task(self.fallback(plan.generation, later, now)))
+
+    async def fallback(self, generation: int, dead: list[str], at: float) -> None:
+        """Name `dead` too when no plan newer than `generation` has come FAULT_FALLBACK_SECONDS
+        after it failed (their first reporters died or hung too, or held other notices)."""
+        try:
+            await asyncio.sleep(FAULT_FALLBACK_SECONDS)
+            if self.held > generation:
+                return
+            for peer in dead:
+                await self.send(Fault(peer, "peer process gone", generation,
+                                      reporter=self.worker, at=at))  # fmt: skip
+        finally:
+            self.fallbacks.discard(asyncio.current_task())
 
 
 async def main(cfg: dict[str, Any]) -> None:

@@ -3,19 +3,24 @@
 A generation fails on an error from a collective, a group's set-up, the store or Redis (FAULTS).
 The worker first rules out its own device (a CUDA error surfaces at the next synchronisation,
 often inside a collective, where it looks like a peer's), then names in a fault only the peers
-the daemon announced gone (their Redis connections closed: chameleond.worker._liveness). With
-nobody gone the generation is built again; a live peer absent from ABSENT_ATTEMPTS rendezvous
-attempts in a row is named as hung (chameleond.worker._absence).
+the daemon announced gone (their Redis connections closed: chameleond.worker._liveness), and of
+those only the ones it is among the first reporters of (chameleond.protocol.fault_reporters: the
+live members right after the dead one in the plan's order); the rest it names only when no newer
+plan has come FAULT_FALLBACK_SECONDS later (`overdue`). With nobody gone the generation is built
+again; a live peer absent from ABSENT_ATTEMPTS rendezvous attempts in a row is named as hung
+(chameleond.worker._absence).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
 from chameleond.core.plan import Plan
+from chameleond.protocol import FAULT_FALLBACK_SECONDS, fault_reporters
 from chameleond.worker._absence import ABSENT_ATTEMPTS, Absences
 from chameleond.worker._backend import CollectiveFailed, DeviceChoice, check_device_health
 from chameleond.worker._generation import Generation, GenerationAborted
@@ -42,6 +47,17 @@ FAULTS: tuple[type[BaseException], ...] = (
 FAILS_GENERATION: tuple[type[BaseException], ...] = (*FAULTS, GenerationAbandoned, DeviceFailed)
 
 
+class Deferred(NamedTuple):
+    """Dead peers left to their first reporters: named by this worker too if no plan newer than
+    `generation` has come by `due` (time.monotonic())."""
+
+    generation: int
+    dead: tuple[str, ...]
+    cause: str
+    detected: float
+    due: float
+
+
 class Attribution:
     """The evidence of one worker against its peers, and the faults it reports from it."""
 
@@ -55,6 +71,7 @@ class Attribution:
         self.absences = Absences()  # peers missing from the rendezvous
         self._failed_at = 0.0
         self._peers: dict[str, str | None] = {}  # the failed generation's members (incarnations)
+        self._deferred: Deferred | None = None
 
     def started(self) -> None:
         """A generation starts: an earlier generation's peers are no evidence in this one."""
@@ -100,11 +117,37 @@ class Attribution:
         )
         cause = f"{type(error).__name__}: {error}"
         log.warning("generation %d failed (%s); dead peers: %s", plan.generation, cause, dead)
+        first = fault_reporters(plan.workers, dead)
+        later = tuple(w for w in dead if self.me not in first.get(w, ()))
         for w in dead:
-            self.reporter.fault(w, cause, generation=plan.generation, at=detected)
+            if w not in later:
+                self.reporter.fault(w, cause, generation=plan.generation, at=detected)
+        if later:
+            due = time.monotonic() + FAULT_FALLBACK_SECONDS
+            self._deferred = Deferred(plan.generation, later, cause, detected, due)
+            log.info("left to their first reporters: %s", ", ".join(later))
         if not dead:
             log.warning("no dead peer found: building generation %d again", plan.generation)
         return bool(dead)
+
+    def overdue(self, newest: int) -> None:
+        """While the worker waits for a plan after a fault: once no plan newer than the failed
+        generation (`newest`: the newest this worker has seen) has come FAULT_FALLBACK_SECONDS
+        after it, name the dead peers left to their first reporters (those may have died or hung
+        too, or held other notices); a newer plan answered them."""
+        deferred = self._deferred
+        if deferred is None:
+            return
+        if newest > deferred.generation:
+            self._deferred = None
+        elif time.monotonic() >= deferred.due:
+            self._deferred = None
+            log.warning("no plan after generation %d in %.0f s: naming %s too",
+                        deferred.generation, FAULT_FALLBACK_SECONDS,
+                        ", ".join(deferred.dead))  # fmt: skip
+            for w in deferred.dead:
+                self.reporter.fault(w, deferred.cause, generation=deferred.generation,
+                                    at=deferred.detected)  # fmt: skip
 
     def name_absent(self, plan: Plan, absent: tuple[str, ...]) -> None:
         """Report the peers absent from ABSENT_ATTEMPTS attempts in a row of this generation."""

@@ -151,6 +151,7 @@ class WorkerRuntime:
             else:
                 found = self.watcher.wait_newer(seen, timeout=0.5)
                 if found is None:
+                    blame.overdue(self.watcher.newest_generation)
                     continue
                 plan, attempt = found, 1
             seen = plan.generation
