@@ -98,30 +98,31 @@ def step_reported(worker: str, step: int, members: int, step_seconds: float) -> 
 def fault_reporters(
     workers: Sequence[str], gone: Collection[str], n: int = FAULT_REPORTERS
 ) -> dict[str, tuple[str, ...]]:
-    """For each of `workers` in `gone`, the workers that name it in a fault at once: the first
-    `n` after it in `workers` (a plan's sorted workers, round the end) not in `gone`.
+    """For each of `workers` in `gone`, the workers that name it in a fault at once: `n` of the
+    others not in `gone`, spread round `workers` (a plan's sorted workers, as a ring): the k-th
+    is the first such worker from k/n of the way round after it, not chosen already.
 
     A peer's death fails every survivor's generation (its world group and commit vote span the
     plan), and each survivor holds the same notices of who is gone: without this, every survivor
     named every dead member, 65,472 faults for a host of 8 lost from 8,192 workers, each read and
-    folded by the daemon ahead of the acknowledgements of the plan that answers them. With it,
-    a host's loss is named n times per worker, by survivors on the next host. A survivor whose
-    notices differ (one still on its way), or whose reporters died or hung too, is covered by the
-    fallback: every survivor names what is left after FAULT_FALLBACK_SECONDS without a newer
-    plan."""
+    folded by the daemon ahead of the acknowledgements of the plan that answers them. Spread
+    round the ring, a member's reporters are on different hosts (sorted ids group a host's
+    workers), so one busy host does not hold back its naming. A survivor whose notices differ
+    (one still on its way), or whose reporters died or hung too, is covered by the fallback:
+    every survivor names what is left after FAULT_FALLBACK_SECONDS without a newer plan."""
     dead = set(gone)
     ring = len(workers)
+    live = ring - sum(1 for w in workers if w in dead)
     out: dict[str, tuple[str, ...]] = {}
     for i, w in enumerate(workers):
         if w not in dead:
             continue
         found: list[str] = []
-        for k in range(1, ring):
-            peer = workers[(i + k) % ring]
-            if peer not in dead:
-                found.append(peer)
-                if len(found) == n:
-                    break
+        for k in range(min(n, live)):
+            j = i + 1 + k * ring // n
+            while workers[j % ring] in dead or workers[j % ring] in found:
+                j += 1
+            found.append(workers[j % ring])
         out[w] = tuple(found)
     return out
 

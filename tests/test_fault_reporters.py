@@ -1,7 +1,7 @@
 """Who names a dead member in a fault: its first reporters at once (chameleond.protocol
-.fault_reporters), every other survivor only when no newer plan has come FAULT_FALLBACK_SECONDS
-later (chameleond/worker/_attribution.py), so that a host lost from 8,192 workers is named a few
-times, not once by every survivor."""
+.fault_reporters: a few survivors spread round the plan), every other survivor only when no newer
+plan has come FAULT_FALLBACK_SECONDS later (chameleond/worker/_attribution.py), so that a host lost
+from 8,192 workers is named a few times, not once by every survivor."""
 
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ from chameleond.worker._state import WorkerState
 WORKERS = tuple(sorted(f"w{i}" for i in range(16)))  # w0 w1 w10 ... w15 w2 ... w9
 
 
-def test_a_dead_member_is_named_by_the_live_members_right_after_it() -> None:
-    assert fault_reporters(WORKERS, {"w3"}) == {"w3": ("w4", "w5", "w6")}
-    # A host's workers die together: the next live members name each of them.
+def test_a_dead_member_is_named_by_live_members_spread_round_the_plan() -> None:
+    # 16 workers: its reporters start 1, 1 + 5 and 1 + 10 places after it (16 // 3 = 5).
+    assert fault_reporters(WORKERS, {"w3"}) == {"w3": ("w4", "w9", "w12")}
+    # A host's workers die together: each is named from far apart, by survivors only.
     assert fault_reporters(WORKERS, {"w4", "w5", "w6"}) == {
-        "w4": ("w7", "w8", "w9"), "w5": ("w7", "w8", "w9"), "w6": ("w7", "w8", "w9"),
+        "w4": ("w7", "w0", "w13"), "w5": ("w7", "w1", "w14"), "w6": ("w7", "w10", "w15"),
     }  # fmt: skip
     # Round the end of the order.
-    assert fault_reporters(WORKERS, {"w9", "w0"}) == {"w9": ("w1", "w10", "w11"),
-                                                      "w0": ("w1", "w10", "w11")}  # fmt: skip
+    assert fault_reporters(WORKERS, {"w9"}) == {"w9": ("w0", "w13", "w4")}
     # Fewer survivors than reporters: all of them.
     assert fault_reporters(("a", "b", "c"), {"b"}) == {"b": ("c", "a")}
     assert fault_reporters(("a", "b"), {"a", "b"}) == {"a": (), "b": ()}
@@ -58,14 +58,16 @@ def test_each_dead_member_has_its_reporters_among_the_survivors(
     named = fault_reporters(workers, gone, n)
     survivors = [w for w in workers if w not in gone]
     assert set(named) == gone
+    ring = len(workers)
     for dead, reporters in named.items():
         assert len(reporters) == min(n, len(survivors)) == len(set(reporters))
         assert set(reporters) <= set(survivors)
-        # The nearest after it: no survivor between the dead member and its last reporter is
-        # passed over.
+        # The k-th: the first survivor not chosen yet from k/n of the way round after it.
         i = workers.index(dead)
-        ring = [workers[(i + k) % len(workers)] for k in range(1, len(workers))]
-        assert list(reporters) == [w for w in ring if w not in gone][:n]
+        for k, reporter in enumerate(reporters):
+            start = i + 1 + k * ring // n
+            walk = [workers[(start + j) % ring] for j in range(ring)]
+            assert reporter == next(w for w in walk if w not in gone and w not in reporters[:k])
 
 
 def _spec(workers: int) -> dict[str, object]:
@@ -100,13 +102,17 @@ def _named(client: redis.Redis, reporter: str) -> list[str]:
 def test_survivors_name_at_once_only_what_they_are_first_reporters_of_and_the_rest_later(
     redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """w11, w12 and w13 die together (a host) in a plan of 8. Their first reporters (w14, w15,
-    w0) name all three at once; w1 names nobody until no newer plan has come in the fallback
-    time, then all three; w10, which sees a newer plan first, names nobody."""
+    """w11, w12 and w13 die together (a host) in a plan of 8 workers. w14 is a first reporter of
+    all three and names them at once; w1 is one of w11's only, names it at once and the other two
+    when no newer plan has come in the fallback time; w10, one of w12's, names it at once and
+    nobody else: a newer plan came first."""
     monkeypatch.setattr(_attribution, "FAULT_FALLBACK_SECONDS", 0.5)
     plan = initial_plan(parse_spec(_spec(8)))
     assert plan.workers == ("w0", "w1", "w10", "w11", "w12", "w13", "w14", "w15")
     dead = ["w11", "w12", "w13"]
+    assert fault_reporters(plan.workers, dead) == {
+        "w11": ("w14", "w15", "w1"), "w12": ("w14", "w15", "w10"), "w13": ("w14", "w0", "w15"),
+    }  # fmt: skip
     notices = PeerNotices("fr")
     notices.take(json.dumps({"gone": [[w, "1"] for w in dead], "live": [], "at": 0.0}))
     client = redis.Redis.from_url(redis_server.url, decode_responses=True)
@@ -115,11 +121,10 @@ def test_survivors_name_at_once_only_what_they_are_first_reporters_of_and_the_re
     try:
         for w, (blame, _) in survivors.items():
             assert blame.fault(plan, state, CollectiveFailed("peer reset")), w
-        first = fault_reporters(plan.workers, dead)
-        assert all(r == ("w14", "w15", "w0") for r in first.values())
         time.sleep(0.3)
-        assert _named(client, "w14") == dead  # a first reporter of each: at once
-        assert _named(client, "w1") == _named(client, "w10") == []
+        assert _named(client, "w14") == dead
+        assert _named(client, "w1") == ["w11"]
+        assert _named(client, "w10") == ["w12"]
         blame_w1, blame_w10 = survivors["w1"][0], survivors["w10"][0]
         blame_w1.overdue(plan.generation)  # not due yet
         blame_w10.overdue(plan.generation + 1)  # a newer plan answered the faults
@@ -128,7 +133,7 @@ def test_survivors_name_at_once_only_what_they_are_first_reporters_of_and_the_re
         blame_w10.overdue(plan.generation + 1)
         time.sleep(0.3)
         assert _named(client, "w1") == dead  # the fallback: nobody answered in time
-        assert _named(client, "w10") == []
+        assert _named(client, "w10") == ["w12"]
         faults = [f for _, f in client.xrange(Keys("fr").events) if f.get("reporter") == "w1"]
         assert {f["generation"] for f in faults} == {str(plan.generation)}
     finally:

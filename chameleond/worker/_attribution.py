@@ -4,8 +4,8 @@ A generation fails on an error from a collective, a group's set-up, the store or
 The worker first rules out its own device (a CUDA error surfaces at the next synchronisation,
 often inside a collective, where it looks like a peer's), then names in a fault only the peers
 the daemon announced gone (their Redis connections closed: chameleond.worker._liveness), and of
-those only the ones it is among the first reporters of (chameleond.protocol.fault_reporters: the
-live members right after the dead one in the plan's order); the rest it names only when no newer
+those only the ones it is among the first reporters of (chameleond.protocol.fault_reporters: a
+few live members spread round the plan's order); the rest it names only when no newer
 plan has come FAULT_FALLBACK_SECONDS later (`overdue`). With nobody gone the generation is built
 again; a live peer absent from ABSENT_ATTEMPTS rendezvous attempts in a row is named as hung
 (chameleond.worker._absence).
