@@ -1,13 +1,17 @@
 """The simulated workers' Redis connection (chameleond/bench/resp.py) against a real redis-server:
 named as the daemon's connection watch expects, commands and their replies, error replies, an
-ACL user, and pub/sub messages."""
+ACL user, commands sent together on one connection, and pub/sub messages, on asyncio's loop and
+on uvloop's (the simulated workers')."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
+import uvloop
 
 from chameleond.bench.resp import Connection, RespError
 from chameleond.redis_server import RedisServer
@@ -26,6 +30,10 @@ async def _talk(url: str, client: redis.Redis) -> None:
     with pytest.raises(RespError, match="WRONGTYPE"):
         await conn.call("GET", "h")
     assert await conn.call("GET", "missing") is None  # the connection goes on after an error
+    # A worker's loops share its connection: commands sent together each get their own reply.
+    client.mset({f"k{i}": i for i in range(50)})
+    replies = await asyncio.gather(*(conn.call("GET", f"k{i}") for i in range(50)))
+    assert [int(r) for r in replies] == list(range(50))
     sub = await Connection.open(url, NAME)
     messages = sub.subscribe("plans", "liveness")
     first = asyncio.ensure_future(messages.__anext__())
@@ -39,10 +47,11 @@ async def _talk(url: str, client: redis.Redis) -> None:
     sub.close()
 
 
+@pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
 def test_commands_replies_and_messages(
-    redis_server: RedisServer, redis_client: redis.Redis
+    redis_server: RedisServer, redis_client: redis.Redis, run: Callable[[Any], None]
 ) -> None:
-    asyncio.run(_talk(redis_server.url, redis_client))
+    run(_talk(redis_server.url, redis_client))
 
 
 def test_an_acl_user_authenticates_from_the_url(
@@ -51,6 +60,6 @@ def test_an_acl_user_authenticates_from_the_url(
     redis_client.acl_setuser("sim", enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
                              commands=["+@all"])  # fmt: skip
     host, port = redis_server.url.split("//")[1].rsplit(":", 1)
-    asyncio.run(_talk(f"redis://sim:pw@{host}:{port.split('/')[0]}", redis_client))
+    uvloop.run(_talk(f"redis://sim:pw@{host}:{port.split('/')[0]}", redis_client))
     with pytest.raises(RespError, match="WRONGPASS"):
-        asyncio.run(Connection.open(f"redis://sim:wrong@{host}:{port.split('/')[0]}", NAME))
+        uvloop.run(Connection.open(f"redis://sim:wrong@{host}:{port.split('/')[0]}", NAME))

@@ -1,25 +1,27 @@
 """A minimal Redis connection for the simulated workers (chameleond/bench/simworkers.py): commands
-written in RESP, replies parsed by hiredis, one command at a time per connection.
+written in RESP, replies parsed by hiredis and handed, in order, to the commands that wait for
+them.
 
 Thousands of simulated workers in one process each hold two connections, as real workers do. With
 redis-py's asyncio client every command cost a simulated worker's process several hundred
 microseconds of CPU, so at 8,192 workers the load generator alone took most of a 2-core machine
-and starved the daemon and Redis it measures. The same commands on the same connections, without
-the client's layers, cost a fraction of that. Only what the simulated workers send is here:
-a named connection (AUTH and SELECT from the URL), a command and its reply, and SUBSCRIBE with the
-messages that follow.
+and starved the daemon and Redis it measures. Here a connection is an asyncio protocol: a command
+is written at once and waits on a future; each reply read completes the oldest waiting command
+(Redis answers a connection's commands in order), so a worker's loops share its connection
+without a lock and without a stream reader's buffers. Only what the simulated workers send is
+here: a named connection (AUTH and SELECT from the URL), a command and its reply, and SUBSCRIBE
+with the messages that follow.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 from redis.connection import parse_url
-
-READ_BYTES = 65536
 
 
 class RespError(Exception):
@@ -35,19 +37,23 @@ def pack(args: tuple[Any, ...]) -> bytes:
     return b"".join(out)
 
 
-class Connection:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._reader, self._writer = reader, writer
+class Connection(asyncio.Protocol):
+    def __init__(self) -> None:
         self._parser = hiredis.Reader()
-        self._lock = asyncio.Lock()  # a worker's loops share its connection: one command at a time
+        self._transport: asyncio.Transport | None = None
+        self._waiting: deque[asyncio.Future[Any]] = deque()  # commands sent, oldest first
+        self._messages: asyncio.Queue[tuple[bytes, bytes] | None] | None = None  # subscribed
+        self._closed = False
 
     @classmethod
     async def open(cls, url: str, name: str) -> Connection:
         """A connection to the Redis at `url`, authenticated and named `name` (CLIENT SETNAME)."""
         opts = parse_url(url)
-        reader, writer = await asyncio.open_connection(opts.get("host", "127.0.0.1"),
+        loop = asyncio.get_running_loop()
+        transport, conn = await loop.create_connection(cls, opts.get("host", "127.0.0.1"),
                                                        opts.get("port", 6379))  # fmt: skip
-        conn = cls(reader, writer)
+        # uvloop calls connection_made soon after, not before, create_connection returns.
+        conn._transport = cast(asyncio.Transport, transport)
         try:
             if opts.get("password"):
                 user = opts.get("username")
@@ -60,32 +66,53 @@ class Connection:
             raise
         return conn
 
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed(data)
+        while (reply := self._parser.gets()) is not False:
+            if self._messages is not None:
+                if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
+                    self._messages.put_nowait((reply[1], reply[2]))
+                continue
+            waiting = self._waiting.popleft()
+            if waiting.done():  # its caller was cancelled
+                continue
+            if isinstance(reply, hiredis.ReplyError):
+                waiting.set_exception(RespError(str(reply)))
+            else:
+                waiting.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        while self._waiting:
+            waiting = self._waiting.popleft()
+            if not waiting.done():
+                waiting.set_exception(RespError("connection closed"))
+        if self._messages is not None:
+            self._messages.put_nowait(None)
+
     async def call(self, *args: Any) -> Any:
         """Send one command and return its reply (bytes, int, list or None)."""
-        async with self._lock:
-            self._writer.write(pack(args))
-            return await self._reply()
-
-    async def _reply(self) -> Any:
-        while True:
-            reply = self._parser.gets()
-            if reply is not False:
-                if isinstance(reply, hiredis.ReplyError):
-                    raise RespError(str(reply))
-                return reply
-            data = await self._reader.read(READ_BYTES)
-            if not data:
-                raise RespError("connection closed")
-            self._parser.feed(data)
+        if self._closed or self._transport is None:
+            raise RespError("connection closed")
+        reply = asyncio.get_running_loop().create_future()
+        self._waiting.append(reply)
+        self._transport.write(pack(args))
+        return await reply
 
     async def subscribe(self, *channels: str) -> AsyncGenerator[tuple[bytes, bytes], None]:
         """SUBSCRIBE to `channels`, then each message as (channel, data), for ever. The
         connection is the subscriber's alone from then on."""
-        self._writer.write(pack(("SUBSCRIBE", *channels)))
-        while True:
-            reply = await self._reply()
-            if isinstance(reply, list) and len(reply) == 3 and reply[0] == b"message":
-                yield reply[1], reply[2]
+        if self._closed or self._transport is None:
+            raise RespError("connection closed")
+        messages = self._messages = asyncio.Queue()
+        self._transport.write(pack(("SUBSCRIBE", *channels)))
+        while (message := await messages.get()) is not None:
+            yield message
+        raise RespError("connection closed")
 
     def close(self) -> None:
-        self._writer.close()
+        if self._transport is not None:
+            self._transport.close()

@@ -246,6 +246,7 @@ class SimWorker:
         self.raw: bytes | None = None  # the plan bytes held: an unchanged GET parses nothing
         self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) seen gone
         self.fallbacks: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
+        self._nap: asyncio.Future[bool] | None = None  # the steps loop's sleep
 
     async def send(self, event: Event) -> None:
         fields = [x for kv in self.s.fields(event).items() for x in kv]
@@ -313,26 +314,70 @@ class SimWorker:
         if layout is None or (self.plan is not None and layout.generation <= self.plan.generation):
             return
         self.plan, self.raw = layout, raw
+        self.poke()
         if self.worker in layout.members and layout.generation > self.acked:
             ready = Ack(self.worker, layout.generation, AckPhase.READY, 1, build_seconds=0.0,
                         migration_seconds=0.0)  # fmt: skip
             await self.send(ready)
             self.acked = layout.generation
+            self.poke()
             self.s.note("ack", self.worker, layout.generation, time.time())
 
+    def training(self) -> Layout | None:
+        """The plan this worker commits steps of: one it acked, is a member of, and has not
+        seen fail; else None."""
+        plan = self.plan
+        if plan is None or self.acked != plan.generation or self.worker not in plan.members:
+            return None
+        return plan if self.failed < plan.generation else None
+
+    def next_due(self, plan: Layout, step: int) -> int:
+        """The first step from `step` on at which this worker sends something: its first of
+        the plan, a step it reports, or a training profile."""
+        if self.stepped != plan.generation:
+            return step
+        n, period = len(plan.members), self.s.step_seconds
+        every = profile_every_steps(n, period)
+        phase = profile_phase(self.worker, every)
+        while not (step_reported(self.worker, step, n, period) or step % every == phase):
+            step += 1
+        return step
+
+    async def nap(self, seconds: float | None) -> bool:
+        """Sleep `seconds` (None: until poked); True when `poke` woke it first."""
+        loop = asyncio.get_running_loop()
+        woken = self._nap = loop.create_future()
+        timer = None if seconds is None else loop.call_later(seconds, _settle, woken, False)
+        try:
+            return bool(await woken)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self._nap = None
+
+    def poke(self) -> None:
+        """The plan, or this worker's part in it, changed: the steps loop looks again."""
+        if self._nap is not None:
+            _settle(self._nap, True)
+
     async def steps(self) -> None:
-        """A `step` at each period of the shared clock while a member of an acked plan; a
-        training profile of its layers every `profile_every_steps`."""
+        """A `step` at each period of the shared clock while a member of an acked plan, reported
+        as `step_reported` says; a training profile of its layers every `profile_every_steps`.
+        The loop wakes only at the steps where it sends something, or when poked."""
         period, step = self.s.step_seconds, 0
         while True:
+            plan = self.training()
+            if plan is None:
+                await self.nap(None)
+                continue
             now = time.time()
             # The next period's step, never one already taken: a timer may wake a little early.
-            step = max(step + 1, int((now - self.s.epoch) / period) + 1)
-            await asyncio.sleep(self.s.epoch + step * period - now)
-            plan = self.plan
-            if plan is None or self.acked != plan.generation or self.worker not in plan.members:
-                continue
-            if self.failed >= plan.generation:
+            due = self.next_due(plan, max(step + 1, int((now - self.s.epoch) / period) + 1))
+            if await self.nap(self.s.epoch + due * period - now):
+                continue  # poked: the plan changed meanwhile
+            step = due
+            plan = self.training()
+            if plan is None:
                 continue
             first, self.stepped = self.stepped != plan.generation, plan.generation
             if first or step_reported(self.worker, step, len(plan.members), period):
@@ -388,6 +433,11 @@ class SimWorker:
                                       reporter=self.worker, at=at))  # fmt: skip
         finally:
             self.fallbacks.discard(asyncio.current_task())
+
+
+def _settle(future: asyncio.Future[bool], poked: bool) -> None:
+    if not future.done():
+        future.set_result(poked)
 
 
 async def main(cfg: dict[str, Any]) -> None:
