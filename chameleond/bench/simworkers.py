@@ -44,6 +44,7 @@ import secrets
 import sys
 import time
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -123,6 +124,11 @@ class Shared:
         self._notice: tuple[bytes, list[tuple[str, str]]] | None = None  # the last liveness
         self._dead: set[str] = set()  # the ids the notices hold gone (not live again)
         self._named: dict[int, dict[str, set[str]]] = {}  # by generation: who names whom at once
+        # The dead members each worker left to their first reporters, in the order deferred:
+        # (due, worker, generation failed, the dead, when it failed); one task for them all.
+        self._deferred: deque[tuple[float, SimWorker, int, list[str], float]] = deque()
+        self._fallbacks: asyncio.Task[None] | None = None
+        self._late: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
         self._reports: dict[tuple[int, ...] | None, list[dict[str, Any]]] = {}
         self._out: list[str] = []
         self.registered = 0
@@ -178,6 +184,25 @@ class Shared:
                 for w in reporters:
                     named.setdefault(w, set()).add(dead)
         return named.get(worker, set())
+
+    def defer(self, sim: SimWorker, generation: int, dead: list[str], at: float) -> None:
+        """`sim` names `dead` if no plan newer than `generation` has come FAULT_FALLBACK_SECONDS
+        from now: as each real worker's own deferral, with one timer for the process."""
+        due = time.monotonic() + FAULT_FALLBACK_SECONDS
+        self._deferred.append((due, sim, generation, dead, at))
+        if self._fallbacks is None or self._fallbacks.done():
+            self._fallbacks = asyncio.create_task(self._fall_back())
+
+    async def _fall_back(self) -> None:
+        while self._deferred:
+            due, sim, generation, dead, at = self._deferred[0]
+            if (wait := due - time.monotonic()) > 0:
+                await asyncio.sleep(wait)
+            self._deferred.popleft()
+            if sim.held <= generation:
+                late = asyncio.create_task(sim.name_late(generation, dead, at))
+                self._late.add(late)
+                late.add_done_callback(self._late.discard)
 
     def _keep(self, raw: bytes, doc: object) -> None:
         if len(self._plans) > 8:
@@ -245,7 +270,6 @@ class SimWorker:
         self.heard_at = 0.0  # time.monotonic() of the last heartbeat, step or ack sent
         self.raw: bytes | None = None  # the plan bytes held: an unchanged GET parses nothing
         self.reported: set[tuple[str, str]] = set()  # (peer, incarnation) seen gone
-        self.fallbacks: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
         self._nap: asyncio.Future[bool] | None = None  # the steps loop's sleep
 
     async def send(self, event: Event) -> None:
@@ -419,20 +443,13 @@ class SimWorker:
             await self.send(Fault(peer, "peer process gone", plan.generation,
                                   reporter=self.worker, at=now))  # fmt: skip
         if later:
-            self.fallbacks.add(asyncio.create_task(self.fallback(plan.generation, later, now)))
+            self.s.defer(self, plan.generation, later, now)
 
-    async def fallback(self, generation: int, dead: list[str], at: float) -> None:
-        """Name `dead` too when no plan newer than `generation` has come FAULT_FALLBACK_SECONDS
-        after it failed (their first reporters died or hung too, or held other notices)."""
-        try:
-            await asyncio.sleep(FAULT_FALLBACK_SECONDS)
-            if self.held > generation:
-                return
-            for peer in dead:
-                await self.send(Fault(peer, "peer process gone", generation,
-                                      reporter=self.worker, at=at))  # fmt: skip
-        finally:
-            self.fallbacks.discard(asyncio.current_task())
+    async def name_late(self, generation: int, dead: list[str], at: float) -> None:
+        """The fallback: name `dead`, which no newer plan than `generation` answered."""
+        for peer in dead:
+            await self.send(Fault(peer, "peer process gone", generation,
+                                  reporter=self.worker, at=at))  # fmt: skip
 
 
 def _settle(future: asyncio.Future[bool], poked: bool) -> None:
