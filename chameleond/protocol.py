@@ -47,9 +47,9 @@ PLAN_POLL_SECONDS = 5.0
 PROFILE_EVERY_STEPS = 5  # a training profile per this many steps (chameleond/worker/_profile.py)
 PROFILES_PER_SECOND = 512  # a larger job's members profile less often, sharing this many
 STEP_REPORTS_PER_SECOND = 1024  # a larger job's members report every few steps, sharing this many
-# A dead member is named in a fault at once by the first FAULT_REPORTERS live members after it in
-# the plan's worker order (fault_reporters); every other survivor names it only when no newer plan
-# has come FAULT_FALLBACK_SECONDS after its own generation failed.
+# A dead member is named in a fault at once by FAULT_REPORTERS live members spread round the plan's
+# worker order (fault_reporters); every other survivor names it only when no newer plan has come
+# FAULT_FALLBACK_SECONDS after its own generation failed.
 FAULT_REPORTERS = 3
 FAULT_FALLBACK_SECONDS = 10.0
 

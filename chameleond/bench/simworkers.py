@@ -98,13 +98,16 @@ def layout_of(doc: dict[str, Any]) -> Layout:
     return Layout(plan.generation, plan.global_batch, plan.workers, plan.members, owned)
 
 
-def gone_of(raw: bytes, keyring: Keyring | None, job: str) -> list[tuple[str, str]]:
-    """The gone incarnations a liveness notice names; ValueError, TypeError or AuthError when it
-    is not one of the job's daemon."""
+def notice_of(
+    raw: bytes, keyring: Keyring | None, job: str
+) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """The gone and the live incarnations a liveness notice names; ValueError, TypeError or
+    AuthError when it is not one of the job's daemon."""
     doc = json.loads(raw)
     if keyring is not None:
         keyring.verify_doc(LIVENESS, job, doc)
-    return [(str(w), str(i)) for w, i in doc.get("gone", [])]
+    gone, live = ([(str(w), str(i)) for w, i in doc.get(k, [])] for k in ("gone", "live"))
+    return gone, live
 
 
 class Shared:
@@ -166,11 +169,10 @@ class Shared:
     def gone(self, raw: bytes) -> list[tuple[str, str]]:
         """A liveness notice's gone incarnations, verified once per process (the newest)."""
         if self._notice is None or self._notice[0] != raw:
-            doc = json.loads(raw)
-            gone = gone_of(raw, self.keyring, self.keys.job)
+            gone, live = notice_of(raw, self.keyring, self.keys.job)
             self._notice = (raw, gone)
             self._dead |= {w for w, _ in gone}
-            self._dead -= {str(w) for w, _ in doc.get("live", [])}
+            self._dead -= {w for w, _ in live}
             self._named.clear()
         return self._notice[1]
 
