@@ -47,6 +47,7 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     assert cpu["daemon"] > 0 and cpu["simulated_workers"] > 0
     used = cpu["daemon"] + cpu["redis"] + cpu["simulated_workers"]
     assert used <= cpu["cores"] * cpu["seconds"] + 0.1
+    assert f["host_back_outcome"] == "taken back"
     assert f["host_back_to_all_acked_max_seconds"] < 10.0
 
     # Steady state: each worker's own writes are its heartbeat, its step, its profile every
