@@ -10,6 +10,7 @@ steps about 10% faster.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from itertools import pairwise
 
@@ -23,7 +24,7 @@ from chameleond.core.estimator import Estimator
 from chameleond.core.layout import own_routing
 from chameleond.core.layouttime import Timing, layout_seconds, uniform
 from chameleond.core.search import ShapeModel, search, spare_counts
-from chameleond.core.spec import JobSpec, parse_spec
+from chameleond.core.spec import HostSpec, JobSpec, parse_spec
 
 
 def spread_spec(data: st.DataObject, n_workers: int) -> JobSpec:
@@ -155,3 +156,18 @@ def test_the_64_device_job_takes_the_uniform_layout_after_a_fault() -> None:
         placed.pipelines, routing, restorer.sync_groups(placed.pipelines, ["w63"])
     )
     assert dynamic.step_seconds < 0.92 * optimum_step
+
+
+def test_a_job_on_shared_cpu_hosts_keeps_the_searchs_optimum() -> None:
+    # Its step is the hosts' cores shared among the workers, which the critical path does not
+    # time: the last step leaves its layout alone (as the spares are left out there).
+    spec = cluster_spec(64)
+    shared = dataclasses.replace(
+        spec, hosts={h: HostSpec(cpu_cores=8.0) for h in {w.host for w in spec.workers}}
+    )
+    survivors = [w.id for w in spec.workers][:62]
+    found = search(shared, survivors)
+    assert found.optimum is not None and found.layout is found.optimum
+    assert len(set(found.optimum.shape)) > 1
+    alone = search(spec, survivors).layout
+    assert alone is not None and len(set(alone.shape)) == 1

@@ -419,7 +419,11 @@ def _settled(
     layout: Layout,
 ) -> Layout:
     """The search's layout, or a uniform one that steps faster as a plan (core.layouttime), with
-    its time as a plan (`Layout.seconds`)."""
+    its time as a plan (`Layout.seconds`). Jobs whose workers share CPU hosts keep the search's:
+    their step is the hosts' cores shared among the workers, not the critical path this times
+    (as for spares, `spare_counts`)."""
+    if spec.hosts:
+        return layout
     model = shape_model(spec, survivors, shared)
     timing = Timing(model.table, model.link, spec.training.overlap_sync)
     lo = max(spec.search.min_stages, 1)
