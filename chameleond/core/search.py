@@ -102,7 +102,8 @@ class Layout:
     shape: Shape
     micro_batches: tuple[int, ...]  # N_m per pipeline, same order as shape
     # Algorithm 1's objective: max over pipelines of 1F1B longest path + gradient sync share; for
-    # the layout `search` returns, its step as a plan (core.layouttime: the same with one split).
+    # the layout `search` returns, its step as a plan (core.layouttime: the same with one split),
+    # but for a job on shared CPU hosts, which keeps the objective's optimum.
     seconds: float
 
 
@@ -360,13 +361,18 @@ def micro_batch_floor(total: int, survivors: int, length: int) -> int:
     return max(total * length // survivors, 1)
 
 
+def allowed_lengths(spec: JobSpec, n_surv: int) -> range:
+    """The pipeline lengths a layout of `n_surv` survivors may have: within the search's
+    [min_stages, max_stages], at most one stage per layer and per survivor."""
+    lo = max(spec.search.min_stages, 1)
+    return range(lo, min(spec.search.max_stages, len(spec.layers), n_surv) + 1)
+
+
 def spare_counts(spec: JobSpec, n_surv: int) -> list[int]:
     """How many survivors a layout may use: all of them, or fewer, leaving the rest idle as
     spares, where pipelines of one allowed length use more of them than any layout of all:
     n x floor(N / n) for each allowed length n, within one pipeline's length of N. Jobs whose
     workers share CPU hosts (`spec.hosts`), or whose `[search] spares` is false, use all of them."""
-    lo = max(spec.search.min_stages, 1)
-    hi = min(spec.search.max_stages, len(spec.layers), n_surv)
     out = {n_surv}
     if not spec.search.spares:
         return [n_surv]
@@ -374,9 +380,10 @@ def spare_counts(spec: JobSpec, n_surv: int) -> list[int]:
         # Workers sharing a host's cores: the search's objective (the critical path) is not
         # their step (docs/planner.md, shared host), so it cannot tell when idling one pays.
         return [n_surv]
-    for n in range(lo, hi + 1):
+    lengths = allowed_lengths(spec, n_surv)
+    for n in lengths:
         used = n * (n_surv // n)
-        if used and n_surv - used < hi:
+        if used and n_surv - used < lengths[-1]:
             out.add(used)
     return sorted(out, reverse=True)
 
@@ -426,12 +433,10 @@ def _settled(
         return layout
     model = shape_model(spec, survivors, shared)
     timing = Timing(model.table, model.link, spec.training.overlap_sync)
-    lo = max(spec.search.min_stages, 1)
-    lengths = range(lo, min(spec.search.max_stages, model.n_layers, len(survivors)) + 1)
+    n = len(survivors)
     alternatives = uniform(
-        model.best, len(survivors), spec.training.micro_batches, lengths,
-        spare_counts(spec, len(survivors)),
-    )  # fmt: skip
+        model.best, n, spec.training.micro_batches, allowed_lengths(spec, n), spare_counts(spec, n)
+    )
     shape, micro, seconds = settle(timing, layout.shape, layout.micro_batches, alternatives)
     return Layout(shape, micro, seconds)
 
@@ -447,20 +452,19 @@ def _search_all(
     if n_surv == 0:
         return SearchResult(None, 0, 0, "no surviving workers")
     model = shape_model(spec, survivors, shared)
-    lo = max(spec.search.min_stages, 1)
-    hi = min(spec.search.max_stages, model.n_layers, n_surv)
+    lengths = allowed_lengths(spec, n_surv)
     # When a length's proportional share floors to 0, the repairs can overshoot and other
     # pipelines then lose a micro-batch: a class's bound must allow for that.
-    overshoot = any(total * n < n_surv for n in range(lo, hi + 1))
+    overshoot = any(total * n < n_surv for n in lengths)
     classes = []  # (lower bound of the class's pipeline time, length, m_n)
-    for n in range(lo, hi + 1):
+    for n in lengths:
         m = micro_batch_floor(total, n_surv, n)
         t = model.floor(n, m - 1 if overshoot and m > 1 else m)
         if t < math.inf:
             classes.append((t, n, m))
     classes.sort()
     if not classes:
-        return SearchResult(None, 0, model.shapes_timed, _why_none(spec, model, lo, hi))
+        return SearchResult(None, 0, model.shapes_timed, _why_none(spec, model, lengths))
 
     if not overshoot:
         found = _search_by_threshold(model, classes, n_surv, total)
@@ -635,7 +639,8 @@ def _take_from_largest(
     return groups
 
 
-def _why_none(spec: JobSpec, model: ShapeModel, lo: int, hi: int) -> str:
+def _why_none(spec: JobSpec, model: ShapeModel, lengths: range) -> str:
+    lo, hi = lengths.start, lengths.stop - 1
     if lo > hi:
         return f"no allowed pipeline length (min_stages {lo}, at most {hi} stages possible)"
     return (
