@@ -312,7 +312,8 @@ class PolicyMachine:
             return False, self._move(Phase.FAULT_DETECTED, "superseded by later faults", now)
         # A worker back while the decision ran (a new process, joining the next) is not failed.
         self.failed |= request.failed - self.pending_joins
-        self.standby |= request.joined - request.failed  # until a plan takes them (_adopt)
+        # Until a plan takes them (_adopt); not one that failed again while the decision ran.
+        self.standby |= request.joined - request.failed - set(self.pending_faults)
         if result.unrecoverable is not None:
             return True, self._move(Phase.UNRECOVERABLE, result.unrecoverable, now)
         if result.generation is None or result.policy is None:
