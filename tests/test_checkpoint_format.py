@@ -362,14 +362,16 @@ def test_a_finished_worker_writes_its_last_committed_step(
 def test_a_stopped_worker_writes_its_last_committed_step(redis_server: Any, tmp_path: Path) -> None:
     """Both workers are stopped (SIGTERM) mid-training, with no periodic checkpoint: each writes
     its layers at its last committed step as it leaves, and together they cover the model. The
-    step gate (chameleond/worker/_gate.py) holds them before step 3, so that the signal comes
-    between two steps: one that lands during an optimizer update leaves no final checkpoint, by
-    design (a layer may be half updated), and did in about half of the runs without the gate."""
+    step gate (chameleond/worker/_gate.py) holds them before step 3, and each is signalled once
+    its gate record shows step 2 ended, so that the signal comes between two steps: one that
+    lands during an optimizer update leaves no final checkpoint, by design (a layer may be half
+    updated). A committed step alone does not say so: one worker's step event can arrive while
+    the other still applies that step's update."""
     import signal
 
-    from worker_harness import Controller, Workers, builtin_model, tiny_spec
+    from worker_harness import Controller, Workers, builtin_model, tiny_spec, wait_until
 
-    from chameleond.worker._gate import GATE_ENV
+    from chameleond.worker._gate import GATE_ENV, read_record
 
     spec = tiny_spec("stop", workers=2, stages=2)
     directory = tmp_path / "ckpt"
@@ -383,6 +385,8 @@ def test_a_stopped_worker_writes_its_last_committed_step(redis_server: Any, tmp_
         workers.start(["w0", "w1"], env={w: {GATE_ENV: str(gate)} for w in ("w0", "w1")})
         controller.wait_steps(3, timeout=150)
         for w in ("w0", "w1"):
+            record = gate.with_name(f"{gate.name}.{w}")
+            wait_until(lambda r=record: 2 in read_record(r), 60, f"{w} at the gate")
             workers.procs[w].send_signal(signal.SIGTERM)
         for w in ("w0", "w1"):
             assert workers.procs[w].wait(timeout=60) == 0, workers.log(w)[-3000:]

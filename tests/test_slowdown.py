@@ -130,15 +130,25 @@ def test_a_slowed_process_does_half_the_work_and_is_left_running(tmp_path: Path)
         slowdown = Slowdown(pid, 0.5).start()
         try:
             time.sleep(0.3)
-            halved = work_ratio(slow, fast, 3.0)
-            assert 0.3 <= halved <= 0.7, halved
+            seconds, cpu_before = 3.0, cpu_seconds(pid)
+            halved = work_ratio(slow, fast, seconds)
+            cpu_after = cpu_seconds(pid)
+            assert cpu_before is not None and cpu_after is not None
+            slowed_share = (cpu_after - cpu_before) / seconds
+            # Stopped for as long as it ran, it never has more than half the wall time (and a
+            # pause still owed at the window's end).
+            assert 0.05 < slowed_share <= 0.5 + 0.15, slowed_share
+            # Beside its twin, about half on an idle machine; crowded, the side-by-side ratio is
+            # what the scheduler leaves each: lower when the twin takes the cores while it is
+            # stopped (0.29 once in a full CI run), higher when a process woken from a stop is
+            # favoured (1.2 beside 4 busy loops on 2 cores). So it is held to keep working.
+            assert halved >= 0.15, halved
+            # However loaded the machine, each CPU second it gets costs it a second stopped.
+            stopped, used = stopped_seconds(pid, 2.0)
+            assert used > 0.05 and 0.5 * used <= stopped <= 2 * used + 0.1, (stopped, used)
             slowdown.set_factor(1.0)  # live: full speed again
             time.sleep(0.3)
             assert stopped_fraction(pid, 0.5) == 0.0  # never stopped at full speed
-            restored = work_ratio(slow, fast, 2.0)
-            # Clearly more than halved: on a noisy 2-core machine two equal counters' work
-            # differed by up to 30% over 2 s (0.70 once, with no slowdown left).
-            assert restored > 1.3 * halved, (halved, restored)
             slowdown.set_factor(0.5)
             time.sleep(0.3)
         finally:

@@ -132,7 +132,7 @@ def test_an_ended_generation_on_nccl_is_torn_down_off_the_workers_path() -> None
     gen.world_group, gen.sync_groups = slow[0], {0: slow[1]}
     t0 = time.perf_counter()
     gen.close()
-    assert time.perf_counter() - t0 < 0.25
+    assert time.perf_counter() - t0 < 0.5  # under one abort's time, however loaded the machine
     assert gen.groups() == [] and not any(g.aborted.is_set() for g in slow)
     assert wait_retired(5.0)
     assert all(g.aborted.is_set() for g in slow)
