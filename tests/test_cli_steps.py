@@ -154,6 +154,31 @@ class Lines:
         return False
 
 
+def follow(redis_server: RedisServer) -> subprocess.Popen[str]:
+    """`chameleonctl steps --follow --json` started as a shell script's background command is,
+    and as CI starts everything: with SIGINT ignored. Ctrl-C (SIGINT) still ends it."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-X", "faulthandler", "-m", "chameleond.cli.ctl", "steps",
+             "--redis-url", redis_server.url, "--follow", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def exit_code(proc: subprocess.Popen[str], timeout: float) -> int:
+    """The process's exit status; past `timeout`, the failure shows where each of its threads
+    was (SIGABRT makes faulthandler print them)."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        raise AssertionError(f"still running {timeout:g} s on; its threads:\n{err}") from None
+
+
 def test_follow_prints_each_step_as_its_plan_commits_it_until_ctrl_c(
     redis_server: RedisServer, redis_client: redis.Redis, running_job: RunningJob
 ) -> None:
@@ -163,11 +188,7 @@ def test_follow_prints_each_step_as_its_plan_commits_it_until_ctrl_c(
     daemon = running_job.start_training()
     ring = keyring()
     report(redis_client, "default", ring, 0)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "chameleond.cli.ctl", "steps", "--redis-url", redis_server.url,
-         "--follow", "--json"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = follow(redis_server)
     try:
         lines = Lines(proc)
         assert json.loads(lines.next())["step"] == 0
@@ -178,10 +199,23 @@ def test_follow_prints_each_step_as_its_plan_commits_it_until_ctrl_c(
         report(redis_client, "default", ring, 2, workers=WORKERS[:5], loss=1.75)
         assert lines.empty_for(1.5)  # w5 has not reported step 2: still open
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=15) == 0
+        assert exit_code(proc, 30) == 0
         flushed = json.loads(lines.next())
         assert (flushed["step"], flushed["workers"], flushed["loss"]) == (2, 5, 1.75)
         assert proc.stderr is not None and "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    # A supervisor's SIGTERM ends it the same way.
+    proc = follow(redis_server)
+    try:
+        lines = Lines(proc)
+        assert [json.loads(lines.next())["step"] for _ in range(2)] == [0, 1]
+        assert lines.empty_for(1.0)
+        proc.send_signal(signal.SIGTERM)
+        assert exit_code(proc, 30) == 0
+        assert json.loads(lines.next())["step"] == 2
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,5 +1,6 @@
 """The local cluster's process management: own process groups, nothing left behind on teardown,
-on an exception, on SIGTERM of `chameleonctl` itself, or when a worker's group is kill -9'd."""
+on an exception, on SIGTERM or SIGINT of `chameleonctl` itself, or when a worker's group is
+kill -9'd."""
 
 from __future__ import annotations
 
@@ -94,8 +95,11 @@ def test_exception_inside_the_cluster_tears_down(tmp_path: Path) -> None:
     assert members and not any(alive(p) for p in members)
 
 
-def test_sigterm_of_the_controller_leaves_nothing(tmp_path: Path) -> None:
-    # A controller process runs a cluster with one stubborn child, then gets SIGTERM.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_controller_leaves_nothing(tmp_path: Path, sig: signal.Signals) -> None:
+    # A controller process runs a cluster with one stubborn child, then gets the signal. It starts
+    # with SIGINT ignored, as a shell script's background command does: Python then raises no
+    # KeyboardInterrupt of its own, and the cluster's handler is what stops it.
     script = textwrap.dedent(
         f"""
         import sys, time
@@ -110,16 +114,20 @@ def test_sigterm_of_the_controller_leaves_nothing(tmp_path: Path) -> None:
                 c.workers["c0"] = k
                 (tmp / "pids").write_text(f"{{k.pid}} {{c.redis.proc.pid}}")
                 time.sleep(600)
-        except Interrupted:
+        except (Interrupted, KeyboardInterrupt):
             sys.exit(3)
         """
     )
-    ctl = subprocess.Popen([sys.executable, "-c", script])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited through exec
+    try:
+        ctl = subprocess.Popen([sys.executable, "-c", script])
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         wait_for((tmp_path / "pids").exists, 20, "the controller's cluster")
         child_pid, redis_pid = map(int, (tmp_path / "pids").read_text().split())
         members = group_members(child_pid)
-        ctl.send_signal(signal.SIGTERM)
+        ctl.send_signal(sig)
         assert ctl.wait(timeout=30) == 3
         wait_for(lambda: not any(alive(p) for p in [*members, redis_pid]), 5, "teardown")
     finally:

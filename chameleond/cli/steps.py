@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -54,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--follow",
         action="store_true",
-        help="then print each step as it commits, until the job is finished (or Ctrl-C)",
+        help="then print each step as it commits, until the job is finished (or Ctrl-C or "
+        "SIGTERM: the step still open is printed)",
     )
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
     parser.add_argument(
@@ -380,19 +384,52 @@ def _show(
             file=sys.stderr,
         )
     try:
-        while True:
-            try:
-                reports, last_id = reader.after(last_id)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                print(f"chameleonctl steps: Redis: {e}; retrying", file=sys.stderr)
-                time.sleep(1.0)
-                continue
-            for entry_id, report in reports:
-                show(fold.add(entry_id, report))
-            if not reports and current_phase() == "finished":
-                show(fold.flush())
-                print(f"job {args.job} finished", file=sys.stderr)
-                return 0
+        with _ended_by_signals():
+            return _follow(reader, args, show, current_phase, fold, last_id)
     except KeyboardInterrupt:
         show(fold.flush())
         return 0
+
+
+def _follow(
+    reader: StepReader,
+    args: argparse.Namespace,
+    show: Printer,
+    current_phase: Callable[[], str],
+    fold: StepFold,
+    last_id: str,
+) -> int:
+    while True:
+        try:
+            reports, last_id = reader.after(last_id)
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            print(f"chameleonctl steps: Redis: {e}; retrying", file=sys.stderr)
+            time.sleep(1.0)
+            continue
+        for entry_id, report in reports:
+            show(fold.add(entry_id, report))
+        if not reports and current_phase() == "finished":
+            show(fold.flush())
+            print(f"job {args.job} finished", file=sys.stderr)
+            return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def _ended_by_signals() -> Iterator[None]:
+    """SIGINT (Ctrl-C) and SIGTERM (a supervisor's stop) end a follow as KeyboardInterrupt, the
+    open step printed, also in a process started with SIGINT ignored (what a shell script's
+    background command inherits), as the daemon and `chameleonctl up` take them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    ended = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _interrupt) for sig in ended}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -2,9 +2,11 @@
 
 Every child runs in its own session (so its own process group): a kill -9 of a worker takes its
 whole group (torch may fork helpers), and teardown signals each group, waits a bounded time, then
-kill -9s whatever is left. `LocalCluster` is a context manager and also installs SIGTERM/SIGHUP
-handlers while it is up (turned into `Interrupted`), so Ctrl-C, SIGTERM and exceptions all run the
-same teardown and leave no process behind.
+kill -9s whatever is left. `LocalCluster` is a context manager and also installs signal handlers
+while it is up: SIGTERM and SIGHUP raise `Interrupted`, SIGINT KeyboardInterrupt (also in a process
+started with SIGINT ignored, what a shell script's background command inherits, where Python
+would raise nothing), so Ctrl-C, SIGTERM and exceptions all run the same teardown and leave no
+process behind.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ STOP_GRACE_SECONDS = 5.0
 
 
 class Interrupted(Exception):
-    """SIGTERM/SIGHUP arrived while the cluster was up."""
+    """SIGTERM or SIGHUP arrived while the cluster was up."""
 
 
 class ClusterError(RuntimeError):
@@ -158,9 +160,11 @@ class LocalCluster:
 
     def _install_signals(self) -> None:
         def on_signal(signum: int, frame: FrameType | None) -> None:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
             raise Interrupted(signal.Signals(signum).name)
 
-        for sig in (signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             # Off the main thread signal() raises ValueError: then the caller owns signals.
             with contextlib.suppress(ValueError):
                 self._old_handlers[sig] = signal.signal(sig, on_signal)
