@@ -33,7 +33,7 @@ from chameleond.daemon.reachability import Reachability
 from chameleond.jobs import load_default_spec
 from chameleond.jobstate.change import MEASURED, SNAPSHOT
 from chameleond.jobstate.job import Job
-from chameleond.protocol import CONSUMER_GROUP, Keys
+from chameleond.protocol import CONSUMER_GROUP, Keys, unpacked_plan
 from chameleond.records import DecisionRecord
 from chameleond.redis_server import RedisServer
 
@@ -301,7 +301,8 @@ def test_a_plan_is_published_with_its_delta_from_the_plan_before(
     redis_server: RedisServer,
 ) -> None:
     """The second plan's commit writes its delta from the first (what a worker holding the first
-    reads); a plan with no plan before it, or one too unlike it, deletes the delta."""
+    reads); a plan with no plan before it, one too unlike it, or one with other pipelines (a
+    re-partition) deletes the delta."""
 
     raw = redis.Redis.from_url(redis_server.url)  # the packed keys are bytes
 
@@ -329,6 +330,24 @@ def test_a_plan_is_published_with_its_delta_from_the_plan_before(
             unlike = replace(second, generation=3, excluded=(), cause=secrets.token_hex(4000))
             await c.publish(unlike, DecisionRecord(3, "dynamic", "x", time.time()), [])
         assert raw.get(KEYS.plan_delta) is None
+        # A fourth like the second, then a plan with other pipelines (its pipelines' micro-batches
+        # swapped: a small change, and still a re-partition) goes whole too.
+        async with c.lock:
+            fourth = replace(second, generation=4)
+            await c.publish(fourth, DecisionRecord(4, "reroute", "x", time.time()), [])
+            assert raw.get(KEYS.plan_delta) is not None
+            a, b, *rest = fourth.pipelines
+            swapped = (
+                replace(a, first_micro_batch=b.first_micro_batch),
+                replace(b, first_micro_batch=a.first_micro_batch),
+                *rest,
+            )
+            other = replace(fourth, generation=5, pipelines=swapped)
+            await c.publish(other, DecisionRecord(5, "dynamic", "x", time.time()), [])
+        assert raw.get(KEYS.plan_delta) is None
+        assert unpacked_plan(raw.get(KEYS.plan_packed) or b"")["pipelines"][0][
+            "first_micro_batch"
+        ] == (b.first_micro_batch)
 
     try:
         _run(redis_server, body)

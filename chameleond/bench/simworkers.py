@@ -37,6 +37,7 @@ clock's origin, unix time).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -66,6 +67,7 @@ from chameleond.protocol import (
     profile_every_steps,
     profile_phase,
     step_reported,
+    unpacked_plan,
 )
 from chameleond.protocol import worker_connection_name as connection_name
 
@@ -141,7 +143,7 @@ class Shared:
         valid plan of the job's daemon (the worker keeps the plan it holds)."""
         if raw not in self._plans:
             try:
-                self._keep(raw, json.loads(zlib.decompress(raw)))
+                self._keep(raw, unpacked_plan(raw))
             except (ValueError, zlib.error) as e:
                 self._refuse(raw, e)
         return self._plans[raw]
@@ -472,6 +474,11 @@ async def main(cfg: dict[str, Any]) -> None:
         await asyncio.sleep(0.05)
     if shared.registered == len(sims):
         shared.note("up", len(sims))
+    # The workers' connections, tasks and first plan last as long as the process: out of the
+    # collector's reach, so that a full collection, which a new plan's thousands of objects
+    # set off, does not walk them all again (py-spy, 2,048 workers: the 8,192-device plan's
+    # expansion took about 1 s of the process before, 0.3 s after).
+    gc.freeze()
     finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     for t in finished:  # a worker's loops end only on an error
         shared.note("error", repr(t.exception()))

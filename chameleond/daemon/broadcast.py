@@ -1,9 +1,9 @@
 """Durable commits and plan publication, in one atomic Lua script.
 
-Everything a decision changes lands in Redis at once, or not at all: the plan key (and its
-zlib-packed copy and its delta from the plan before, which the workers read), the generation
-counter, the job snapshot, the decision and transition records, the dead letters, the XACK of the
-stream entries it answers, and the PUBLISH of the new generation. A daemon killed at any point
+Everything a decision changes lands in Redis at once, or not at all: the plan key (and its compact,
+packed copy and its delta from the plan before, which the workers read), the generation counter,
+the job snapshot, the decision and transition records, the dead letters, the XACK of the stream
+entries it answers, and the PUBLISH of the new generation. A daemon killed at any point
 either committed all of it (the entries are acknowledged and never seen again) or nothing (they
 are still pending and a restarted daemon reads them again). The lease check (daemon/lease.py)
 refuses the commit of a daemon that no longer leads the job, and the generation check makes a
@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from chameleond.daemon.lease import Lease, hold_lua
 from chameleond.daemon.redis_errors import ErrorCode, lua_error
-from chameleond.protocol import CONSUMER_GROUP, Keys, packed
+from chameleond.protocol import CONSUMER_GROUP, Keys
 from chameleond.records import Record
 
 STATE_LOST = lua_error(
@@ -90,6 +90,7 @@ class Commit:
     expected_generation: int
     generation: int
     plan_json: str = ""
+    plan_packed: bytes = b""  # the plan as the workers read it (protocol.packed_plan)
     plan_delta: bytes = b""  # zlib-packed core.plandelta delta from the plan before (b"": none)
     snapshot: str | None = None  # the job's snapshot, as stored (signed JSON)
     progress: dict[str, Any] | None = None
@@ -121,7 +122,7 @@ class Broadcaster:
     async def commit(self, c: Commit) -> None:
         k = self.keys
         dead = [[_text(x) for x in rec] for rec in c.dead_letters]
-        plan = packed(c.plan_json) if c.plan_json else b""
+        plan = c.plan_packed if c.plan_json else b""
         args: list[str | int | bytes] = [
             c.expected_generation,
             c.generation,

@@ -55,7 +55,7 @@ from chameleond.jobstate.change import SNAPSHOT, UNCHANGED, Change
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.jobstate.snapshot import WorkerTexts, plan_document, snapshot
-from chameleond.protocol import Keys, packed
+from chameleond.protocol import Keys, packed, packed_plan
 from chameleond.records import Record
 
 log = logging.getLogger("chameleond")
@@ -223,7 +223,8 @@ class Committer:
             expected_generation=job.plan.generation if job.plan is not None else 0,
             generation=published.generation,
             plan_json=text,
-            plan_delta=self._delta(doc),
+            plan_packed=packed_plan(doc),
+            plan_delta=self._delta(published, doc),
             snapshot=self._snapshot(plan=published),
             records=[*self._take_records(), record],
             acks=acks,
@@ -232,10 +233,13 @@ class Committer:
         job.plan, self._plan_doc = published, doc
         return published
 
-    def _delta(self, doc: dict[str, Any]) -> bytes:
-        """`doc` as a delta from the plan the workers hold, packed (b"": none known)."""
+    def _delta(self, plan: Plan, doc: dict[str, Any]) -> bytes:
+        """`doc` (of `plan`) as a delta from the plan the workers hold, packed (b"": none known,
+        or none worth making). Only a plan that keeps the pipelines of the one before is worth
+        it: a delta that re-partitions is larger than the whole plan's compact form (at 8 to
+        8,192 devices: 1.4 to 14 times), and at 8,192 it took 80 ms to make and throw away."""
         held, current = self._plan_doc, self.job.plan
-        if current is None:
+        if current is None or plan.pipelines != current.pipelines:
             return b""
         if held is None or held.get("generation") != current.generation:  # after a restart
             held = self._signed_plan(current)[1]
@@ -382,10 +386,12 @@ class Committer:
             raise RuntimeError(f"no plan of generation {c.expected_generation} to write again")
         await self.client.set(self.keys.spec, self._signed("spec", spec_document(job.spec)))
         self.spec_written = job.spec_version
+        text, doc = self._signed_plan(plan)
         seed = Commit(
             expected_generation=stored,
             generation=plan.generation,
-            plan_json=self._signed_plan(plan)[0],
+            plan_json=text,
+            plan_packed=packed_plan(doc),
             snapshot=self._snapshot() if job.machine.generation == plan.generation else None,
         )
         await self.broadcaster.commit(seed)

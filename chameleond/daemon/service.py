@@ -27,7 +27,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from chameleond.auth import SIG_FIELD, AuthError, Keyring, signed_json
+from chameleond.auth import SIG_FIELD, AuthError, Keyring, signed_document, signed_json
 from chameleond.core.machine import PolicyMachine
 from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.core.policy import Selection
@@ -50,7 +50,7 @@ from chameleond.events import Event
 from chameleond.jobstate.job import Job
 from chameleond.jobstate.jobspec import spec_document
 from chameleond.jobstate.snapshot import restore
-from chameleond.protocol import Keys, packed, redact_url
+from chameleond.protocol import Keys, packed_plan, redact_url, unpacked_plan
 from chameleond.redisurl import connect_async
 from chameleond.sdnotify import Notifier
 
@@ -319,17 +319,17 @@ class Service:
         why = self._plan_key_differs(raw, committed)
         if not why:
             stored = await client.get(k.plan_packed)
-            if stored is not None and _unpacked(_bytes(stored)) != _bytes(raw):
+            if stored is not None and _unpacked(_bytes(stored)) != json.loads(raw or "null"):
                 why = f"its packed copy under {k.plan_packed} differs"
         if why:
             log.error(
                 "the plan under %s is not the one this job published (%s): writing generation "
                 "%d again", k.plan, why, plan.generation,
             )  # fmt: skip
-            text = signed_json(self.keyring, "plan", self.cfg.job, committed)
+            text, doc = signed_document(self.keyring, "plan", self.cfg.job, committed)
             async with client.pipeline(transaction=True) as tx:
                 tx.set(k.plan, text)
-                tx.set(k.plan_packed, packed(text))
+                tx.set(k.plan_packed, packed_plan(doc))
                 tx.delete(k.plan_delta)  # what the workers read, as the daemon's commits write it
                 tx.publish(k.plans_channel, str(plan.generation))
                 await tx.execute()
@@ -431,12 +431,13 @@ def own_event_writer(
     return write
 
 
-def _unpacked(raw: bytes | None) -> bytes | None:
+def _unpacked(raw: bytes | None) -> Any:
+    """The plan document under Keys.plan_packed; None when there is none to read."""
     if raw is None:
         return None
     try:
-        return zlib.decompress(raw)
-    except zlib.error:
+        return unpacked_plan(raw)
+    except (ValueError, zlib.error):
         return None
 
 

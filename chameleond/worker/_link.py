@@ -2,8 +2,8 @@
 (`PlanWatcher`, with the daemon's liveness notices), and its `Heartbeat`.
 
 Events are typed (chameleond/events.py) and XADDed to `Keys(job).events` as their flat string
-fields (docs/protocol.md). Plans arrive as the `Keys(job).plan` key (read packed,
-`Keys(job).plan_packed`), announced on `Keys(job).plans_channel`; the watcher reads it on an
+fields (docs/protocol.md). Plans arrive as the `Keys(job).plan` key (read in its compact, packed
+form, `Keys(job).plan_packed`), announced on `Keys(job).plans_channel`; the watcher reads it on an
 announcement of a newer generation, on every (re)subscription, and when the generation the daemon
 committed (a few bytes, polled every PLAN_POLL_SECONDS) is newer than the one it holds, so a
 missed message or a restart still converges without every worker re-reading the whole plan.
@@ -38,7 +38,13 @@ from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.core.plandelta import DeltaError, apply_delta, parse_delta
 from chameleond.events import HEARD, Event, Fault
 from chameleond.events import Heartbeat as Beat
-from chameleond.protocol import HEARTBEAT_SECONDS, PLAN_POLL_SECONDS, Keys, worker_connection_name
+from chameleond.protocol import (
+    HEARTBEAT_SECONDS,
+    PLAN_POLL_SECONDS,
+    Keys,
+    unpacked_plan,
+    worker_connection_name,
+)
 from chameleond.redisurl import xadd_replicated
 from chameleond.worker._liveness import PeerNotices
 from chameleond.worker._outbox import Outbox
@@ -230,8 +236,8 @@ class PlanWatcher(threading.Thread):
         if raw is None or raw == self._accepted_raw:
             return  # nothing new: the plan held was read from these very bytes
         try:
-            doc = json.loads(zlib.decompress(raw) if packed else raw)  # type: ignore[arg-type]
-        except (json.JSONDecodeError, zlib.error) as e:
+            doc = unpacked_plan(raw) if packed else json.loads(raw)  # type: ignore[arg-type]
+        except (ValueError, zlib.error) as e:  # PlanError: a compact plan that does not expand
             self._undecodable(raw, e)
             return
         self._take(raw, doc)
