@@ -34,6 +34,9 @@ def test_a_lost_host_is_planned_out_and_back_in_with_a_constant_load_per_worker(
     assert announced is not None and 0 < announced <= f["peer_death_detect_seconds"] + 0.05
     assert f["fault_to_all_acked_max_seconds"] < 3.0
     assert 0 < f["fault_to_plan_published_seconds"] <= f["fault_to_all_acked_max_seconds"]
+    assert 0 < f["planning_to_published_seconds"] < f["fault_to_plan_published_seconds"]
+    # While the first plan trained, the daemon prepared the search tables for its next fault.
+    assert f["prepared_before_loss"]["count"] >= 1 and f["prepared_before_loss"]["cpu_seconds"] > 0
     assert all("peer process gone" in d["cause"] for d in f["decisions_after_loss"])
     # Every lost worker named by a survivor's fault (the first fault names one).
     first, named = f["first_fault_added_seconds"], f["all_lost_named_seconds"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from typing import Any
 
 import redis
@@ -87,6 +88,12 @@ def test_fault_from_redis_cli_publishes_a_higher_generation_with_a_decision_reco
     # trains (daemon/heap.py; a plan replaced within a housekeeping tick may have had none).
     wait_for(lambda: daemon.metric("chameleon_heap_settle_seconds_count") >= 2, 10,
              "the heap settled after the newest plan")  # fmt: skip
+    # Generation 2 trains: the search tables were prepared for its next fault, once (generation
+    # 1 never committed a step: nothing was prepared for it).
+    wait_for(lambda: daemon.metric("chameleon_prepare_seconds_count") == 1, 10,
+             "the search tables prepared")  # fmt: skip
+    time.sleep(2.5)  # two housekeeping ticks: nothing changed, nothing prepared again
+    assert daemon.metric("chameleon_prepare_seconds_count") == 1
     assert daemon.terminate() == 0
     assert "stopped job=default generation=2" in daemon.output()
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from chameleond.core import selector
 from chameleond.core.candidates import Candidate
-from chameleond.core.decide import decide, initial_plan
+from chameleond.core.decide import decide, initial_plan, prepared_for
 from chameleond.core.decision import (
     Decision,
     decision_to_dict,
@@ -480,3 +480,22 @@ def test_the_prepared_switch_follows_a_reroute_unless_a_policy_is_forced() -> No
     # Long enough for the direct switch: dynamic now, nothing to follow.
     now = decide(spec, current, ["w1"], mtbf_seconds=direct * 2, generation=2)
     assert now.selected == Policy.DYNAMIC and prepared_switch(now, None) is None
+
+
+def test_a_preparation_is_keyed_by_what_it_searches_with() -> None:
+    # The daemon prepares a plan again only when `prepared_for` moves: the layer figures, the
+    # links, or a worker's memory (the search gives every slot the survivors' least).
+    spec = job(4, 4, 8, 8)
+    plan = initial_plan(spec)
+    key = prepared_for(spec, plan)
+    assert prepared_for(spec, plan) == key
+    smaller = replace(
+        spec,
+        workers=tuple(
+            replace(w, memory_bytes=w.memory_bytes // 2) if w.id == "w2" else w
+            for w in spec.workers
+        ),
+    )
+    assert prepared_for(smaller, plan) != key
+    slower = replace(spec, layers=tuple(replace(x, forward_seconds=0.02) for x in spec.layers))
+    assert prepared_for(slower, plan) != key

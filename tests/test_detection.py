@@ -10,7 +10,7 @@ import json
 import pytest
 from job_harness import SPEC, job, send, training_job
 
-from chameleond.core.machine import DecisionResult
+from chameleond.core.machine import DecisionResult, Phase
 from chameleond.jobstate.change import UNCHANGED
 from chameleond.jobstate.jobspec import profile_to_json
 from chameleond.jobstate.records import UNCONFIRMED_MAX
@@ -69,6 +69,44 @@ def test_a_worker_stopped_while_a_newer_plan_was_out_still_leaves() -> None:
     stale = send(j, "11-0", type="ack", worker="w3", generation=1, phase="stopped", reason="left")
     assert not stale.owed and "w3" not in j.machine.pending_faults
     assert j.worker_state(j.workers["w3"], 13.5, 3.0) == "active"
+
+
+def test_workers_that_finished_while_a_newer_plan_was_out_finished_the_job() -> None:
+    """Their last step committed under generation 1 while the plan without w3 was on its way: they
+    finished, and once every member of the newer plan has, so has the job."""
+    j = training_job()
+    send(j, "5-0", now=10.0, type="fault", worker="w3", cause="peer gone")
+    request, _ = j.machine.next_request(11.0)
+    assert request is not None
+    survivors = ("w0", "w1", "w2", "w4", "w5")
+    j.machine.decided(request, DecisionResult(2, "reroute", survivors), 11.0)
+    for i, w in enumerate(survivors):
+        assert j.machine.phase is not Phase.FINISHED
+        out = send(j, f"{9 + i}-0", type="ack", worker=w, generation=1, phase="stopped",
+                   reason="finished")  # fmt: skip
+        assert out.label == "handled" and not out.owed
+        assert j.worker_state(j.workers[w], 1000.0, 3.0) == "finished"
+    assert j.machine.phase is Phase.FINISHED and not j.machine.pending_faults
+    # They finished while the decision ran: the plan it makes finds them finished, and so does
+    # the daemon, which asks once it is decided (daemon/decisions.py).
+    k = training_job()
+    send(k, "5-0", now=10.0, type="fault", worker="w3", cause="peer gone")
+    request, _ = k.machine.next_request(11.0)
+    assert request is not None
+    for i, w in enumerate(survivors):
+        send(k, f"{9 + i}-0", type="ack", worker=w, generation=1, phase="stopped",
+             reason="finished")  # fmt: skip
+    assert k.machine.phase is not Phase.FINISHED and not k.finish_if_done(12.0)  # deciding
+    k.machine.decided(request, DecisionResult(2, "reroute", survivors), 12.0)
+    assert [t.target for t in k.finish_if_done(12.0)] == [Phase.FINISHED]
+    # A plain stop (fenced, no reason) of an older generation is not a finish.
+    k = training_job()
+    send(k, "5-0", now=10.0, type="fault", worker="w3", cause="peer gone")
+    request, _ = k.machine.next_request(11.0)
+    assert request is not None
+    k.machine.decided(request, DecisionResult(2, "reroute", survivors), 11.0)
+    send(k, "9-0", type="ack", worker="w0", generation=1, phase="stopped")
+    assert k.workers["w0"].ended is None
 
 
 def test_a_failed_worker_is_fenced_only_when_heard_from_after_it_was_declared() -> None:

@@ -27,6 +27,7 @@ NAMES = {
     "chameleon_slow_expected_gain_samples_per_second": "gauge",
     "chameleon_decision_seconds": "histogram",
     "chameleon_heap_settle_seconds": "histogram",
+    "chameleon_prepare_seconds": "histogram",
     "chameleon_recovery_seconds": "histogram",
     "chameleon_fault_waiting_seconds": "histogram",
     "chameleon_last_decision_seconds": "gauge",

@@ -163,9 +163,11 @@ def test_bench_planner_json_rows(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(rows[0]) == {
         "devices", "p50_seconds", "p99_seconds", "plans_considered", "optimality_gap",
         "p50_cpu_seconds", "p99_cpu_seconds", "exact_cpu_seconds", "first_seconds",
-        "first_cpu_seconds",
+        "first_cpu_seconds", "unprepared_p50_seconds", "unprepared_p99_seconds",
+        "unprepared_p99_cpu_seconds",
     }  # fmt: skip
     assert rows[0]["devices"] == 8 and rows[0]["optimality_gap"] == 0.0
+    assert 0 < rows[0]["unprepared_p50_seconds"] <= rows[0]["unprepared_p99_seconds"]
 
 
 def test_bench_checkpoint_rejects_a_layout_or_count_it_cannot_run(

@@ -9,7 +9,13 @@ from hypothesis import strategies as st
 
 from chameleond.bench.exhaustive import exhaustive
 from chameleond.core.layouttime import Timing, layout_seconds
-from chameleond.core.search import ShapeModel, search, spare_counts
+from chameleond.core.search import (
+    ShapeModel,
+    forget_results,
+    forget_tables,
+    search,
+    spare_counts,
+)
 from chameleond.core.spec import JobSpec, parse_spec
 
 
@@ -155,3 +161,61 @@ def test_fewer_micro_batches_than_survivors_repairs_empty_pipelines() -> None:
     assert ref.complete and ref.layout is not None and found.optimum is not None
     assert math.isclose(found.optimum.seconds, ref.layout.seconds)
     assert found.layout is not None and len(found.layout.shape) <= 3
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_kept_result_is_the_search_of_those_survivors(data: st.DataObject) -> None:
+    # The search keeps its results by what they are computed from (`result_key`): survivors of
+    # another count, least memory or span of hosts must never get another's result.
+    n_workers = data.draw(st.integers(2, 8))
+    spec = random_spec(data, n_workers)
+    ids = [w.id for w in spec.workers]
+    forget_tables()
+    for _ in range(4):
+        survivors = data.draw(st.lists(st.sampled_from(ids), min_size=1, unique=True))
+        survivors.sort(key=ids.index)
+        kept = search(spec, survivors)
+        forget_results()
+        fresh = search(spec, survivors)
+        assert (kept.layout, kept.optimum, kept.reason) == (fresh.layout, fresh.optimum,
+                                                            fresh.reason)  # fmt: skip
+        assert kept.plans_considered == fresh.plans_considered
+        again = search(spec, survivors)
+        assert again.shapes_timed == 0 and again.layout == fresh.layout
+
+
+LAYER = {
+    "forward_seconds": 0.1, "backward_seconds": 0.2, "param_bytes": 10, "optimizer_bytes": 10,
+    "activation_bytes": 5, "output_bytes": 100,
+}  # fmt: skip
+
+
+def test_searches_of_survivors_alike_share_one_result() -> None:
+    # Two workers' loss, or two others' on the same hosts: one search, the second returns it.
+    spec = parse_spec(
+        {
+            "workers": [
+                {"id": f"w{i}", "host": f"h{i // 4}", "memory_bytes": 3000} for i in range(16)
+            ],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_second": 1e4, "latency_seconds": 0.001},
+                "inter_host": {"bandwidth_bytes_per_second": 1e3, "latency_seconds": 0.01},
+            },
+            "model": {"layers": [LAYER] * 8},
+            "training": {"global_batch": 16, "micro_batch": 2},
+            "plan": {"stages": 4},
+        }
+    )
+    ids = [w.id for w in spec.workers]
+    forget_tables()
+    first = search(spec, [w for w in ids if w not in ("w1", "w9")])
+    assert first.shapes_timed > 0
+    second = search(spec, [w for w in ids if w not in ("w3", "w14")])
+    assert second.shapes_timed == 0 and second.layout == first.layout
+    # As many survivors on one host as on four: another link, searched on its own.
+    across = search(spec, ["w0", "w4", "w8", "w12"])
+    within = search(spec, ids[:4])
+    assert within.shapes_timed > 0
+    assert within.layout is not None and across.layout is not None
+    assert within.layout.seconds < across.layout.seconds

@@ -7,6 +7,8 @@ period, the job tables kept across decisions, the reroute's check for nothing to
 risk's sweep over layers), the dynamic one with the uniform layout the search now settles on
 (the search's optimum by its objective is the one it found before them). The knapsack's early
 stop agrees with the full dynamic programme, and the sweep with counting holders layer by layer.
+Tables prepared between faults leave a fault's search nothing to time, and change no decision;
+the results prepared are the searches of those faults.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chameleond.core.decide import decide, initial_plan
+from chameleond.core.decide import decide, initial_plan, prepare
 from chameleond.core.holdings import holder_counts, merge, sole_holders, spans_coverage
 from chameleond.core.knapsack import knapsack
 from chameleond.core.plan import plan_to_dict
 from chameleond.core.roster import roster
-from chameleond.core.search import forget_tables, search
+from chameleond.core.search import forget_results, forget_tables, search
 from chameleond.core.spec import load_spec
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "cluster-8192.toml"
@@ -131,6 +133,58 @@ def test_the_8192_device_decision_is_the_one_made_before_cold_or_warm() -> None:
     assert found.optimum is not None and found.optimum.seconds == 4.102526135189453
     assert found.layout is not None and found.layout.seconds == 4.102545713324536
     assert len(found.layout.shape) == 546 and len(set(found.layout.shape)) == 1
+
+
+def test_prepared_tables_leave_a_fault_no_shape_to_time_and_change_no_decision() -> None:
+    # The daemon prepares between faults (core.decide.prepare) for the loss of the plan's last
+    # host: the search after any host's loss, or one, two or four workers', then times no
+    # pipeline shape. Its start-up (the initial plan) leaves them to the first fault.
+    spec = load_spec(EXAMPLE)
+    current = initial_plan(spec, generation=1)
+    ids = [w.id for w in spec.workers]
+    faults = (
+        [w.id for w in spec.workers if w.host == "h300"],
+        ["w77"],
+        ["w4913", "w6678"],
+        ["w3", "w9", "w2730", "w4096"],
+    )
+    for failed in faults:
+        survivors = [w for w in ids if w not in failed]
+        forget_tables()
+        initial_plan(spec, generation=1)
+        assert search(spec, survivors).shapes_timed > 0
+        forget_tables()
+        prepare(spec, current)
+        forget_results()  # the tables alone
+        assert search(spec, survivors).shapes_timed == 0
+    failed = faults[2]
+    forget_tables()
+    cold = decide(spec, current, failed, mtbf_seconds=spec.mtbf_prior_seconds, generation=2)
+    forget_tables()
+    prepare(spec, current)
+    prepared = decide(spec, current, failed, mtbf_seconds=spec.mtbf_prior_seconds, generation=2)
+    assert prepared.selected == cold.selected == "dynamic"
+    for a, b in zip(cold.candidates, prepared.candidates, strict=True):
+        assert a == b or (a.plan is not None and b.plan is not None
+                          and plan_to_dict(a.plan) == plan_to_dict(b.plan))  # fmt: skip
+
+
+def test_prepared_results_are_the_searches_of_those_faults() -> None:
+    # `prepare` also keeps the results of those searches: a fault of as many workers finds its
+    # search done, and it is the search the fault would have run.
+    spec = load_spec(EXAMPLE)
+    current = initial_plan(spec, generation=1)
+    ids = [w.id for w in spec.workers]
+    forget_tables()
+    prepare(spec, current)
+    host = [w.id for w in spec.workers if w.host == "h300"]
+    for failed in (host, ["w77"], ["w4913", "w6678"], ["w3", "w9", "w2730", "w4096"]):
+        survivors = [w for w in ids if w not in failed]
+        kept = search(spec, survivors)
+        assert kept.shapes_timed == 0
+        forget_results()
+        assert search(spec, survivors) == kept
+        prepare(spec, current)
 
 
 def test_worker_lookups_follow_the_specs_workers() -> None:

@@ -27,6 +27,9 @@ sockets as it does a dead host's. The phases:
   them on standby (`host_back_outcome` "standby", `host_back_to_decision_seconds`): the daemon
   takes a host back only where that scores higher.
 
+After the sizes, `redis_failover` (unless --no-failover): chameleond/bench/failover.py's figures of
+a Sentinel failover under a four-worker job, as `chameleonctl bench failover` reports them.
+
 A simulated worker acks a plan as soon as it has read it (no process groups to build): the times
 are the control plane's part of a recovery.
 """
@@ -46,13 +49,14 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import IO, Any
 
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
+from chameleond.bench.failover import failover_figures
 from chameleond.bench.simworkers import layout_of
 from chameleond.core.spec import JobSpec, load_spec
 from chameleond.jobstate.jobspec import spec_document
@@ -77,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--control-plane-cpus", type=int, default=0,
         help="run Redis and the daemon on the first N CPUs and the simulated workers on the "
         "others, as on a cluster where the workers have hosts of their own (0: all share all)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-failover", dest="failover", action="store_false",
+        help="skip `redis_failover` (chameleonctl bench failover: a Sentinel failover under a "
+        "four-worker job, which needs torch)",
     )  # fmt: skip
 
 
@@ -486,7 +495,7 @@ def scenario(
     out["first_plan_acked_seconds"] = round(max(acks.values()) - t0, 2)
     raw: Any = client.get(Keys(cluster.job).plan)
     out["plan_bytes"] = len(raw)
-    out["plan_bytes_zlib"] = len(zlib.compress(raw, 1))  # what a compressed plan would weigh
+    out["plan_bytes_packed"] = _packed_bytes(client, cluster.job)  # what each worker reads
     out["redis_connected_clients"] = int(client.info("clients")["connected_clients"])
 
     time.sleep(2 * sims.step_seconds)  # past the first steps and their profiles
@@ -504,6 +513,8 @@ def scenario(
     out["steady"] = steady_figures(before, sample(client, cluster, sims), n)
     out["steady"]["daemon_behind_seconds"] = behind_seconds(client, cluster.job)
 
+    # What the daemon prepared for the plan's next fault, while it trained.
+    out["prepared_before_loss"] = _prepared(cluster.http_url)
     sent = _output_bytes(client)
     at_loss, victim_cpu = sample(client, cluster, sims), cpu_seconds(victim.pid)
     killed_at = out["killed_at"] = time.time()
@@ -530,6 +541,7 @@ def scenario(
         "generation": gen2,
         "workers": len(without),
         "survivors": len(survivors),
+        "packed_bytes": _packed_bytes(client, cluster.job),
         "delta_bytes": _delta_bytes(client, cluster.job),
     }
     out["decisions_after_loss"] = decisions_since(client, cluster.job, killed_at)
@@ -538,6 +550,12 @@ def scenario(
     # (the daemon's own record); the rest is each worker reading it and acking.
     out["fault_to_plan_published_seconds"] = next(
         (at for at, phase, _ in moves if phase == "transitioning"), None
+    )
+    planned = [at for at, phase, _ in moves if phase == "planning"]
+    published = out["fault_to_plan_published_seconds"]
+    # The decision itself (the planner's thread) and its commit.
+    out["planning_to_published_seconds"] = (
+        round(published - planned[-1], 3) if planned and published is not None else None
     )
     out["fault_to_plan_announced_seconds"] = _since(heard.at.get(gen2), killed_at)
     first, named, faults = _faults_after(client, cluster.job, killed_at, gone)
@@ -615,10 +633,32 @@ def _output_bytes(client: redis.Redis) -> int:
     return int(stats["total_net_output_bytes"])
 
 
+def _packed_bytes(client: redis.Redis, job: str) -> int:
+    """The current plan as the workers read it (Keys.plan_packed), in bytes."""
+    return int(client.strlen(Keys(job).plan_packed))
+
+
 def _delta_bytes(client: redis.Redis, job: str) -> int | None:
     """The current plan's delta as published (None: it went whole)."""
     raw: Any = client.get(Keys(job).plan_delta)
     return len(raw) if raw is not None else None
+
+
+def _prepared(url: str) -> dict[str, float]:
+    """The daemon's preparations between faults so far: how many, and their CPU seconds
+    (`chameleon_prepare_seconds`)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:  # noqa: S310 - our http:// URL
+        text = r.read().decode()
+    figures = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "chameleon_prepare_seconds"
+        for sample in family.samples
+    }
+    return {
+        "count": int(figures.get("chameleon_prepare_seconds_count", 0)),
+        "cpu_seconds": round(figures.get("chameleon_prepare_seconds_sum", 0.0), 3),
+    }
 
 
 def _serves(url: str, daemon: Child) -> bool:
@@ -655,6 +695,7 @@ def run(args: argparse.Namespace) -> int:
         "heartbeat_seconds": {str(n): heartbeat_seconds(n) for n in sizes},
         "plan_poll_seconds": PLAN_POLL_SECONDS,
         "step_seconds": args.step_seconds,
+        "redis_failover": failover_figures() if args.failover else None,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -669,6 +710,8 @@ def run(args: argparse.Namespace) -> int:
             f"{f.get('plan_bytes')} bytes" + (f"; FAILED: {f['error']}" if "error" in f else "")
         )
     print(f"peer death detected within {result['peer_death_detect_seconds']} s")
+    if result["redis_failover"] is not None:
+        print(f"redis failover: {json.dumps(result['redis_failover'])}")
     return 0
 
 

@@ -10,7 +10,10 @@ rounds, estimates, selection). Up to 64 devices, the search's optimum by Algorit
 The search keeps per-job tables across decisions (`search.job_tables`: nothing a fault changes),
 as the daemon's decisions of one job share them. Each job's first decision starts cold and is
 reported on its own (`first_seconds`, `first_cpu_seconds`); the percentiles are of the decisions
-after it.
+after it, each timed as the daemon makes it: after `decide.prepare` (untimed: the daemon runs it
+between faults), which leaves the search's results for the loss of the plan's last host and of
+one, two and four workers. The same decisions with those results dropped, the search run inside
+the decision on the kept tables, are timed in turns with them (`unprepared_*`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,9 @@ import time
 from typing import Any
 
 from chameleond.bench.exact import exact
-from chameleond.core.decide import decide, initial_plan
-from chameleond.core.search import forget_tables, search
+from chameleond.core.decide import decide, initial_plan, prepare
+from chameleond.core.plan import Plan
+from chameleond.core.search import forget_results, forget_tables, search
 from chameleond.core.spec import JobSpec, load_spec, parse_spec
 
 SIZES = (8, 16, 32, 64, 128, 256, 512, 1024)
@@ -92,22 +96,34 @@ def _percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+def _timed(spec: JobSpec, current: Plan, failed: list[str]) -> tuple[int, float, float]:
+    """One decision: (plans considered, wall seconds, CPU seconds)."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    d = decide(spec, current, failed, mtbf_seconds=spec.mtbf_prior_seconds, generation=2)
+    return d.plans_considered, time.perf_counter() - t0, time.process_time() - c0
+
+
 def measure(devices: int, repeat: int, spec: JobSpec | None = None) -> dict[str, Any]:
     spec = spec or cluster_spec(devices)
     forget_tables()  # this job's first decision builds its tables, as the daemon's first does
     current = initial_plan(spec, generation=1)
-    samples: list[float] = []
-    cpu: list[float] = []
-    considered = 0
+    sets = failure_sets(devices)
+    considered, first_s, first_cpu = _timed(spec, current, sets[0])
+    # Wall and CPU seconds of the decisions prepared for (True) and not (False).
+    samples: dict[bool, list[float]] = {True: [], False: []}
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     gaps: list[float] = []
     exact_cpu: list[float] = []
-    for failed in failure_sets(devices):
+    for failed in sets:
         for _ in range(repeat):
-            t0, c0 = time.perf_counter(), time.process_time()
-            d = decide(spec, current, failed, mtbf_seconds=spec.mtbf_prior_seconds, generation=2)
-            samples.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-            considered = max(considered, d.plans_considered)
+            for prepared in (True, False):
+                forget_results()
+                if prepared:
+                    prepare(spec, current)
+                plans, wall, c = _timed(spec, current, failed)
+                samples[prepared].append(wall)
+                cpu[prepared].append(c)
+                considered = max(considered, plans)
         survivors = [w.id for w in spec.workers if w.id not in failed]
         if devices > EXACT_MAX_DEVICES:
             continue
@@ -117,15 +133,17 @@ def measure(devices: int, repeat: int, spec: JobSpec | None = None) -> dict[str,
         found = search(spec, survivors).optimum
         if ref.layout is not None and found is not None:
             gaps.append(max(0.0, (found.seconds - ref.layout.seconds) / ref.layout.seconds))
-    first, first_cpu = samples.pop(0), cpu.pop(0)
     return {
         "devices": devices,
-        "p50_seconds": statistics.median(samples),
-        "p99_seconds": _percentile(samples, 0.99),
+        "p50_seconds": statistics.median(samples[True]),
+        "p99_seconds": _percentile(samples[True], 0.99),
         # CPU time: what a decision costs, whatever else the machine runs meanwhile.
-        "p50_cpu_seconds": statistics.median(cpu),
-        "p99_cpu_seconds": _percentile(cpu, 0.99),
-        "first_seconds": first,
+        "p50_cpu_seconds": statistics.median(cpu[True]),
+        "p99_cpu_seconds": _percentile(cpu[True], 0.99),
+        "unprepared_p50_seconds": statistics.median(samples[False]),
+        "unprepared_p99_seconds": _percentile(samples[False], 0.99),
+        "unprepared_p99_cpu_seconds": _percentile(cpu[False], 0.99),
+        "first_seconds": first_s,
         "first_cpu_seconds": first_cpu,
         "plans_considered": considered,
         "optimality_gap": max(gaps) if gaps else None,
@@ -147,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
     if spec is not None:
         sizes = [len(spec.workers)]
     if not args.json:
-        print(f"{'devices':>7} {'p50_ms':>9} {'p99_ms':>9} {'p99_cpu_ms':>10} {'first_ms':>9} "
+        print(f"{'devices':>7} {'p50_ms':>9} {'p99_ms':>9} {'p99_cpu_ms':>10} "
+              f"{'unprep_p99_ms':>13} {'first_ms':>9} "
               f"{'first_cpu_ms':>12} {'plans_considered':>16} {'gap':>8} "
               f"{'exact_cpu_s':>11}")  # fmt: skip
     for n in sizes:
@@ -159,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
             exact_s = "-" if cpu is None else f"{cpu:.2f}"
             print(
                 f"{n:>7} {row['p50_seconds'] * 1e3:>9.2f} {row['p99_seconds'] * 1e3:>9.2f} "
-                f"{row['p99_cpu_seconds'] * 1e3:>10.2f} {row['first_seconds'] * 1e3:>9.2f} "
+                f"{row['p99_cpu_seconds'] * 1e3:>10.2f} "
+                f"{row['unprepared_p99_seconds'] * 1e3:>13.2f} {row['first_seconds'] * 1e3:>9.2f} "
                 f"{row['first_cpu_seconds'] * 1e3:>12.2f} {row['plans_considered']:>16} {gap:>8} "
                 f"{exact_s:>11}",
                 flush=True,

@@ -73,6 +73,8 @@ from chameleond.core.holdings import Held, of_plan
 from chameleond.core.layout import LayoutError, layout_pipelines, own_routing
 from chameleond.core.plan import Plan
 from chameleond.core.policy import CANDIDATES, Policy
+from chameleond.core.roster import roster
+from chameleond.core.search import result_key, search, tables_key
 from chameleond.core.spec import JobSpec
 
 POLICIES = tuple(p.value for p in CANDIDATES)
@@ -122,6 +124,44 @@ def gc_paused(f: Callable[P, R]) -> Callable[P, R]:
                 gc.enable()
 
     return paused
+
+
+# The faults a plan's decision is prepared for (`prepare`): its last host, and its last workers.
+PREPARED_LOSSES = (1, 2, 4)
+
+
+@gc_paused
+def prepare(spec: JobSpec, current: Plan) -> None:
+    """Search, between faults, as the decisions on `current` after the likeliest faults will:
+    the loss of the host of its last running worker, and of its last 1, 2 and 4 workers. The
+    search keeps its tables (core.search `job_tables`: pipeline shapes, split costs, bounds) and
+    its results (by what they are computed from: the survivors' count, least memory and hosts,
+    `result_key`), so that the decision a fault waits for neither builds tables nor searches.
+    The tables of one host's loss also serve another host's loss and the loss of one, two or
+    four workers (tests/test_search_at_scale.py: those searches time no new shape); each result
+    serves a fault of as many workers, on workers alike."""
+    for survivors in _likely_survivors(spec, current):
+        search(spec, survivors)
+
+
+def prepared_for(spec: JobSpec, current: Plan) -> tuple[object, ...]:
+    """What `prepare(spec, current)` computes from: while it stays equal, preparing again would
+    find everything kept."""
+    likely = _likely_survivors(spec, current)
+    return (tables_key(spec), *(result_key(spec, survivors) for survivors in likely))
+
+
+def _likely_survivors(spec: JobSpec, current: Plan) -> list[list[str]]:
+    order = worker_order(spec)
+    owners = {st.worker for pipe in current.pipelines for st in pipe.stages}
+    running = sorted(owners - set(current.excluded), key=order.__getitem__)
+    if not running:
+        return []
+    host = roster(spec).host
+    gone = host[running[-1]]
+    likely = [[w for w in running if host[w] != gone]]
+    likely += [running[:-k] for k in PREPARED_LOSSES if k < len(running)]
+    return [survivors for survivors in likely if survivors]
 
 
 @gc_paused

@@ -38,7 +38,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 
 from chameleond.core.balance import Balancer
@@ -73,6 +73,8 @@ class Shared:
         self.grads: dict[tuple[int, ...], list[int]] = {}
         self.arrays: LayerArrays | None = None
         self.costs: dict[tuple[int, LinkSpec, int, int], SplitCosts] = {}
+        # Whole results, by everything a search reads besides the tables (`result_key`).
+        self.results: dict[tuple[object, ...], SearchResult] = {}
 
 
 # The tables of the jobs searched most recently, by what they are computed from: a daemon
@@ -80,6 +82,8 @@ class Shared:
 # them (a weakened model for a referee's negative control gets tables of its own).
 _TABLES: dict[tuple[tuple[LayerProfile, ...], bool], Shared] = {}
 _TABLES_KEPT = 8
+# Results kept per job: the prepared ones (core.decide `prepare`) and the latest decisions'.
+_RESULTS_KEPT = 32
 
 
 def job_tables(spec: JobSpec) -> Shared:
@@ -92,9 +96,21 @@ def job_tables(spec: JobSpec) -> Shared:
     return found
 
 
+def tables_key(spec: JobSpec) -> tuple[object, ...]:
+    """What `spec`'s tables are computed from: equal keys, the same tables (`job_tables`, and
+    the link each ShapeModel reads them under)."""
+    return (spec.layers, spec.training.overlap_sync, spec.intra_host, spec.inter_host)
+
+
 def forget_tables() -> None:
     """Drop the kept tables: the next search of every job starts cold (benchmarks)."""
     _TABLES.clear()
+
+
+def forget_results() -> None:
+    """Drop the kept results, not the tables: the next search of every job runs, warm."""
+    for shared in _TABLES.values():
+        shared.results.clear()
 
 
 @dataclass(frozen=True)
@@ -398,10 +414,52 @@ def search(
     and 3 spares beats any partition of 31). Each count is searched exactly; the fastest wins,
     all survivors on ties. Which survivors stay idle is the caller's choice (core.decide).
     `shape_model` is for referees' negative controls (a deliberately weakened model must show a
-    gap against the exact search, bench/exact.py)."""
+    gap against the exact search, bench/exact.py).
+
+    The result holds shapes, not workers: a search of survivors alike by `result_key` (as many,
+    the same least memory, spanning hosts alike) returns the kept result, nothing timed."""
+    if shape_model is not ShapeModel:
+        return _search(spec, survivors, Shared(), shape_model)
+    shared = job_tables(spec)
+    key = result_key(spec, survivors)
+    found = shared.results.pop(key, None)
+    if found is None:
+        found = _search(spec, survivors, shared, shape_model)
+    else:
+        found = replace(found, shapes_timed=0)
+    shared.results[key] = found  # the most recent last
+    for old in list(shared.results)[:-_RESULTS_KEPT]:
+        del shared.results[old]
+    return found
+
+
+def result_key(spec: JobSpec, survivors: Sequence[str]) -> tuple[object, ...]:
+    """Everything a search of `survivors` reads besides its tables' key: the links, the
+    micro-batches, the search's bounds, and for each survivor count it searches (`spare_counts`)
+    the least memory and whether those survivors span hosts (`ShapeModel`)."""
+    workers = roster(spec)
+    counts = []
+    try:
+        for used in spare_counts(spec, len(survivors)):
+            those = survivors[:used]
+            memory = min(map(workers.memory.__getitem__, those), default=0)
+            spans = len(set(map(workers.host.__getitem__, those))) > 1
+            counts.append((used, memory, spans))
+    except KeyError:
+        unknown = sorted(set(survivors) - set(workers.order))[:5]
+        raise KeyError(f"survivors: {unknown} not workers") from None
+    s = spec.search
+    return (
+        spec.intra_host, spec.inter_host, spec.training.micro_batches, s.min_stages,
+        s.max_stages, s.spares, bool(spec.hosts), tuple(counts),
+    )  # fmt: skip
+
+
+def _search(
+    spec: JobSpec, survivors: Sequence[str], shared: Shared, shape_model: type[ShapeModel]
+) -> SearchResult:
     best: SearchResult | None = None
     considered = timed = 0
-    shared = job_tables(spec) if shape_model is ShapeModel else Shared()
     for used in spare_counts(spec, len(survivors)):
         found = _search_all(spec, survivors[:used], shared, shape_model)
         considered += found.plans_considered

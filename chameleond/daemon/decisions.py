@@ -4,7 +4,9 @@
 planner searches while the batch commits) and every housekeeping tick; it
 starts at most one task at a time: the initial plan (every worker registered), a decision (the
 machine has faults or joins to answer), or the switch to a prepared follow-up (the reroute plan
-it follows trains), or a decision on a worker that became slow or recovered (while the job trains).
+it follows trains), or a decision on a worker that became slow or recovered (while the job trains),
+or, with nothing else to do, the search for the likeliest next faults, whose tables and results
+the next fault's decision reads (`_prepare`).
 The planner runs in a thread; everything that moves the machine's generation
 happens under the commit lock together with the commit that publishes it, so no other commit
 ever sees a generation Redis does not hold yet.
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from chameleond.core.decide import DecisionError, decide, initial_plan
+from chameleond.core.decide import DecisionError, decide, initial_plan, prepare, prepared_for
 from chameleond.core.decision import (
     Decision,
     decision_to_dict,
@@ -50,6 +52,8 @@ from chameleond.records import DecisionRecord
 log = logging.getLogger("chameleond")
 decisions_log = logging.getLogger("chameleond.decisions")
 GATHER_SECONDS = 2.0
+# A plan's search tables are looked at again (and prepared again if its spec moved) this often.
+PREPARE_SPACING_SECONDS = 10.0
 T = TypeVar("T")
 
 
@@ -90,6 +94,10 @@ class Decisions:
         self.planning: asyncio.Future[Any] | None = None
         self.closed = False  # draining: no new decision starts
         self._wake: asyncio.TimerHandle | None = None  # the end of a gathering
+        # The plan and what its preparation was computed from (core.decide `prepared_for`) when
+        # last prepared, and when it was, or last found unchanged.
+        self._prepared: tuple[int, tuple[object, ...] | None] | None = None
+        self._prepared_at = -PREPARE_SPACING_SECONDS
 
     def maybe_decide(self) -> None:
         """Start the decision that is due, unless one is running. Raises if the last one failed
@@ -119,6 +127,9 @@ class Decisions:
             return
         if job.slow_due and job.machine.running():
             self.task = asyncio.create_task(self._slow(), name="slow")
+            return
+        if self._prepare_due():
+            self.task = asyncio.create_task(self._prepare(), name="prepare")
 
     async def _off_loop(self, search: Callable[[], T]) -> T:
         """`search` (a plan search: pure, from copies) on the executor's thread, `planning` while
@@ -249,6 +260,7 @@ class Decisions:
             )
             commit, transitions = job.machine.decided(request, result, now)
             self.committer.note(recorded(transitions))
+            self.committer.note(recorded(job.finish_if_done(now)))
             if not commit:
                 decisions_log.info("superseded generation=%d cause=%s", request.generation,
                                    request.cause)  # fmt: skip
@@ -411,6 +423,53 @@ class Decisions:
                                     step_seconds=plan.estimates.step_seconds)  # fmt: skip
             published = await self.committer.publish(plan, record, [])
         self._published(published, cause, None)
+
+    # ---- between faults ------------------------------------------------------------------------
+
+    def _prepare_due(self) -> bool:
+        """The plan trains, nothing waits, and it was not prepared for, or not looked at for
+        PREPARE_SPACING_SECONDS (the spec is derived again after every profile, and a large
+        job's profiles keep coming: `_prepare` prepares again only if what it computes from
+        moved)."""
+        plan = self.job.plan
+        if plan is None or not self.job.machine.running() or not self.quiet():
+            return False
+        if self._prepared is not None and self._prepared[0] == plan.generation:
+            return time.monotonic() >= self._prepared_at + PREPARE_SPACING_SECONDS
+        return True
+
+    async def _prepare(self) -> None:
+        """Search for the plan's likeliest next faults (core.decide `prepare`) on the planner's
+        thread while the job trains, unless what that computes from (`prepared_for`: at 8,192
+        workers itself tens of milliseconds, so also on that thread) is as when last prepared.
+        Unlike a decision it does not hold the event loop back (`planning`): a decision that
+        falls due meanwhile starts when it ends, and finds the tables and results kept."""
+        spec, plan = self.job.spec, self.job.plan
+        assert plan is not None  # _prepare_due
+        kept = self._prepared
+        before = kept[1] if kept is not None and kept[0] == plan.generation else None
+        # Looked at now; after a failure, again after the spacing.
+        self._prepared, self._prepared_at = (plan.generation, None), time.monotonic()
+
+        def timed() -> tuple[tuple[object, ...], float | None]:
+            key = prepared_for(spec, plan)
+            if key == before:
+                return key, None
+            began = time.thread_time()
+            prepare(spec, plan)
+            return key, time.thread_time() - began
+
+        try:
+            key, seconds = await asyncio.get_running_loop().run_in_executor(None, timed)
+        except Exception:  # a bug, but only a decision's head start is lost: the job goes on
+            log.exception("preparing the search for generation %d failed", plan.generation)
+        else:
+            self._prepared = (plan.generation, key)
+            if seconds is not None:
+                self.metrics.prepare_seconds.observe(seconds)
+                log.debug("search prepared for generation %d in %.3f CPU-s", plan.generation,
+                          seconds)  # fmt: skip
+        self._soon()
 
     # ---- after a publication -------------------------------------------------------------------
 

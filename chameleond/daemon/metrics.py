@@ -137,6 +137,14 @@ class Metrics:
             buckets=RECOVERY_BUCKETS,
             registry=r,
         )
+        self.prepare_seconds = Histogram(
+            "chameleon_prepare_seconds",
+            "CPU time of each preparation between faults: the searches of the running plan's "
+            "likeliest next faults, their tables and results kept (once per plan, again when "
+            "what they searched with moves), on the planner's thread.",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
         # The newest value of each, so a dashboard shows something between rare faults (a
         # quantile over a window with no fault is NaN): absent until the first one.
         self.last_decision_seconds = Gauge(

@@ -48,12 +48,14 @@ def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -
     """A worker stopped. Fenced (outside the plan it names): it obeyed. A member of the current
     plan stopping on its own finished its steps, or left (`reason=left`): it is never declared
     failed, and one that left is taken out of the plans like a fault, without counting one. A
-    process leaves from the plan it was in, which a newer plan may since have replaced (the signal
-    came while it was building that one): it still leaves, unless the worker came back after it."""
+    process finishes or leaves from the plan it was in, which a newer plan may since have replaced
+    (its last step committed, or the signal came, while that plan was on its way): it still
+    finished or left, unless the worker came back after it."""
     rec = job.workers[event.worker]
     m = job.machine
     left = event.reason == "left"
-    current = generation == m.generation or (left and rec.since_generation <= generation)
+    on_its_own = event.reason in ("finished", "left")
+    current = generation == m.generation or (on_its_own and rec.since_generation <= generation)
     member = (
         current
         and generation <= m.generation
@@ -69,9 +71,7 @@ def _stopped(job: Job, event: Ack, entry_id: str, generation: int, now: float) -
     rec.ended = WorkerState.LEFT if left else WorkerState.FINISHED
     if rec.ended is WorkerState.FINISHED:
         # Its peers finish at the same step: nothing to decide. Once all have, the job is done.
-        peers = [job.workers[w] for w in m.plan_workers if w in job.workers]
-        done = all(r.ended is WorkerState.FINISHED for r in peers)
-        return HANDLED.having(SNAPSHOT | recorded(m.finish(now) if done else []))
+        return HANDLED.having(SNAPSHOT | recorded(job.finish_if_done(now)))
     new, transitions = m.fault(event.worker, "left the job", now)
     change = SNAPSHOT | recorded(transitions)
     if new and job.pending(event.worker):

@@ -16,13 +16,14 @@ from chameleond.core import selector
 from chameleond.core.estimator import Estimator
 from chameleond.core.holdings import Checkpoints
 from chameleond.core.machine import DecisionRequest, Phase, PolicyMachine
+from chameleond.core.machine import Transition as PhaseTransition
 from chameleond.core.plan import Plan
 from chameleond.core.policy import Policy, Selection
 from chameleond.core.spec import JobSpec, LayerProfile, LinkSpec, WorkerSpec, backend_of
 from chameleond.events import Step
 from chameleond.jobstate.change import MEASURED, SNAPSHOT, UNCHANGED, Change, recorded, snapshot_if
 from chameleond.jobstate.links import links_view, measured_links
-from chameleond.jobstate.measured import MeasuredLayers
+from chameleond.jobstate.measured import MeasuredLayers, SteadyLayers
 from chameleond.jobstate.records import (
     UNCONFIRMED_MAX,
     FollowUp,
@@ -85,6 +86,7 @@ class Job:
         # ((generation, spec version), step seconds, when computed)
         self._model_cache: tuple[tuple[int, int], float, float] | None = None
         self._measured = MeasuredLayers()  # the layer figures' running sums
+        self._steady = SteadyLayers()  # the planner's figures of those, held still
         # The layer figures a restart restored (Job.measured_means, persisted): the planner's
         # until a worker measures that layer again.
         self.restored_layers: dict[int, LayerProfile] = {}
@@ -100,6 +102,7 @@ class Job:
         """Plan with `spec` (the job's stored spec wins over the configured one on a restart)."""
         self.base_spec = spec
         self.workers = {w.id: WorkerRecord(w.id) for w in spec.workers}
+        self._steady = SteadyLayers()
         self._spec_cache = None
 
     @property
@@ -115,7 +118,9 @@ class Job:
                 known = self.restored_layers
                 base = tuple(known.get(i, layer) for i, layer in enumerate(spec.layers))
                 speeds = {**self._spec_speeds(spec), **slow}
-                spec = spec.with_layers(self._measured.layers(base, profiles, speeds))
+                spec = spec.with_layers(
+                    self._steady.of(self._measured.layers(base, profiles, speeds))
+                )
             spec = measured_links(spec, self._links(), self._link_members())
             rebuild = self.rebuild_seconds(spec)
             if rebuild != spec.rebuild_seconds:
@@ -296,6 +301,16 @@ class Job:
     def ended(self, worker: str) -> bool:
         rec = self.workers.get(worker)
         return rec is not None and rec.ended is not None
+
+    def finish_if_done(self, now: float) -> list[PhaseTransition]:
+        """The job finished once every worker of the current plan finished its steps: the
+        last one's stop, or a plan decided while its workers finished (one left as the others
+        took their last step)."""
+        m = self.machine
+        plan = [self.workers.get(w) for w in m.plan_workers]
+        if not plan or any(r is None or r.ended is not WorkerState.FINISHED for r in plan):
+            return []
+        return m.finish(now)
 
     # ---- registrations from outside the spec ---------------------------------------------------
 

@@ -5,6 +5,11 @@ healthy worker's pace (jobstate/jobspec.py `measured_layers` is the definition).
 constantly and decisions are rare, so a new profile costs the layers it covers, not the job's
 workers times its layers: the sums are exact (fixed-point integers), so taking a worker's old
 profile out and putting its new one in never drifts from the sum made from scratch.
+
+The planner takes those means through `SteadyLayers`: a layer's figure stays what it was until
+its mean has moved by more than STEADY_TOLERANCE from it. Every profile moves the means a little;
+the search's tables are computed from the figures (core.search `job_tables`), and figures that
+held still keep them filled for the next fault's decision (daemon/decisions.py `_prepare`).
 """
 
 from __future__ import annotations
@@ -106,3 +111,48 @@ class MeasuredLayers:
                 self._sums.setdefault(i, _LayerSum()).add(p, speed, 1)
                 self._means.pop(i, None)
             self._counted[worker] = (profile, speed)
+
+
+# A layer's planner figure moves once its measured mean is this far from it (relative).
+STEADY_TOLERANCE = 0.01
+
+
+class SteadyLayers:
+    """The planner's layer figures: each the measured mean as it was when last taken, kept while
+    the mean's seconds are within STEADY_TOLERANCE of it and its bytes no more than it and
+    within that of it (the planner never under-states a layer's memory)."""
+
+    def __init__(self) -> None:
+        self._kept: tuple[LayerProfile, ...] = ()
+
+    def of(self, means: tuple[LayerProfile, ...]) -> tuple[LayerProfile, ...]:
+        """The figures to plan with for `means`: the tuple returned last (the same object) when
+        every layer is still within tolerance of it."""
+        kept = self._kept
+        if len(kept) != len(means):
+            self._kept = means
+            return means
+        out = tuple(k if k is m or _within(k, m) else m for k, m in zip(kept, means, strict=True))
+        if any(o is not k for o, k in zip(out, kept, strict=True)):
+            self._kept = out
+        return self._kept
+
+
+def _within(kept: LayerProfile, mean: LayerProfile) -> bool:
+    tol = STEADY_TOLERANCE
+    seconds = (
+        (kept.forward_seconds, mean.forward_seconds),
+        (kept.backward_seconds, mean.backward_seconds),
+        (kept.update_seconds, mean.update_seconds),
+    )
+    nbytes = (
+        (kept.param_bytes, mean.param_bytes),
+        (kept.optimizer_bytes, mean.optimizer_bytes),
+        (kept.activation_bytes, mean.activation_bytes),
+        (kept.output_bytes, mean.output_bytes),
+    )
+    return (
+        kept.name == mean.name
+        and all(abs(k - m) <= tol * k for k, m in seconds)
+        and all(m <= k <= m * (1 + tol) for k, m in nbytes)
+    )
