@@ -263,6 +263,30 @@ def test_batches_that_only_acknowledge_are_committed_together_soon_after(
     _run(redis_server, body)
 
 
+def test_a_batch_that_only_acknowledges_never_waits_for_a_commit(
+    redis_server: RedisServer, redis_client: redis.Redis
+) -> None:
+    """The read loop awaits no commit for acknowledgements alone: not one of its own, also long
+    after the last commit, and not one on its way under the lock (a decision's); they go with
+    the flush's commit once the lock is free."""
+    ids = _read(redis_client, 2)
+
+    async def body(client: aioredis.Redis) -> None:
+        c = _committer(client)
+        await c.batch([], [], force_progress=True)  # the progress: next due in a minute
+        await asyncio.sleep(2 * ACK_SPACING_SECONDS)  # long after that commit
+        await c.batch([ids[0]], [])
+        assert _pending(redis_client) == set(ids) and c.held() == {ids[0]}  # not committed here
+        async with c.lock:  # a decision's commit on its way
+            await asyncio.wait_for(c.batch([ids[1]], []), timeout=ACK_SPACING_SECONDS)
+            await asyncio.sleep(3 * ACK_SPACING_SECONDS)
+            assert _pending(redis_client) == set(ids)  # the flush waits for the lock
+        await asyncio.sleep(3 * ACK_SPACING_SECONDS)
+        assert _pending(redis_client) == set() and not c.held()
+
+    _run(redis_server, body)
+
+
 def test_while_a_fault_waits_for_its_decision_batches_wait_for_the_plans_snapshot(
     redis_server: RedisServer, redis_client: redis.Redis
 ) -> None:

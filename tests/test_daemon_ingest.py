@@ -9,6 +9,7 @@ import redis
 import redis.asyncio as aioredis
 from test_daemon_commits import KEYS, _committer, _pending, _run
 
+from chameleond.daemon.commits import ACK_SPACING_SECONDS
 from chameleond.daemon.config import Config
 from chameleond.daemon.consumer import StreamConsumer
 from chameleond.daemon.decisions import Decisions
@@ -58,6 +59,11 @@ def test_a_plan_search_under_way_goes_before_the_events_at_most_a_while(
         await ingest.process(await consumer.read())
         assert c.job.worker(worker).last_heartbeat > heard
         assert PLANNING_FIRST_SECONDS <= time.monotonic() - began < 2 * PLANNING_FIRST_SECONDS
+        # Heartbeats change nothing durable: their acknowledgements go with the next commit,
+        # ACK_SPACING_SECONDS on at the latest.
+        deadline = time.monotonic() + 2.0
+        while _pending(redis_client) and time.monotonic() < deadline:
+            await asyncio.sleep(ACK_SPACING_SECONDS)
 
     _run(redis_server, body)
     assert _pending(redis_client) == set()

@@ -9,6 +9,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 from daemon_harness import RunningJob, wait_for
@@ -28,6 +29,19 @@ def delivered(client: redis.Redis, entry: str) -> int:
 def pending_of(client: redis.Redis, consumer: str) -> int:
     found = [c for c in client.xinfo_consumers(EVENTS, CONSUMER_GROUP) if c["name"] == consumer]
     return int(found[0]["pending"]) if found else 0
+
+
+def _consumer(
+    client: aioredis.Redis, keys: Keys, *, block_ms: int = 100, count: int = 100, claim_idle_ms: int
+) -> StreamConsumer:
+    """Consumer "me" of `keys`' stream."""
+    return StreamConsumer(client, keys, "me", block_ms=block_ms, count=count,
+                          claim_idle_ms=claim_idle_ms, maxlen=200)  # fmt: skip
+
+
+async def _add(client: aioredis.Redis, keys: Keys, worker: str, kind: str = "heartbeat") -> str:
+    """A `kind` event of `worker` added to the stream; its id."""
+    return str((await client.xadd(keys.events, {"type": kind, "worker": worker})).decode())
 
 
 def test_entries_of_a_consumer_that_died_are_claimed_and_owed_ones_are_left_alone(
@@ -119,12 +133,11 @@ def test_trimming_keeps_the_stream_bounded_and_never_cuts_an_unacknowledged_entr
 async def _claim_deleted(url: str) -> None:
     client = aioredis.Redis.from_url(url)
     keys = Keys("claim")
-    consumer = StreamConsumer(client, keys, "me", block_ms=100, count=100,
-                              claim_idle_ms=0, maxlen=200)  # fmt: skip
+    consumer = _consumer(client, keys, claim_idle_ms=0)
     try:
         await consumer.ensure_group()
-        kept = (await client.xadd(keys.events, {"type": "heartbeat", "worker": "w1"})).decode()
-        gone = (await client.xadd(keys.events, {"type": "fault", "worker": "w2"})).decode()
+        kept = await _add(client, keys, "w1")
+        gone = await _add(client, keys, "w2", "fault")
         await client.xreadgroup(CONSUMER_GROUP, "died", {keys.events: ">"})
         await client.xdel(keys.events, gone)  # deleted while pending (an operator, a trim)
         claimed = {e.id: e.fields for e in await consumer.claim_stale()}
@@ -144,3 +157,66 @@ def test_claiming_names_entries_deleted_while_pending(tmp_path: Path) -> None:
         asyncio.run(_claim_deleted(server.url))
     finally:
         server.stop()
+
+
+def test_a_restarted_consumer_rereads_its_pending_entries_and_names_a_deleted_one(
+    redis_server: RedisServer,
+) -> None:
+    """After a restart the consumer re-reads what it read before and never acknowledged, in order
+    and with the deliveries counted; an entry deleted meanwhile comes back without its fields (to
+    be dead-lettered), whichever reply protocol the client speaks."""
+    for protocol in (2, 3):
+        asyncio.run(_reread_pending(redis_server.url, protocol))
+
+
+async def _reread_pending(url: str, protocol: int) -> None:
+    client = aioredis.Redis.from_url(url, protocol=protocol)
+    keys = Keys(f"reread{protocol}")
+    try:
+        before = _consumer(client, keys, claim_idle_ms=60_000)
+        await before.ensure_group()
+        ids = [await _add(client, keys, f"w{i}") for i in range(3)]
+        read = await before.read()
+        assert [e.id for e in read] == ids and read[1].fields == {b"type": b"heartbeat",
+                                                                  b"worker": b"w1"}  # fmt: skip
+        await client.xdel(keys.events, ids[1])  # deleted while pending (an operator, a trim)
+        after = _consumer(client, keys, claim_idle_ms=60_000)  # the same name after a restart
+        pending = await after.own_pending()
+        assert [e.id for e in pending] == ids
+        assert [e.fields is None for e in pending] == [False, True, False]
+        assert pending[2].fields == {b"type": b"heartbeat", b"worker": b"w2"}
+        # The read before and this one (Redis counts no delivery of a deleted entry).
+        assert [pending[0].deliveries, pending[2].deliveries] == [2, 2]
+        assert await after.own_pending(ids[-1]) == []  # nothing after the last
+        assert await after.read() == []  # nothing new: the read blocks, then comes back empty
+    finally:
+        await client.aclose()
+
+
+def test_a_read_cut_short_leaves_no_reply_behind(redis_server: RedisServer) -> None:
+    """A blocking read cancelled while it waits (the daemon stopping, a timeout) closes its
+    connection: the next read gets its own reply, not the late one of the read cut short, and a
+    connection Redis closed is replaced."""
+    asyncio.run(_cut_short(redis_server.url))
+
+
+async def _cut_short(url: str) -> None:
+    client = aioredis.Redis.from_url(url)
+    keys = Keys("cut")
+    consumer = _consumer(client, keys, block_ms=2_000, count=1, claim_idle_ms=60_000)
+    try:
+        await consumer.ensure_group()
+        waiting = asyncio.create_task(consumer.read())
+        await asyncio.sleep(0.2)  # blocked in XREADGROUP
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        first, second = await _add(client, keys, "w1"), await _add(client, keys, "w2")
+        assert [e.id for e in await consumer.read()] == [first]
+        await client.client_kill_filter(_type="normal", skipme=True)  # the reads' connection
+        with pytest.raises(redis.ConnectionError):
+            await consumer.read()
+        assert [e.id for e in await consumer.read()] == [second]  # on a new connection
+        assert [e.id for e in await consumer.own_pending()] == [first]  # a page of COUNT 1
+        assert [e.id for e in await consumer.own_pending(first)] == [second]
+    finally:
+        await client.aclose()

@@ -15,6 +15,7 @@ from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import ResponseError
 
 from chameleond.daemon.redis_errors import ErrorCode, has_code
@@ -35,6 +36,24 @@ class Entry(NamedTuple):
 
 def _id(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _entries(reply: Any) -> list[Entry]:
+    """XREADGROUP's reply as entries: RESP3's map from stream to entries, or RESP2's list of
+    [stream, entries] pairs; each entry an id and its flat field list, nil for an entry deleted
+    from the stream while pending."""
+    if not reply:
+        return []
+    streams = reply.values() if isinstance(reply, dict) else [s[1] for s in reply]
+    out: list[Entry] = []
+    for entries in streams:
+        for i, flat in entries:
+            if flat is None:
+                out.append(Entry(_id(i), None))
+                continue
+            it = iter(flat)
+            out.append(Entry(_id(i), dict(zip(it, it, strict=True))))
+    return out
 
 
 class StreamConsumer:
@@ -59,6 +78,7 @@ class StreamConsumer:
         self.claim_idle_ms = claim_idle_ms
         self.maxlen = maxlen
         self._claim_cursor = "0-0"
+        self._conn: AbstractConnection | None = None  # the reads' own connection (`_xreadgroup`)
 
     async def ensure_group(self) -> None:
         """Create the group at the start of the stream: events sent before the daemon's first start
@@ -75,51 +95,45 @@ class StreamConsumer:
         what a batch costs once (its commit, a snapshot of a large job) is shared by more
         entries, so a burst (8,192 workers registering) is caught up with."""
         count = self.read_count
-        reply: Any = await self.client.xreadgroup(
-            CONSUMER_GROUP,
-            self.consumer,
-            {self.keys.events: ">"},
-            count=count,
-            block=self.block_ms,
-        )
-        entries = [Entry(_id(i), f) for _, entries in reply or [] for i, f in entries]
+        entries = await self._xreadgroup(">", count, self.block_ms)
         full = len(entries) >= count
         self.read_count = min(count * 2, self.count * MAX_BATCH_GROWTH) if full else self.count
         self.last_full = full
         return entries
 
     async def own_pending(self, after: str = "0") -> list[Entry]:
-        """Entries delivered to this consumer and never acknowledged, oldest first, one page."""
-        try:
-            reply: Any = await self.client.xreadgroup(
-                CONSUMER_GROUP, self.consumer, {self.keys.events: after}, count=self.count
-            )
-        except (TypeError, AttributeError):
-            # An entry was deleted from the stream while pending: the client cannot decode the
-            # reply, so rebuild the page from XPENDING + XRANGE.
-            return await self._pending_by_range(after)
-        entries = [Entry(_id(i), f or None) for _, es in reply or [] for i, f in es]
-        return await self._with_deliveries(entries)
+        """Entries delivered to this consumer and never acknowledged, oldest first, one page; one
+        deleted from the stream while pending has no fields."""
+        return await self._with_deliveries(await self._xreadgroup(after, self.count, None))
 
-    async def _pending_by_range(self, after: str) -> list[Entry]:
-        start = "(" + after if after != "0" else "-"
-        rows = await self.client.xpending_range(
-            self.keys.events,
-            CONSUMER_GROUP,
-            min=start,
-            max="+",
-            count=self.count,
-            consumername=self.consumer,
-        )
-        if not rows:
-            return []
-        ids = [_id(r["message_id"]) for r in rows]
-        rows_found: Any = await self.client.xrange(self.keys.events, ids[0], ids[-1])
-        found: dict[str, Any] = {_id(i): f for i, f in rows_found}
-        return [
-            Entry(i, found.get(i), int(r["times_delivered"]) + 1)
-            for i, r in zip(ids, rows, strict=True)
-        ]
+    async def _xreadgroup(self, start: str, count: int, block_ms: int | None) -> list[Entry]:
+        """One XREADGROUP on the consumer's own connection, its reply read straight into entries.
+        The connection is held from one read to the next (a blocking read holds one anyway):
+        the client's command path (the pool's checks, a task for each timed read, the reply
+        converted twice) cost as much CPU as the read itself at a read every few milliseconds
+        (docs/daemon.md, Ingestion benchmark). A connection whose command failed, or was cut
+        short with its reply unread, is closed and given back: the next read takes one from the
+        pool, which connects it as the client would (to the master a Sentinel names now; a
+        connection that reconnects by itself goes back to the address it had)."""
+        args: list[Any] = ["XREADGROUP", "GROUP", CONSUMER_GROUP, self.consumer, "COUNT", count]
+        if block_ms is not None:
+            args += ["BLOCK", block_ms]
+        args += ["STREAMS", self.keys.events, start]
+        pool = self.client.connection_pool
+        if self._conn is None:
+            self._conn = await pool.get_connection()
+        conn = self._conn
+        try:
+            await conn.send_command(*args)
+            reply = await conn.read_response(disable_decoding=True)
+        except ResponseError:
+            raise  # Redis answered (NOGROUP, say): the connection is sound
+        except BaseException:
+            self._conn = None
+            await conn.disconnect()
+            await pool.release(conn)
+            raise
+        return _entries(reply)
 
     async def claim_orphans(self) -> int:
         """Claim, at once, every entry pending under another consumer name (XCLAIM with min-idle 0

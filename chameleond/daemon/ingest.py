@@ -1,10 +1,11 @@
 """Event ingestion: stream entries -> handlers -> one batch commit -> the decision flow.
 
 Each batch is validated and handled entry by entry, then its durable effects and the
-acknowledgements it earned are committed at once (daemon/commits.py). Entries a pending decision
-answers are not acknowledged here: that decision's commit does it. A malformed entry, or one
-delivered more than `max_deliveries` times, is dead-lettered with a reason; a handler that raises
-leaves its entry pending, so it comes back (and eventually dies).
+acknowledgements it earned are committed at once; a batch that changed nothing durable leaves
+its acknowledgements to the next commit and awaits none (daemon/commits.py). Entries a pending
+decision answers are not acknowledged here: that decision's commit does it. A malformed entry, or
+one delivered more than `max_deliveries` times, is dead-lettered with a reason; a handler that
+raises leaves its entry pending, so it comes back (and eventually dies).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ log = logging.getLogger("chameleond")
 # A batch waits this long at most for a plan search under way (Ingest.process).
 PLANNING_FIRST_SECONDS = 1.0
 
-# Called once per batch with each handled entry, its event and the time its handling finished, and
-# the time the commit that acknowledged them finished (benchmarks measure latency from a field of
-# the raw entry).
-EventObserver = Callable[[Sequence[tuple[Entry, Event, float]], float], None]
+# Called once per batch with each handled entry, its event and the time its handling finished
+# (benchmarks measure latency from the entry's id; daemon/commits.py's AckObserver tells when
+# each was acknowledged).
+EventObserver = Callable[[Sequence[tuple[Entry, Event, float]]], None]
 
 
 class Ingest:
@@ -158,11 +159,12 @@ class Ingest:
         in the stream, and the heartbeat lapse is judged up to what was handled."""
         size = max(1, self.consumer.count)
         for start in range(0, len(entries), size):
+            if start:
+                await asyncio.sleep(0)
             planning = self.decisions.planning
             if planning is not None and not planning.done():
                 await asyncio.wait({planning}, timeout=PLANNING_FIRST_SECONDS)
             await self._batch(entries[start : start + size])
-            await asyncio.sleep(0)
 
     async def _batch(self, entries: list[Entry]) -> None:
         """Handle one batch, then commit its durable effects and acknowledgements at once."""
@@ -221,7 +223,7 @@ class Ingest:
         self.decisions.maybe_decide()
         await self.committer.batch(acks, dead, behind=self.consumer.last_full)
         if handled and self.observer is not None:
-            self.observer(handled, time.time())
+            self.observer(handled)
 
     def _log_forged(self, entry: str, kind: str, why: str) -> None:
         now = time.monotonic()

@@ -33,7 +33,7 @@ from chameleond.core.plan import Plan, PlanError, plan_from_dict
 from chameleond.core.policy import Selection
 from chameleond.core.spec import JobSpec, SpecError, parse_spec
 from chameleond.daemon import views
-from chameleond.daemon.commits import Committer
+from chameleond.daemon.commits import AckObserver, Committer
 from chameleond.daemon.config import Config
 from chameleond.daemon.connwatch import ConnWatch
 from chameleond.daemon.consumer import StreamConsumer
@@ -67,6 +67,7 @@ class Service:
         metrics: Metrics | None = None,
         notifier: Notifier | None = None,
         observer: EventObserver | None = None,
+        acknowledged: AckObserver | None = None,
         http: bool = True,
         keyring: Keyring | None = None,
     ) -> None:
@@ -77,7 +78,8 @@ class Service:
         self.redis_url = redis_url
         self.metrics = metrics or Metrics()
         self.notifier = notifier or Notifier()
-        self.observer = observer
+        self.observer = observer  # benchmarks: each batch's handled events
+        self.acknowledged = acknowledged  # and each commit's acknowledged entries
         self.job = Job(
             cfg.job,
             replace(spec, name=cfg.job),
@@ -178,6 +180,7 @@ class Service:
             committer = Committer(
                 client, self.keys, job, self.metrics, reachability, lease,
                 persist_interval_seconds=cfg.persist_interval_seconds, keyring=self.keyring,
+                acknowledged=self.acknowledged,
             )  # fmt: skip
             watch = None
             if cfg.peer_watch_seconds > 0:
