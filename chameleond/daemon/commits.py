@@ -163,7 +163,9 @@ class Committer:
                 self._flush_later()
         else:
             async with self.lock:
-                await self._batch_locked(acks, dead, now, force_progress, behind)
+                await self._batch_locked(
+                    acks, dead, now, force_progress=force_progress, behind=behind
+                )
         if job.spec_version != self.spec_written and (
             force_progress or now - self._spec_at >= self.persist_interval_seconds
         ):
@@ -190,6 +192,7 @@ class Committer:
         acks: Sequence[str],
         dead: list[list[str | bytes]],
         now: float,
+        *,
         force_progress: bool,
         behind: bool,
     ) -> None:
@@ -226,7 +229,9 @@ class Committer:
                 return
             try:
                 async with self.lock:
-                    await self._batch_locked([], [], time.time(), False, False)
+                    await self._batch_locked(
+                        [], [], time.time(), force_progress=False, behind=False
+                    )
             except (RedisError, OSError, LeaseLost) as e:  # the next commit carries them
                 log.warning("acknowledgements not committed (%s); the next commit carries them", e)
                 return

@@ -52,7 +52,7 @@ def _entries(reply: Any) -> list[Entry]:
                 out.append(Entry(_id(i), None))
                 continue
             it = iter(flat)
-            out.append(Entry(_id(i), dict(zip(it, it, strict=True))))
+            out.append(Entry(_id(i), dict(zip(it, it))))  # noqa: B905 - pairs, as Redis sends them
     return out
 
 
